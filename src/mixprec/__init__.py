@@ -1,0 +1,42 @@
+"""mixprec: mixed-precision training for PyTorch.
+
+Public API; everything not re-exported here is private and may change.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from mixprec.numerics import FORMATS, ROUNDING_MODES, Format, get_format, quantize
+from mixprec.policy import (
+    PRESETS,
+    DeviceCaps,
+    FP32Ops,
+    Policy,
+    autocast,
+    cast_module,
+    device_caps,
+    fp32_modules,
+    get_policy,
+)
+
+try:
+    __version__ = version("mixprec")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "FORMATS",
+    "PRESETS",
+    "ROUNDING_MODES",
+    "DeviceCaps",
+    "FP32Ops",
+    "Format",
+    "Policy",
+    "__version__",
+    "autocast",
+    "cast_module",
+    "device_caps",
+    "fp32_modules",
+    "get_format",
+    "get_policy",
+    "quantize",
+]

@@ -1,0 +1,7 @@
+"""``python -m mixprec``: the same as the ``mixprec`` command."""
+
+import sys
+
+from mixprec.cli.main import main
+
+sys.exit(main())

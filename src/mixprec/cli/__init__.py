@@ -1,0 +1,1 @@
+"""The ``mixprec`` command line."""

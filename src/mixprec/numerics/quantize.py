@@ -1,0 +1,150 @@
+"""Exact emulation of any float format: the value a tensor would hold after a cast.
+
+Algorithm (vectorised, no per-element Python):
+    1. |x| = m * 2**e with m in [0.5, 1)                    (torch.frexp, subnormals included)
+    2. the format's ulp at x is 2**q, q = max(e - 1, min_exponent) - mantissa_bits
+       (below min_exponent the ulp stops shrinking: that is what subnormals are)
+    3. scale |x| by 2**-q (exact: a power of two), round to an integer, scale back (exact again)
+    4. magnitudes at or past max + ulp/2 overflow: to inf, or to max when saturating or when the
+       format has no inf (fp8_e4m3, as PyTorch's own cast does); NaN stays NaN; the sign is kept,
+       -0.0 included.
+
+Round-to-nearest uses ``torch.round`` (half to even), so the result equals PyTorch's casts to
+float16, bfloat16, float8_e4m3fn and float8_e5m2 bit for bit on every fp32 input. Stochastic
+rounding picks the upper neighbour with probability (|x| - lower) / ulp, which makes it unbiased.
+
+Example:
+    >>> import torch
+    >>> quantize(torch.tensor([1e-8, 0.1, 70000.0]), "fp16")
+    tensor([0.0000e+00, 9.9976e-02,        inf])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mixprec.numerics.formats import Format, get_format
+
+__all__ = ["ROUNDING_MODES", "quantize"]
+
+ROUNDING_MODES = ("nearest", "stochastic")
+
+# Working dtype per input dtype. 16-bit inputs are widened to fp32, which holds them exactly.
+_WORKING = {
+    torch.float64: torch.float64,
+    torch.float32: torch.float32,
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+}
+# (mantissa bits, min exponent, max exponent, integer view, exponent-field shift) of each working dtype.
+_LAYOUT = {
+    torch.float32: (23, -126, 127, torch.int32, 23),
+    torch.float64: (52, -1022, 1023, torch.int64, 52),
+}
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | torch.dtype | Format,
+    rounding: str = "nearest",
+    saturate: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Return a tensor of ``x``'s dtype and device holding the values ``x`` would have in ``fmt``.
+
+    Args:
+        x: a floating-point tensor (float16, bfloat16, float32 or float64) on any device.
+        fmt: the target format: a name (``"fp16"``, ``"e4m3"``, ``"e3m2"``), a torch dtype or a Format.
+        rounding: ``"nearest"`` (round half to even, as hardware casts do) or ``"stochastic"``
+            (unbiased: the expected result equals ``x`` inside the representable range).
+        saturate: clamp overflowing values (and infinities) to ``±max`` instead of ``±inf``.
+            Formats without inf (fp8_e4m3) always saturate, as ``torch`` does.
+        generator: random source for stochastic rounding (ignored for nearest).
+
+    Returns:
+        The emulated values. When ``fmt`` is wider than ``x``'s dtype the values are returned
+        unchanged; when a 16-bit input is quantized to a format its dtype cannot hold (e.g. a
+        bfloat16 tensor to ``e5m12``) the result is rounded once more into that dtype.
+
+    Raises:
+        TypeError: ``x`` is not a floating-point tensor.
+        ValueError: unknown ``fmt`` or ``rounding``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize(x=...) needs a torch.Tensor; received an object of type {type(x).__name__}.")
+    if x.dtype not in _WORKING:
+        raise TypeError(
+            f"quantize(x=...) needs a floating-point tensor (float16, bfloat16, float32 or float64); "
+            f"received dtype {x.dtype}. Convert first, e.g. x.float()."
+        )
+    fmt = get_format(fmt, argument="fmt")
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(
+            f"quantize(rounding=...): received {rounding!r}; use one of {', '.join(map(repr, ROUNDING_MODES))}."
+        )
+    working = _WORKING[x.dtype]
+    mantissa_bits, min_exponent, max_exponent, _, _ = _LAYOUT[working]
+    if fmt.mantissa_bits >= mantissa_bits and fmt.min_exponent <= min_exponent and fmt.max_exponent >= max_exponent:
+        return x.clone()  # every value of the working dtype is representable in fmt
+    y = _quantize(x.to(working), fmt, rounding, saturate, generator)
+    return y.to(x.dtype)
+
+
+def _quantize(
+    x: torch.Tensor, fmt: Format, rounding: str, saturate: bool, generator: torch.Generator | None
+) -> torch.Tensor:
+    working_mantissa, working_min_exponent, _, _, _ = _LAYOUT[x.dtype]
+    magnitude = x.abs()
+    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2**exponent, m in [0.5, 1)
+    ulp_exponent = (exponent - 1).clamp_(min=fmt.min_exponent) - fmt.mantissa_bits
+    # Rounding finer than the working dtype's own smallest step changes nothing; the clamp also
+    # keeps 2**-ulp_exponent within range.
+    ulp_exponent.clamp_(min=working_min_exponent - working_mantissa)
+
+    scaled = _times_pow2(magnitude, -ulp_exponent)  # exact: a power-of-two scale
+    if rounding == "nearest":
+        rounded = torch.round(scaled)  # half to even
+    else:
+        lower = torch.floor(scaled)
+        # u < frac happens with probability frac: torch.rand draws multiples of 2**-24 (fp32) or
+        # 2**-53 (fp64), and frac is a multiple of the working ulp, so the draw is exactly unbiased.
+        u = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=scaled.dtype)
+        rounded = lower + (u < scaled - lower).to(scaled.dtype)
+    result = _times_pow2(rounded, ulp_exponent)
+
+    if rounding == "nearest":
+        # Decided on the input, so that a tie at max + ulp/2 overflows as in PyTorch's casts.
+        overflow = magnitude >= _ceil_to(fmt.overflow_threshold, x.dtype)
+    else:
+        overflow = (result > _ceil_to(fmt.max, x.dtype)) | torch.isinf(magnitude)
+    limit = fmt.max if (saturate or not fmt.has_inf) else float("inf")
+    result = torch.where(overflow, limit, result)  # no host sync: quantize runs inside training steps
+    return torch.copysign(result, x)  # restores the sign, -0.0 included; NaN propagates
+
+
+def _times_pow2(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """x * 2**exponent, exactly, in two steps so that neither factor over- or underflows."""
+    half = torch.div(exponent, 2, rounding_mode="floor")
+    return x * _pow2(half, x.dtype) * _pow2(exponent - half, x.dtype)
+
+
+def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**exponent for integer exponents in the normal range, built from its bit pattern.
+
+    Exact by construction; ``torch.exp2`` and ``torch.pow`` are not guaranteed to be.
+    """
+    _, _, max_exponent, int_dtype, shift = _LAYOUT[dtype]
+    biased = exponent.to(int_dtype) + max_exponent
+    return torch.bitwise_left_shift(biased, shift).view(dtype)
+
+
+def _ceil_to(value: float, dtype: torch.dtype) -> float:
+    """The smallest ``dtype`` number >= value, so that tensor comparisons against it are exact."""
+    if dtype == torch.float64:
+        return value
+    with np.errstate(over="ignore"):
+        rounded = np.float32(value)  # round to nearest; past fp32's range this is inf
+    if float(rounded) < value:
+        rounded = np.nextafter(rounded, np.float32(np.inf))
+    return float(rounded)

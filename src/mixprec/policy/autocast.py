@@ -1,0 +1,149 @@
+"""The low-precision region of a policy, built on ``torch.autocast``.
+
+Inside ``autocast(policy, model)``:
+    - matmuls and convolutions run in ``policy.compute_dtype`` (``torch.autocast``'s own op lists);
+      with ``tf32``, FP32 matmuls may use TF32 units where the device has them;
+    - ops in ``policy.fp32_ops`` run in FP32 (see :mod:`mixprec.policy.op_overrides`);
+    - modules the policy keeps in FP32 run with autocast off and FP32 inputs;
+    - the model's outputs are cast to ``policy.output_dtype``.
+Everything changed (autocast state, matmul precision, hooks) is restored on exit, exceptions included.
+
+Example:
+    >>> import torch, torch.nn as nn
+    >>> from mixprec.policy.parse import get_policy
+    >>> model = nn.Linear(4, 2)
+    >>> with autocast(get_policy("mixed_bf16"), model):
+    ...     model(torch.randn(3, 4)).dtype
+    torch.float32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy.casting import fp32_modules
+from mixprec.policy.hardware import device_caps, device_type_of
+from mixprec.policy.op_overrides import FP32Ops
+from mixprec.policy.parse import get_policy
+from mixprec.policy.policy import DTYPE_NAMES, Policy
+
+__all__ = ["autocast", "check_device_supports", "tf32_matmuls"]
+
+
+def check_device_supports(policy: Policy, device_type: str) -> None:
+    """Raise ValueError when ``device_type`` cannot compute in the policy's compute dtype."""
+    caps = device_caps(device_type)
+    dtype = policy.compute_dtype
+    supported = {
+        torch.float32: True,
+        torch.float16: caps.supports_fp16,
+        torch.bfloat16: caps.supports_bf16,
+    }[dtype]
+    if not supported:
+        note = caps.bf16_note if dtype == torch.bfloat16 else caps.fp16_note
+        raise ValueError(
+            f"policy compute={DTYPE_NAMES[dtype]} cannot run on {caps.description} ({note}); "
+            "use policy 'auto', or 'mixed_fp16' / 'mixed_bf16' as the device allows."
+        )
+
+
+@contextlib.contextmanager
+def tf32_matmuls(device_type: str) -> Iterator[None]:
+    """Let FP32 matmuls use TF32 units where ``device_type`` has them; a no-op elsewhere."""
+    if not device_caps(device_type).tf32:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@contextlib.contextmanager
+def autocast(
+    policy: Policy | str,
+    model: nn.Module | None = None,
+    device: str | torch.device | None = None,
+) -> Iterator[Policy]:
+    """Run the enclosed code under ``policy``'s precision; yields the resolved Policy.
+
+    Args:
+        policy: a Policy, preset name or policy string (see :func:`mixprec.get_policy`).
+        model: when given, its outputs are cast to ``output_dtype`` and the modules the policy keeps
+            in FP32 compute in FP32. Its device is the region's device unless ``device`` is given.
+        device: the device whose autocast to use; default: the model's, else CUDA if present, else CPU.
+
+    Raises:
+        ValueError: the device cannot compute in the policy's compute dtype.
+    """
+    policy = get_policy(policy, device=device)
+    if device is None and model is not None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else None
+    device_type = device_type_of(device)
+    check_device_supports(policy, device_type)
+    with contextlib.ExitStack() as stack:
+        if policy.compute_dtype != torch.float32:
+            stack.enter_context(torch.autocast(device_type, dtype=policy.compute_dtype))
+        if policy.allow_tf32:
+            stack.enter_context(tf32_matmuls(device_type))
+        if policy.fp32_ops:
+            stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
+        if model is not None:
+            stack.enter_context(_model_hooks(model, policy, device_type))
+        yield policy
+
+
+@contextlib.contextmanager
+def _model_hooks(model: nn.Module, policy: Policy, device_type: str) -> Iterator[None]:
+    handles = []
+    # (module, autocast-off region) for each FP32 module whose forward is running, innermost last.
+    open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
+
+    def enter_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        region = torch.autocast(device_type, enabled=False)
+        region.__enter__()
+        open_regions.append((module, region))
+        return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
+
+    def leave_fp32(module: nn.Module, args: tuple, output: Any) -> None:
+        # always_call: also runs when forward raised, possibly before enter_fp32 ran.
+        if open_regions and open_regions[-1][0] is module:
+            open_regions.pop()[1].__exit__(None, None, None)
+
+    if policy.compute_dtype != torch.float32:
+        for _, module in fp32_modules(model, policy):
+            handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))
+            handles.append(module.register_forward_hook(leave_fp32, always_call=True))
+    handles.append(model.register_forward_hook(lambda m, a, out: _cast_floating(out, policy.output_dtype)))
+    try:
+        yield
+    finally:
+        while open_regions:  # a forward that raised inside an FP32 module
+            open_regions.pop()[1].__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor in a nest of tuples, lists and mappings to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_cast_floating(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, Mapping):
+        out = copy.copy(value)  # keeps the mapping's type (e.g. transformers' ModelOutput)
+        for key, item in value.items():
+            out[key] = _cast_floating(item, dtype)  # type: ignore[index]
+        return out
+    return value

@@ -1,0 +1,91 @@
+"""Applying a policy to a module: which submodules stay FP32, and casting parameters and buffers.
+
+``cast_module(model, policy)`` stores every floating parameter and buffer in ``policy.param_dtype``,
+except inside the modules the policy keeps in FP32 (by class, ``norm`` meaning every normalization
+layer, or by dotted-name glob). Like ``Module.to``, it changes tensors in place, so an optimizer
+built before the cast still holds the same Parameter objects.
+
+Example:
+    >>> import torch.nn as nn
+    >>> from mixprec.policy.parse import get_policy
+    >>> model = cast_module(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), get_policy("o2_bf16"))
+    >>> [p.dtype for p in model.parameters()]
+    [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from mixprec.policy.policy import NORM, Policy
+
+__all__ = ["cast_module", "fp32_modules"]
+
+_TORCH_NORMS = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*d, InstanceNorm*d, SyncBatchNorm
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+)
+# Normalization layers defined outside torch (LlamaRMSNorm, T5LayerNorm, ...) by naming convention.
+_NORM_NAME = re.compile(r"(Norm|Normalization)(\d+d)?$")
+
+
+def _is_kept_class(module: nn.Module, classes: tuple[str, ...]) -> bool:
+    if NORM in classes and (isinstance(module, _TORCH_NORMS) or _NORM_NAME.search(type(module).__name__)):
+        return True
+    return any(cls.__name__ in classes for cls in type(module).__mro__)
+
+
+def _is_kept_name(name: str, globs: tuple[str, ...]) -> bool:
+    # "*.lm_head" also matches a top-level "lm_head": match against ".lm_head" as well.
+    return any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase("." + name, g) for g in globs)
+
+
+def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
+    """The outermost submodules of ``model`` that ``policy`` keeps in FP32, as (dotted name, module).
+
+    A kept module's children are kept with it and are not listed again.
+    """
+    if not (policy.fp32_modules or policy.fp32_names):
+        return
+    kept_prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in kept_prefixes):
+            continue
+        if _is_kept_class(module, policy.fp32_modules) or (name and _is_kept_name(name, policy.fp32_names)):
+            kept_prefixes.append(name)
+            yield name, module
+
+
+def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
+    """Cast ``model``'s floating parameters and buffers per ``policy``, in place; returns ``model``.
+
+    Parameters of kept modules are cast to FP32 (so a policy can also be re-applied to an already
+    low-precision model); non-floating buffers (counters, indices) are left alone.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"cast_module(model=...) needs a torch.nn.Module; received an object of type {type(model).__name__}."
+        )
+    kept = {id(m) for _, root in fp32_modules(model, policy) for m in root.modules()}
+    for module in model.modules():
+        dtype = torch.float32 if id(module) in kept else policy.param_dtype
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                if param.grad is not None:
+                    param.grad = param.grad.to(dtype)
+        for key, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(module, key, buffer.to(dtype))
+    return model

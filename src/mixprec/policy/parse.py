@@ -1,0 +1,164 @@
+"""``get_policy``: the one entry point from a preset name or a policy string to a :class:`Policy`.
+
+Grammar (jmp's, extended):
+
+    policy  := preset | dtype | field ("," field)*
+    field   := key "=" value
+    key     := params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names | fp32_ops|ops
+    value   := a dtype name (f32, float32, bf16, half, ...; compute also takes tf32)
+               or, for the three lists, entries joined by "+"  (fp32_ops=softmax+exp)
+
+Unspecified fields follow jmp: params default to float32, compute to params, output to compute,
+master to float32. A lone dtype (``"bf16"``) means that dtype everywhere.
+
+Example:
+    >>> str(get_policy("p=f32,c=bf16"))
+    'params=float32,compute=bfloat16,output=bfloat16'
+    >>> get_policy("mixed_float16") == get_policy("params=float32,compute=float16,output=float32")
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.policy.policy import Policy
+from mixprec.policy.presets import PRESET_ALIASES, PRESETS, resolve_auto
+
+__all__ = ["get_policy", "parse_policy_list", "valid_policy_names"]
+
+_KEYS = {
+    "params": "params",
+    "p": "params",
+    "param": "params",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+    "out": "output",
+    "master": "master",
+    "m": "master",
+    "fp32_modules": "fp32_modules",
+    "mods": "fp32_modules",
+    "fp32_names": "fp32_names",
+    "names": "fp32_names",
+    "fp32_ops": "fp32_ops",
+    "ops": "fp32_ops",
+}
+_LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
+
+
+def valid_policy_names() -> str:
+    presets = ", ".join([*PRESETS, "auto", *PRESET_ALIASES])
+    return f"presets: {presets}; or a string such as 'p=f32,c=bf16,o=f32' (keys: {', '.join(sorted(set(_KEYS)))})"
+
+
+def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) -> Policy:
+    """Return the :class:`Policy` for a Policy, a preset name or a policy string.
+
+    Args:
+        spec: a Policy (returned as is), a preset (``fp32``, ``tf32``, ``mixed_fp16``/``mixed_float16``,
+            ``mixed_bf16``/``mixed_bfloat16``, ``o2_fp16``, ``o2_bf16``, ``pure_bf16``, ``auto``),
+            a lone dtype (``"bf16"``) or a string in the grammar above.
+        device: only for ``auto``: the device to choose for (default: CUDA if present, else CPU).
+
+    Raises:
+        TypeError: ``spec`` is neither a Policy nor a str.
+        ValueError: an unknown preset, key or dtype, a repeated key or a malformed part; the message
+            names the part and lists the valid choices.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"get_policy(spec=...) takes a Policy or a str; received {spec!r} (of type {type(spec).__name__}). "
+            f"Valid {valid_policy_names()}."
+        )
+    text = spec.strip()
+    name = text.lower().replace("-", "_")
+    if name == "auto":
+        return resolve_auto(device)
+    name = PRESET_ALIASES.get(name, name)
+    if name in PRESETS:
+        return PRESETS[name]
+    if "=" not in text:
+        return _single_dtype(text, spec)
+    return _parse_fields(text, spec)
+
+
+def _single_dtype(text: str, spec: str) -> Policy:
+    try:
+        return Policy(param_dtype=text, compute_dtype=text, output_dtype=text)
+    except (TypeError, ValueError):
+        raise ValueError(f"get_policy(spec={spec!r}): unknown policy. Valid {valid_policy_names()}.") from None
+
+
+def _parse_fields(text: str, spec: str) -> Policy:
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not sep or not key or not value:
+            raise ValueError(
+                f"get_policy(spec={spec!r}): the part {part.strip()!r} is not 'key=value'. "
+                f"Valid {valid_policy_names()}."
+            )
+        if key not in _KEYS:
+            raise ValueError(
+                f"get_policy(spec={spec!r}): unknown key {key!r}; valid keys: {', '.join(sorted(set(_KEYS)))}."
+            )
+        canonical = _KEYS[key]
+        if canonical in fields:
+            raise ValueError(f"get_policy(spec={spec!r}): the key {canonical!r} is given twice.")
+        fields[canonical] = value
+
+    params = fields.get("params", "float32")
+    compute = fields.get("compute", params)
+    allow_tf32 = compute.lower() in ("tf32", "tensorfloat32")
+    if allow_tf32:
+        compute = "float32"
+    lists = {key: tuple(v for v in fields.get(key, "").split("+") if v.strip()) for key in _LIST_KEYS}
+    try:
+        return Policy(
+            param_dtype=params,
+            compute_dtype=compute,
+            output_dtype=fields.get("output", compute),
+            master_dtype=fields.get("master", "float32"),
+            allow_tf32=allow_tf32,
+            **lists,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+
+
+def parse_policy_list(text: str, *, device: str | torch.device | None = None) -> list[tuple[str, Policy]]:
+    """Parse several policies from one string, as ``--policies`` takes them: ``(spec, Policy)`` pairs.
+
+    Policies are separated by ``;``, or by ``,`` where unambiguous: consecutive ``key=value`` parts
+    form one policy string until a key repeats.
+
+    Example:
+        >>> [spec for spec, _ in parse_policy_list("fp32,p=f32,c=bf16,mixed_fp16")]
+        ['fp32', 'p=f32,c=bf16', 'mixed_fp16']
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--policies needs at least one policy; received {text!r}. Example: fp32,mixed_bf16.")
+    specs: list[str] = []
+    for chunk in text.split(";"):
+        group: list[str] = []  # key=value parts of the policy string being collected
+        keys: set[str] = set()
+        for part in (p.strip() for p in chunk.split(",")):
+            if not part:
+                continue
+            key = _KEYS.get(part.partition("=")[0].strip().lower(), part) if "=" in part else None
+            if group and (key is None or key in keys):
+                specs.append(",".join(group))
+                group, keys = [], set()
+            if key is None:
+                specs.append(part)
+            else:
+                group.append(part)
+                keys.add(key)
+        if group:
+            specs.append(",".join(group))
+    return [(spec, get_policy(spec, device=device)) for spec in specs]

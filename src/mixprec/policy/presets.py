@@ -1,0 +1,80 @@
+"""Named policies: the one-word switches users know from Keras, Apex and fastai, spelled out.
+
+Every preset is an ordinary :class:`Policy`; ``str(get_policy("o2_bf16"))`` shows exactly what it means.
+``auto`` depends on the device and carries the reason for its choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.policy.hardware import device_caps, device_type_of
+from mixprec.policy.policy import NORM, Policy
+
+__all__ = ["PRESETS", "PRESET_ALIASES", "resolve_auto"]
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(reason="FP32 everywhere: the reference"),
+    "tf32": Policy(allow_tf32=True, reason="FP32 storage, matmuls in TF32 where the hardware has it"),
+    "mixed_fp16": Policy(
+        param_dtype=F32,
+        compute_dtype=F16,
+        output_dtype=F32,
+        reason="FP32 weights, fp16 autocast compute, FP32 outputs for the loss; needs loss scaling",
+    ),
+    "mixed_bf16": Policy(
+        param_dtype=F32,
+        compute_dtype=BF16,
+        output_dtype=F32,
+        reason="FP32 weights, bf16 autocast compute, FP32 outputs for the loss",
+    ),
+    "o2_fp16": Policy(
+        param_dtype=F16,
+        compute_dtype=F16,
+        output_dtype=F32,
+        fp32_modules=(NORM,),
+        reason="fp16 model with FP32 master weights, normalization layers in FP32; needs loss scaling",
+    ),
+    "o2_bf16": Policy(
+        param_dtype=BF16,
+        compute_dtype=BF16,
+        output_dtype=F32,
+        fp32_modules=(NORM,),
+        reason="bf16 model with FP32 master weights, normalization layers in FP32",
+    ),
+    "pure_bf16": Policy(
+        param_dtype=BF16,
+        compute_dtype=BF16,
+        output_dtype=F32,
+        master_dtype=BF16,
+        reason="everything bf16, no FP32 master copy (compensated updates); the leanest in memory",
+    ),
+}
+
+PRESET_ALIASES: dict[str, str] = {
+    "float32": "fp32",
+    "mixed_float16": "mixed_fp16",
+    "mixed_bfloat16": "mixed_bf16",
+}
+
+
+def resolve_auto(device: str | torch.device | None = None) -> Policy:
+    """The best mixed policy for ``device``: bf16 where it is fast, else fp16, with the reason.
+
+    On a CPU without fast 16-bit units neither would beat FP32, so ``auto`` stays FP32 and says why.
+    """
+    caps = device_caps(device_type_of(device))
+    if caps.fast_bf16:
+        base, note = PRESETS["mixed_bf16"], caps.bf16_note
+    elif caps.fast_fp16 or (caps.device_type != "cpu" and caps.supports_fp16):
+        base, note = PRESETS["mixed_fp16"], caps.fp16_note
+    else:
+        base, note = PRESETS["fp32"], f"fp32: no fast 16-bit units ({caps.bf16_note}; {caps.fp16_note})"
+    return Policy(
+        param_dtype=base.param_dtype,
+        compute_dtype=base.compute_dtype,
+        output_dtype=base.output_dtype,
+        reason=f"auto on {caps.description}: {note}",
+    )

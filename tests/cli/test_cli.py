@@ -1,0 +1,109 @@
+"""The real ``mixprec`` command, run as a user would."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mixprec
+
+MIXPREC = Path(sys.executable).with_name("mixprec")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(MIXPREC), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_version_and_help():
+    assert run("--version").stdout.strip() == f"mixprec {mixprec.__version__}"
+    helped = run("--help")
+    assert helped.returncode == 0
+    for command in ("formats", "policy", "demo"):
+        assert command in helped.stdout
+
+
+def test_python_dash_m():
+    result = subprocess.run([sys.executable, "-m", "mixprec", "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("mixprec ")
+
+
+def test_formats_table():
+    result = run("formats")
+    assert result.returncode == 0
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[2:]}
+    assert list(rows) == list(mixprec.FORMATS)
+    assert "65504" in rows["fp16"] and "5.96e-08" in rows["fp16"] and "usually needed" in rows["fp16"]
+    assert "448" in rows["fp8_e4m3"] and "no (saturates)" in rows["fp8_e4m3"]
+    assert "not needed" in rows["bf16"] and "16 (1/8/7)" in rows["bf16"]
+
+
+def test_formats_json_matches_library():
+    records = json.loads(run("formats", "--json", "-f", "fp16", "e3m2").stdout)
+    assert [r["format"] for r in records] == ["fp16", "e3m2"]
+    assert records[0]["max"] == 65504.0 and records[0]["min_subnormal"] == 2.0**-24
+    assert records[1]["max"] == mixprec.get_format("e3m2").max
+
+
+def test_formats_values():
+    result = run("formats", "--value", "1e-8", "70000", "-1e-40", "--json")
+    outcome = {(r["value"], r["format"]): r["outcome"] for r in json.loads(result.stdout)}
+    assert outcome[(1e-8, "fp16")] == "underflow to 0"
+    assert outcome[(1e-8, "bf16")].startswith("rounded (rel. error 1.17e-03")
+    assert outcome[(70000.0, "fp16")] == "overflow to inf"
+    assert outcome[(70000.0, "fp8_e4m3")] == "overflow, saturates to max"
+    assert outcome[(70000.0, "fp32")] == "exact"
+    assert outcome[(-1e-40, "bf16")].startswith("rounded to a subnormal")
+    table = run("formats", "--value", "0.1").stdout
+    assert "value 0.1" in table and "0.0999755859" in table  # fp16's 0.1
+
+
+def test_policy_command():
+    listed = run("policy").stdout
+    for preset in mixprec.PRESETS:
+        assert preset in listed
+    shown = json.loads(run("policy", "o2_bf16", "--json").stdout)
+    assert shown["policy"] == str(mixprec.get_policy("o2_bf16"))
+    assert shown["fp32_masters"] is True and shown["fp32_modules"] == ["norm"]
+    auto = json.loads(run("policy", "auto", "--device", "cpu", "--json").stdout)
+    assert auto["reason"] == mixprec.get_policy("auto", device="cpu").reason
+
+
+def test_demo_trains_under_two_policies():
+    result = run("demo", "--steps", "20", "--policies", "fp32,mixed_bf16")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if " -> " in line]
+    assert len(rows) == 2
+    for row in rows:
+        first, last = (float(v) for v in row.split()[2:5:2])  # "1.485 -> 0.408"
+        assert last < first
+    assert "fp8_e5m2" in result.stdout  # the formats table follows
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("formats", "-f", "fp17"), ("mixprec formats: error:", "'fp17'", "Valid names")),
+        (("formats", "--value", "abc"), ("invalid float value: 'abc'",)),
+        (("policy", "mixed_fp8"), ("mixprec policy: error:", "unknown policy", "mixed_bf16")),
+        (("policy", "p=bf16,q=1"), ("unknown key 'q'",)),
+        (("policy", "mixed_bf16", "--device", "gpu0"), ("device='gpu0'",)),
+        (("demo", "--steps", "3"), ("--steps must be at least 10; received 3",)),
+        (("demo", "--policies", "fp32,bogus"), ("'bogus'", "unknown policy")),
+        (("frobnicate",), ("invalid choice: 'frobnicate'",)),
+        (("formats", "--nope"), ("unrecognized arguments: --nope",)),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, needles):
+    assert_one_line_error(run(*args), *needles)

@@ -1,0 +1,148 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+OPS = {
+    "softmax": lambda a: torch.softmax(a, dim=-1),
+    "exp": lambda a: a.exp(),
+    "gelu": F.gelu,
+    "matmul": lambda a: a @ a,
+    "mm": lambda a: torch.mm(a, a),
+    "linear": lambda a: F.linear(a, a),
+}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_listed_op_returns_fp32_unlisted_follows_torch_autocast(op, device):
+    fn = OPS[op]
+    x = torch.randn(4, 4, device=device)
+    lowp = x.bfloat16() if op in ("softmax", "exp", "gelu") else x  # elementwise ops see a bf16 input
+    with torch.autocast(device, dtype=torch.bfloat16):
+        torch_dtype = fn(lowp).dtype
+    with mixprec.autocast("mixed_bf16", device=device):
+        unlisted = fn(lowp)
+    with mixprec.autocast(mixprec.get_policy("mixed_bf16").with_fp32_ops(op), device=device):
+        listed = fn(lowp)
+    assert unlisted.dtype == torch_dtype
+    assert listed.dtype == torch.float32
+    assert torch_dtype == torch.bfloat16  # so the listing made a difference
+    torch.testing.assert_close(listed, fn(lowp.float()))  # computed in FP32 from the same inputs
+
+
+def test_region_outputs_cast_to_output_dtype():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    with mixprec.autocast("mixed_bf16", model):
+        assert model(torch.randn(3, 4)).dtype == torch.float32
+    with mixprec.autocast("p=f32,c=bf16", model):  # output follows compute
+        assert model(torch.randn(3, 4)).dtype == torch.bfloat16
+    assert model(torch.randn(3, 4)).dtype == torch.float32  # hooks gone after the region
+
+
+def test_nested_outputs_are_cast():
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"logits": y, "pair": (y, torch.arange(3))}
+
+    model = Two()
+    with mixprec.autocast("mixed_bf16", model):
+        out = model(torch.randn(2, 4))
+    assert out["logits"].dtype == out["pair"][0].dtype == torch.float32
+    assert out["pair"][1].dtype == torch.int64
+
+
+def test_fp32_modules_compute_in_fp32():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    seen = {}
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0].dtype, o.dtype)))
+    policy = mixprec.get_policy("mixed_bf16").with_fp32_names("1")
+    with mixprec.autocast(policy, model):
+        model(torch.randn(3, 4))
+    assert seen["0"][1] == torch.bfloat16
+    assert seen["1"] == (torch.float32, torch.float32)
+    assert seen["2"][1] == torch.bfloat16  # autocast resumes after the FP32 module
+
+
+def test_o2_model_runs_with_norms_in_fp32():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    policy = mixprec.get_policy("o2_fp16")
+    mixprec.cast_module(model, policy)
+    with mixprec.autocast(policy, model):
+        out = model(torch.randn(3, 4))
+    out.sum().backward()
+    assert out.dtype == torch.float32
+    assert model[1].weight.grad.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float16
+
+
+class FailingNorm(nn.LayerNorm):
+    fail = True
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("boom")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("fail_before_region_hooks", [False, True])
+def test_state_restored_after_an_exception(fail_before_region_hooks):
+    model = nn.Sequential(nn.Linear(4, 4), FailingNorm(4))
+    policy = mixprec.get_policy("mixed_bf16").with_fp32_modules("norm").with_fp32_ops("exp")
+    if fail_before_region_hooks:  # a user hook that raises before mixprec's pre-hook runs
+        model[1].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"), mixprec.autocast(policy, model):
+        model(torch.randn(2, 4))
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.exp(torch.ones(1, dtype=torch.bfloat16)).dtype == torch.bfloat16  # op mode gone
+    # hooks gone: under plain autocast the norm now sees bf16 input and returns bf16 on CPU
+    model = nn.Sequential(nn.Linear(4, 4), FailingNorm(4)) if fail_before_region_hooks else model
+    model[1].fail = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+    with mixprec.autocast(policy, model):
+        assert model(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_region_restores_outer_autocast():
+    with torch.autocast("cpu", dtype=torch.float16):
+        with mixprec.autocast("mixed_bf16", device="cpu"):
+            assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert torch.get_autocast_dtype("cpu") == torch.float16 and torch.is_autocast_enabled("cpu")
+
+
+def test_tf32_on_cpu_is_plain_fp32():
+    before = torch.get_float32_matmul_precision()
+    with mixprec.autocast("tf32", device="cpu") as policy:
+        assert torch.get_float32_matmul_precision() == before
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    assert policy.allow_tf32
+    assert "no TF32 units" in mixprec.device_caps("cpu").tf32_note
+
+
+def test_region_yields_resolved_policy():
+    with mixprec.autocast("auto", device="cpu") as policy:
+        assert policy == mixprec.get_policy("auto", device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_that_cannot_compute_is_refused():
+    with (
+        pytest.raises(ValueError, match=r"compute=float16 cannot run on no CUDA device"),
+        mixprec.autocast("mixed_fp16", device="cuda"),
+    ):
+        pass
+
+
+def test_bad_device():
+    with (
+        pytest.raises(ValueError, match=r"device='gpu0' \(of type str\) is not a device"),
+        mixprec.autocast("mixed_bf16", device="gpu0"),
+    ):
+        pass

@@ -1,0 +1,92 @@
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.bn = nn.BatchNorm1d(8)
+
+
+class LlamaRMSNorm(nn.Module):  # a normalization layer defined outside torch
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.block = Block()
+        self.rms = LlamaRMSNorm()
+        self.lm_head = nn.Linear(8, 10)
+
+
+def dtypes(model):
+    return {name: p.dtype for name, p in model.named_parameters()} | {
+        name: b.dtype for name, b in model.named_buffers()
+    }
+
+
+def test_o2_keeps_every_norm_fp32():
+    model = mixprec.cast_module(Model(), mixprec.get_policy("o2_bf16"))
+    got = dtypes(model)
+    fp32 = {k for k, v in got.items() if v == torch.float32}
+    assert fp32 == {
+        "block.norm.weight",
+        "block.norm.bias",
+        "block.bn.weight",
+        "block.bn.bias",
+        "block.bn.running_mean",
+        "block.bn.running_var",
+        "rms.weight",
+    }
+    assert got["block.bn.num_batches_tracked"] == torch.int64  # non-floating buffers untouched
+    assert got["embed.weight"] == got["lm_head.weight"] == torch.bfloat16
+
+
+def test_name_globs_and_classes():
+    policy = mixprec.get_policy("p=f16,c=f16,names=*.lm_head,mods=Embedding")
+    got = dtypes(mixprec.cast_module(Model(), policy))
+    fp32 = {k for k, v in got.items() if v == torch.float32}
+    assert fp32 == {"lm_head.weight", "lm_head.bias", "embed.weight"}
+    kept = [name for name, _ in mixprec.fp32_modules(Model(), policy)]
+    assert kept == ["embed", "lm_head"]
+
+
+def test_kept_module_children_are_listed_once():
+    policy = mixprec.get_policy("p=bf16,names=block+block.norm")
+    assert [name for name, _ in mixprec.fp32_modules(Model(), policy)] == ["block"]
+
+
+def test_cast_keeps_parameter_identity_for_optimizers():
+    model = Model()
+    params = list(model.parameters())
+    model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
+    mixprec.cast_module(model, mixprec.get_policy("pure_bf16"))
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+    assert model.lm_head.weight.grad.dtype == torch.bfloat16
+
+
+def test_recasting_restores_fp32():
+    model = mixprec.cast_module(Model(), mixprec.get_policy("pure_bf16"))
+    mixprec.cast_module(model, mixprec.get_policy("fp32"))
+    assert set(dtypes(model).values()) == {torch.float32, torch.int64}
+
+
+def test_cast_values_match_torch_casts():
+    model = Model()
+    reference = model.lm_head.weight.detach().to(torch.float16)
+    mixprec.cast_module(model, mixprec.get_policy("o2_fp16"))
+    assert torch.equal(model.lm_head.weight.detach(), reference)
+
+
+def test_rejects_non_modules():
+    with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module; received an object of type dict"):
+        mixprec.cast_module({}, mixprec.get_policy("fp32"))  # type: ignore[arg-type]
