@@ -5,6 +5,8 @@ Public API; everything not re-exported here is private and may change.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from mixprec.engine import MixedPrecision, StateBytes, Stats, StepResult
+from mixprec.master import AdamW
 from mixprec.numerics import FORMATS, ROUNDING_MODES, Format, get_format, quantize
 from mixprec.policy import (
     PRESETS,
@@ -17,6 +19,7 @@ from mixprec.policy import (
     fp32_modules,
     get_policy,
 )
+from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler, StaticLossScaler
 
 try:
     __version__ = version("mixprec")
@@ -27,10 +30,19 @@ __all__ = [
     "FORMATS",
     "PRESETS",
     "ROUNDING_MODES",
+    "AdamW",
     "DeviceCaps",
+    "DynamicLossScaler",
     "FP32Ops",
     "Format",
+    "LossScaler",
+    "MixedPrecision",
+    "NoOpLossScaler",
     "Policy",
+    "StateBytes",
+    "StaticLossScaler",
+    "Stats",
+    "StepResult",
     "__version__",
     "autocast",
     "cast_module",

@@ -117,7 +117,8 @@ class Format:
 
     @property
     def overflow_threshold(self) -> float:
-        """Smallest magnitude that no longer rounds to ``max``: max + half an ulp of the top binade."""
+        """max + half an ulp of the top binade: magnitudes at or above it overflow (to inf, or to ``max``
+        when saturating), as in PyTorch's casts; below it they round to a finite value."""
         return self.max + math.ldexp(1.0, self.max_exponent - self.mantissa_bits - 1)
 
     @property

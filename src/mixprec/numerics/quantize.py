@@ -107,8 +107,8 @@ def _quantize(
         rounded = torch.round(scaled)  # half to even
     else:
         lower = torch.floor(scaled)
-        # u < frac happens with probability frac: torch.rand draws multiples of 2**-24 (fp32) or
-        # 2**-53 (fp64), and frac is a multiple of the working ulp, so the draw is exactly unbiased.
+        # Round up when u < frac: probability frac, up to the generator's resolution (torch.rand draws
+        # multiples of 2**-24 in fp32, 2**-53 in fp64), so the bias is at most that resolution times an ulp.
         u = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=scaled.dtype)
         rounded = lower + (u < scaled - lower).to(scaled.dtype)
     result = _times_pow2(rounded, ulp_exponent)

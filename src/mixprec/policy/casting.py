@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.policy.policy import NORM, Policy
 
-__all__ = ["cast_module", "fp32_modules"]
+__all__ = ["cast_module", "fp32_modules", "lowered_parameters"]
 
 _TORCH_NORMS = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*d, InstanceNorm*d, SyncBatchNorm
@@ -64,6 +64,23 @@ def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
             yield name, module
 
 
+def _target_dtypes(model: nn.Module, policy: Policy) -> Iterator[tuple[nn.Module, torch.dtype]]:
+    kept = {id(m) for _, root in fp32_modules(model, policy) for m in root.modules()}
+    for module in model.modules():
+        yield module, torch.float32 if id(module) in kept else policy.param_dtype
+
+
+def lowered_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
+    """The floating parameters that ``cast_module(model, policy)`` stores below FP32, each once."""
+    unique: dict[int, nn.Parameter] = {}
+    for module, dtype in _target_dtypes(model, policy):
+        if dtype != torch.float32:
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point():
+                    unique.setdefault(id(param), param)
+    return list(unique.values())
+
+
 def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
     """Cast ``model``'s floating parameters and buffers per ``policy``, in place; returns ``model``.
 
@@ -77,9 +94,7 @@ def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
         raise TypeError(
             f"cast_module(model=...) needs a torch.nn.Module; received an object of type {type(model).__name__}."
         )
-    kept = {id(m) for _, root in fp32_modules(model, policy) for m in root.modules()}
-    for module in model.modules():
-        dtype = torch.float32 if id(module) in kept else policy.param_dtype
+    for module, dtype in _target_dtypes(model, policy):
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)

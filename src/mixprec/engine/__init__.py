@@ -1,0 +1,6 @@
+"""The training-step engine: MixedPrecision, what its step returns, and its statistics."""
+
+from mixprec.engine.mixed_precision import MixedPrecision, StepResult, default_scaler
+from mixprec.engine.stats import StateBytes, Stats
+
+__all__ = ["MixedPrecision", "StateBytes", "Stats", "StepResult", "default_scaler"]

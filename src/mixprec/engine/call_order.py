@@ -1,0 +1,79 @@
+"""The order of calls in a training step, as a small state machine with errors that say why.
+
+    autocast() -> backward() [-> unscale_() / clip_grad_norm_()] -> step()
+
+Per update window (``accumulation_steps`` micro-batches): every micro-batch needs a backward() before
+its step(); unscale_() at most once, at the window's last micro-batch; a backward() after a step()
+needs a new forward pass under autocast() first.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CallOrder"]
+
+
+class CallOrder:
+    def __init__(self, accumulation_steps: int) -> None:
+        self.accumulation_steps = accumulation_steps
+        self.micro_step = 0  # micro-batches finished in the current window
+        self.backward_since_step = False
+        self.forward_since_step = True  # the first backward may use a forward made before MixedPrecision
+        self.unscaled = False
+
+    @property
+    def at_update_boundary(self) -> bool:
+        """True when the next step() applies an update (the window's last micro-batch)."""
+        return self.micro_step + 1 >= self.accumulation_steps
+
+    def on_forward(self) -> None:
+        self.forward_since_step = True
+
+    def on_backward(self) -> None:
+        if self.unscaled:
+            raise RuntimeError(
+                "backward() after unscale_()/clip_grad_norm_(): this step's gradients are already unscaled, so "
+                "new gradients would be mixed with them at another scale. Call step() first."
+            )
+        if not self.forward_since_step:
+            raise RuntimeError(
+                "backward() after step() without a new forward pass: compute a new loss under "
+                "mp.autocast() first (the previous loss belongs to weights that step() has changed)."
+            )
+        self.backward_since_step = True
+
+    def on_unscale(self, caller: str) -> None:
+        if not self.backward_since_step:
+            raise RuntimeError(f"{caller} before backward(): there are no gradients for this step to unscale.")
+        if self.unscaled:
+            raise RuntimeError(
+                f"{caller}: unscale_() has already been called since the last step(); gradients are unscaled "
+                "once per update. clip_grad_norm_() unscales by itself, so call it instead of, not after, unscale_()."
+            )
+        if not self.at_update_boundary:
+            raise RuntimeError(
+                f"{caller} in the middle of an accumulation window (micro-batch {self.micro_step + 1} of "
+                f"{self.accumulation_steps}): call it only when mp.at_update_boundary is True."
+            )
+        self.unscaled = True
+
+    def on_step(self) -> bool:
+        """Record a step() call; returns True when it completes an update window."""
+        if not self.backward_since_step:
+            raise RuntimeError(
+                "step() without backward() since the last step(): each step() needs the gradients of a new "
+                "loss (was step() called twice?)."
+            )
+        self.micro_step += 1
+        self.backward_since_step = False
+        self.forward_since_step = False
+        if self.micro_step < self.accumulation_steps:
+            return False
+        self.micro_step = 0
+        self.unscaled = False
+        return True
+
+    def reset(self) -> None:
+        """Forget the current window (after zero_grad())."""
+        self.micro_step = 0
+        self.backward_since_step = False
+        self.unscaled = False

@@ -1,0 +1,415 @@
+"""MixedPrecision: the one object a training loop talks to (policy + loss scaler + master weights).
+
+    mp = mixprec.MixedPrecision(model, optimizer, policy="mixed_fp16")
+    for x, y in loader:
+        with mp.autocast():
+            loss = loss_fn(model(x), y)
+        mp.backward(loss)                  # loss * scale, then backward
+        mp.clip_grad_norm_(1.0)            # optional; unscales first, returns the true norm
+        mp.step()                          # unscale, check, update or skip, adjust the scale, zero grads
+
+Host syncs, all of them:
+    - step() reads the found-inf flag once (``.item()``) to decide the skip, unless the optimizer is a fused
+      one that takes ``found_inf`` itself (``torch.optim.Adam/AdamW/SGD(fused=True)``) on an accelerator.
+      On the CPU the read is a memory load.
+    - ``bool(step_result)``, ``step_scheduler()``, ``stats()`` and ``state_dict()`` read device values.
+    - ``mixprec.AdamW`` reads its step count (a CPU tensor), as ``torch.optim.AdamW`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.engine.call_order import CallOrder
+from mixprec.engine.overflow_log import OverflowLog, StepRecord
+from mixprec.engine.stats import Stats, model_state_bytes
+from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.master.weights import MasterWeights
+from mixprec.numerics.finite import nonfinite_kinds
+from mixprec.policy.autocast import autocast, check_device_supports
+from mixprec.policy.casting import cast_module, lowered_parameters
+from mixprec.policy.hardware import device_type_of
+from mixprec.policy.parse import get_policy
+from mixprec.policy.policy import Policy
+from mixprec.scaling.base import LossScaler
+from mixprec.scaling.dynamic import DynamicLossScaler
+from mixprec.scaling.static import NoOpLossScaler
+
+__all__ = ["MixedPrecision", "StepResult", "default_scaler"]
+
+
+def default_scaler(policy: Policy) -> LossScaler:
+    """Dynamic scaling where fp16 is involved (its range is too narrow for small gradients), else none."""
+    if torch.float16 in (policy.compute_dtype, policy.param_dtype):
+        return DynamicLossScaler()
+    return NoOpLossScaler()
+
+
+class StepResult:
+    """What ``step()`` did. ``bool(result)`` is True when the update was applied (may sync the host)."""
+
+    def __init__(self, update_step: bool, found: torch.Tensor | bool) -> None:
+        self.update_step = update_step  # False inside an accumulation window: nothing was attempted
+        self._found = found
+
+    def __bool__(self) -> bool:
+        if not self.update_step:
+            return False
+        found = self._found.item() if isinstance(self._found, torch.Tensor) else self._found  # host sync
+        return not found
+
+    @property
+    def applied(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return f"StepResult(applied={bool(self)})" if self.update_step else "StepResult(accumulating)"
+
+
+class MixedPrecision:
+    """Mixed-precision training for ``model`` and ``optimizer`` under ``policy``.
+
+    On construction: resolves the policy on the model's device; for ``o2_*`` policies creates FP32 master
+    copies of the parameters it lowers and points the optimizer at them; casts the model; picks the
+    default scaler (dynamic for fp16, none otherwise).
+
+    Args:
+        model: the model, with FP32 parameters, on its training device.
+        optimizer: any ``torch.optim`` optimizer built on ``model``'s parameters (for ``pure_bf16``:
+            ``mixprec.AdamW``, whose compensated updates stand in for master weights).
+        policy: a Policy, preset or policy string (default ``auto``).
+        scaler: a LossScaler, or a list of ``num_losses`` of them; default per policy.
+        accumulation_steps: micro-batches per update; ``backward`` divides each loss by this.
+        accumulate_in_fp32: keep gradients in FP32 buffers across micro-batches (o2 policies).
+        num_losses: backward passes per step with a scaler each (like Apex's ``num_losses``).
+        history: how many recent overflow steps ``stats()`` lists.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        policy: Policy | str = "auto",
+        scaler: LossScaler | Sequence[LossScaler] | None = None,
+        *,
+        accumulation_steps: int = 1,
+        accumulate_in_fp32: bool = False,
+        num_losses: int = 1,
+        history: int = 32,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"MixedPrecision(model=...) needs an nn.Module; received {type(model).__name__}.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"MixedPrecision(optimizer=...) needs a torch.optim.Optimizer; received {type(optimizer).__name__}."
+            )
+        for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MixedPrecision({name}=...) must be an integer >= 1; received {value!r}.")
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device(device_type_of(None))
+        self.policy = get_policy(policy, device=self.device)
+        check_device_supports(self.policy, self.device.type)
+        self.model = model
+        self.optimizer = optimizer
+        self.accumulation_steps = accumulation_steps
+        self.num_losses = num_losses
+        self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
+
+        lowered = lowered_parameters(model, self.policy) if self.policy.param_dtype != torch.float32 else []
+        no_masters = self.policy.master_dtype == self.policy.param_dtype != torch.float32
+        if no_masters and lowered and not isinstance(optimizer, CompensatedAdamW):
+            raise ValueError(
+                f"policy {self.policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
+                "round small updates away in low precision. Build the optimizer as "
+                "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
+                "keep FP32 masters."
+            )
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mastered = [p for p in lowered if id(p) in in_optimizer] if self.policy.keeps_fp32_masters else []
+        self.masters = MasterWeights(optimizer, mastered) if mastered else None  # before the cast: exact values
+        cast_module(model, self.policy)
+
+        self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
+        self._order = CallOrder(accumulation_steps)
+        # Bookkeeping is read on the host every step on the CPU (free), in batches elsewhere.
+        self._read_every_step = self.device.type == "cpu"
+        self._log = OverflowLog(self.scalers, history, flush_every=1 if self._read_every_step else 64)
+        self._found_per_loss: list[torch.Tensor] | None = None  # this window's overflow flags, per loss
+        self._kinds: tuple[torch.Tensor, torch.Tensor] | None = None  # (has_inf, has_nan) of this window
+        self._accumulators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # several losses: FP32 grads
+        self._last: StepResult | None = None
+
+    @staticmethod
+    def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
+        if scaler is None:
+            return []  # the policy's default
+        scalers = [scaler] if isinstance(scaler, LossScaler) else list(scaler)
+        if len(scalers) != num_losses or not all(isinstance(s, LossScaler) for s in scalers):
+            raise ValueError(
+                f"MixedPrecision(scaler=...) needs one LossScaler per loss (num_losses={num_losses}); received "
+                f"{scaler!r}. Pass a list of {num_losses} separate scalers, or None for the policy's default."
+            )
+        if len({id(s) for s in scalers}) != len(scalers):
+            raise ValueError("MixedPrecision(scaler=...): each loss needs its own scaler object; the list repeats one.")
+        return scalers
+
+    # -- the training step -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[Policy]:
+        """The policy's low-precision region for this model (see :func:`mixprec.autocast`)."""
+        self._order.on_forward()
+        with autocast(self.policy, self.model, device=self.device) as policy:
+            yield policy
+
+    @property
+    def at_update_boundary(self) -> bool:
+        """True when the next ``step()`` applies an update (always, without gradient accumulation)."""
+        return self._order.at_update_boundary
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0, retain_graph: bool | None = None) -> None:
+        """``(loss / accumulation_steps * scale).backward()`` with the scaler of ``loss_id``.
+
+        ``retain_graph`` as in ``Tensor.backward``: needed when several losses share one forward graph.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"backward(loss=...) needs a one-element loss tensor; received {shape}. Reduce it first.")
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
+            raise ValueError(f"backward(loss_id=...) must be in 0..{self.num_losses - 1}; received {loss_id!r}.")
+        self._order.on_backward()
+        if self.accumulation_steps > 1:
+            loss = loss / self.accumulation_steps
+        self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
+        if self.num_losses > 1:
+            self._harvest(loss_id)
+        elif self.accumulate_in_fp32:
+            self.masters.grads_to_masters()
+
+    def _harvest(self, loss_id: int) -> None:
+        """Several losses: unscale this loss's fresh gradients with its own scaler into FP32 accumulators."""
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+        params = [p for p in self._optimizer_params() if p.grad is not None]
+        fresh = [p.grad.float() for p in params]
+        found = self.scalers[loss_id].unscale_(fresh)
+        self._classify(fresh, found)
+        if self._found_per_loss is None:
+            self._found_per_loss = [torch.zeros_like(found) for _ in range(self.num_losses)]
+        self._found_per_loss[loss_id] += found
+        for param, grad in zip(params, fresh, strict=True):
+            if id(param) in self._accumulators:
+                self._accumulators[id(param)][1].add_(grad)
+            else:
+                self._accumulators[id(param)] = (param, grad)
+            param.grad = None
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._optimizer_params() if p.grad is not None]
+
+    def unscale_(self) -> None:
+        """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
+        self._order.on_unscale("unscale_()")
+        self._unscale()
+
+    def _unscale(self) -> None:
+        if self.num_losses > 1:
+            for param, grad in self._accumulators.values():
+                param.grad = grad if param.dtype == torch.float32 else grad.to(param.dtype)
+            self._accumulators = {}
+            return
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+        grads = self._optimizer_grads()
+        found = self.scalers[0].unscale_(grads)
+        self._classify(grads, found)
+        self._found_per_loss = [found]
+
+    def _classify(self, grads: list[torch.Tensor], found: torch.Tensor) -> None:
+        """Tell inf from NaN for the statistics, before clipping can turn one into the other.
+
+        On the CPU only overflowing steps pay for it (reading ``found`` is free); elsewhere it runs on the
+        device every step, so that nothing waits.
+        """
+        if self._read_every_step and not found.item():
+            return
+        has_inf, has_nan = nonfinite_kinds(grads, self.device)
+        if self._kinds is not None:
+            has_inf, has_nan = has_inf | self._kinds[0], has_nan | self._kinds[1]
+        self._kinds = (has_inf, has_nan)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
+
+        The norm is computed in FP32 from the unscaled gradients the optimizer will use, with
+        ``torch.nn.utils.clip_grad_norm_``'s formula. Non-finite gradients give a non-finite norm, and
+        step() will skip the update. No host sync.
+        """
+        if not self._order.unscaled:
+            self._order.on_unscale("clip_grad_norm_()")
+            self._unscale()
+        grads = self._optimizer_grads()
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
+        coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coefficient)
+        return total
+
+    def step(self) -> StepResult:
+        """Finish the step: unscale (if not done), apply the update or skip it, adjust the scale, zero grads.
+
+        Inside an accumulation window only counts the micro-batch. Returns a StepResult, truthy when the
+        update was applied; parameters, masters and optimizer state are untouched by a skipped step.
+        """
+        already_unscaled = self._order.unscaled
+        if not self._order.on_step():
+            self._last = StepResult(False, False)
+            return self._last
+        if not already_unscaled:
+            self._unscale()
+        found_per_loss = self._found_per_loss or [torch.zeros(1, device=self.device)]
+        found = found_per_loss[0] if len(found_per_loss) == 1 else torch.stack(found_per_loss).amax(0)
+
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False) and self.device.type != "cpu":
+            found_host = None  # the fused optimizer skips on device; no sync
+            self.optimizer.grad_scale = None  # gradients are already unscaled
+            self.optimizer.found_inf = found
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            if self.masters is not None:
+                self.masters.copy_to_model()  # unchanged masters on a skipped step: the same values
+        else:
+            found_host = bool(found.item())  # host sync: decides the skip (free on the CPU)
+            if not found_host:
+                self.optimizer.step()
+                if self.masters is not None:
+                    self.masters.copy_to_model()
+
+        kinds = self._kinds or (False, False)
+        scales_before = [self._scale_snapshot(s) for s in self.scalers]
+        for scaler, found_i in zip(self.scalers, found_per_loss, strict=True):
+            scaler.update(found_i)
+        record = StepRecord(
+            step=self._log.next_step,
+            found=found if found_host is None else found_host,
+            has_inf=kinds[0],
+            has_nan=kinds[1],
+            scales_before=scales_before,
+            scales_after=[self._scale_snapshot(s) for s in self.scalers],
+            found_per_loss=[f.clone() if found_host is None else bool(f.item()) for f in found_per_loss],
+        )
+        self._log.add(record)
+        self._zero_grad()
+        self._last = StepResult(True, found if found_host is None else found_host)
+        return self._last
+
+    def _scale_snapshot(self, scaler: LossScaler) -> torch.Tensor | float:
+        tensor = scaler.scale_tensor
+        if tensor is None:
+            return scaler.get_scale()
+        return float(tensor.item()) if self._read_every_step else tensor.clone()  # CPU read: free
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.model.parameters():
+            param.grad = None
+        self._found_per_loss = None
+        self._kinds = None
+        self._accumulators = {}
+
+    def zero_grad(self) -> None:
+        """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""
+        self._zero_grad()
+        self._order.reset()
+
+    def step_scheduler(self, scheduler: Any) -> bool:
+        """Step ``scheduler`` only if the last ``step()`` applied an update; returns whether it did.
+
+        A skipped step must not advance the learning-rate schedule. Host sync (reads the skip flag).
+        """
+        if self._last is None:
+            raise RuntimeError("step_scheduler() before any step(): call it once after each mp.step().")
+        if not hasattr(scheduler, "step"):
+            raise TypeError(
+                f"step_scheduler(scheduler=...) needs an LR scheduler; received {type(scheduler).__name__}."
+            )
+        if self._last:
+            scheduler.step()
+            return True
+        return False
+
+    # -- reporting and state ---------------------------------------------------------------------
+    def stats(self) -> Stats:
+        """Scale, step and overflow counts, and bytes of model state per parameter. Host sync."""
+        self._log.flush()
+        masters = self.masters.state() if self.masters is not None else []
+        scales = tuple(s.get_scale() for s in self.scalers)
+        return Stats(
+            policy=str(self.policy),
+            scale=scales[0],
+            scales=scales,
+            steps=self._log.steps,
+            applied_steps=self._log.steps - self._log.skipped_steps,
+            skipped_steps=self._log.skipped_steps,
+            inf_steps=self._log.inf_steps,
+            nan_steps=self._log.nan_steps,
+            recent_overflow_steps=tuple(self._log.recent_overflow_steps),
+            diagnosis=self._log.diagnosis,
+            bytes_per_param=model_state_bytes(self.model, masters, self.optimizer, self.accumulate_in_fp32),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scalers, master weights and counters (the optimizer and model save their own). Host sync."""
+        return {
+            "policy": str(self.policy),
+            "scalers": [s.state_dict() for s in self.scalers],
+            "masters": [m.clone() for m in self.masters.state()] if self.masters is not None else [],
+            "counters": self._log.state_dict(),
+            "micro_step": self._order.micro_step,
+            "accumulation_steps": self.accumulation_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned; refuses state from another policy or model."""
+        expected = {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"MixedPrecision.load_state_dict: expected keys {sorted(expected)}, received {got}; "
+                "pass what MixedPrecision.state_dict() returned."
+            )
+        if state["policy"] != str(self.policy):
+            raise ValueError(
+                f"MixedPrecision.load_state_dict: the state was saved under policy {state['policy']!r}, this run "
+                f"uses {str(self.policy)!r}; resume with the same policy."
+            )
+        if len(state["scalers"]) != len(self.scalers):
+            raise ValueError(
+                f"MixedPrecision.load_state_dict: the state has {len(state['scalers'])} loss scalers, this run "
+                f"has {len(self.scalers)} (num_losses); resume with the same num_losses."
+            )
+        if state["accumulation_steps"] != self.accumulation_steps:
+            raise ValueError(
+                f"MixedPrecision.load_state_dict: saved with accumulation_steps={state['accumulation_steps']}, "
+                f"this run uses {self.accumulation_steps}."
+            )
+        for scaler, scaler_state in zip(self.scalers, state["scalers"], strict=True):
+            scaler.load_state_dict(scaler_state)
+        if self.masters is not None:
+            self.masters.load_state(state["masters"])
+        elif state["masters"]:
+            raise ValueError("MixedPrecision.load_state_dict: the state holds master weights, this policy keeps none.")
+        self._log.load_state_dict(state["counters"])
+        self._order.micro_step = int(state["micro_step"])

@@ -1,0 +1,95 @@
+"""FP32 master weights for a model whose parameters are stored in fp16 or bf16.
+
+The optimizer updates FP32 masters; the model computes with low-precision copies of them.
+
+    build (before the model is cast):  master = fp32 copy of each parameter the policy will lower;
+                                        the optimizer's param groups point at the masters instead
+    after backward:                    master.grad = model_param.grad in fp32 (then unscaled), and the
+                                        low-precision gradient is released: no FP32 gradient is kept
+                                        between steps
+    after an applied step:             model_param <- master, rounded to its dtype
+
+Only the optimizer's parameter lists change (same groups, same hyperparameters, same object), so
+learning-rate schedulers keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["MasterWeights"]
+
+
+class MasterWeights:
+    """FP32 masters for the parameters in ``lowered``, wired into ``optimizer``.
+
+    Args:
+        optimizer: the user's optimizer, built on the model's parameters.
+        lowered: the parameters that are about to be cast to low precision (still FP32 now, so
+            the masters start from the exact weights rather than their rounding).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lowered: Iterable[nn.Parameter]) -> None:
+        self.model_params: list[nn.Parameter] = list(lowered)
+        self.masters: list[nn.Parameter] = [
+            nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad) for p in self.model_params
+        ]
+        by_id = {id(p): m for p, m in zip(self.model_params, self.masters, strict=True)}
+        for group in optimizer.param_groups:
+            group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+        for param in self.model_params:  # state built before mixprec (e.g. a resumed optimizer) follows
+            if param in optimizer.state:
+                optimizer.state[by_id[id(param)]] = {
+                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 else v
+                    for k, v in optimizer.state.pop(param).items()
+                }
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    def grads_to_masters(self) -> None:
+        """Move the model's low-precision gradients into the masters' ``.grad`` as fp32, adding to
+        what is there (accumulation), and release the low-precision ones."""
+        for param, master in zip(self.model_params, self.masters, strict=True):
+            if param.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad)
+            param.grad = None
+
+    def copy_to_model(self) -> None:
+        """Round the masters into the model's parameters (one fused copy per dtype)."""
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.model_params], [m.data for m in self.masters])
+
+    def zero_grad(self) -> None:
+        for master in self.masters:
+            master.grad = None
+
+    def state(self) -> list[torch.Tensor]:
+        """The master values (fp32), in parameter order."""
+        return [m.detach() for m in self.masters]
+
+    def load_state(self, values: list[torch.Tensor]) -> None:
+        """Restore master values and refresh the model's copies from them."""
+        if not isinstance(values, list) or len(values) != len(self.masters):
+            count = len(values) if isinstance(values, list) else type(values).__name__
+            raise ValueError(
+                f"the checkpoint holds {count} master weights, this model has {len(self.masters)}; "
+                "load a checkpoint saved from the same model and policy."
+            )
+        for index, (master, value) in enumerate(zip(self.masters, values, strict=True)):
+            if not torch.is_tensor(value) or value.shape != master.shape:
+                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(
+                    f"master weight {index} has shape {shape} in the checkpoint, {tuple(master.shape)} in this "
+                    "model; load a checkpoint saved from the same model and policy."
+                )
+            with torch.no_grad():
+                master.copy_(value)
+        self.copy_to_model()

@@ -1,0 +1,66 @@
+"""On-device finite checks: unscale gradients and flag inf/NaN in one fused pass, without host syncs.
+
+``unscale_and_check_`` is PyTorch's own GradScaler kernel (``_amp_foreach_non_finite_check_and_unscale_``),
+one launch per (device, dtype) group: it multiplies every tensor by ``inv_scale`` in place and sets
+``found_inf`` to 1.0 if any element is inf or NaN.
+
+Example:
+    >>> import torch
+    >>> grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
+    >>> unscale_and_check_(grads, torch.tensor([0.5])).item()
+    1.0
+    >>> grads[0]
+    tensor([1., 2.])
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["nonfinite_kinds", "unscale_and_check_"]
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
+    return groups
+
+
+def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply ``tensors`` by ``inv_scale`` in place; return a 1-element float tensor, 1.0 if any is non-finite.
+
+    Args:
+        tensors: dense floating tensors (fp32, fp16 or bf16) on any devices.
+        inv_scale: a 1-element fp32 tensor; the result lives on its device.
+
+    No host sync: the flag is combined on ``inv_scale``'s device with non-blocking copies.
+    """
+    found = torch.zeros(1, dtype=torch.float32, device=inv_scale.device)
+    for (device, _), group in _groups(tensors).items():
+        found_here = found if device == found.device else torch.zeros(1, dtype=torch.float32, device=device)
+        inv_here = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_here)
+        if found_here is not found:
+            found += found_here.to(found.device, non_blocking=True)
+    return found.clamp_(max=1.0)
+
+
+def nonfinite_kinds(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(has_inf, has_nan): two 0-d bool tensors on ``device``, from one max-magnitude pass per group.
+
+    A tensor's max |value| is NaN if it holds a NaN and inf if it holds an inf but no NaN, so a
+    tensor holding both counts as NaN only.
+    """
+    amax = [
+        torch.stack(torch._foreach_norm(group, float("inf"))).to(device, non_blocking=True)
+        for group in _groups(tensors).values()
+    ]
+    if not amax:
+        false = torch.zeros((), dtype=torch.bool, device=device)
+        return false, false
+    stacked = torch.cat([a.float() for a in amax])
+    return torch.isinf(stacked).any(), torch.isnan(stacked).any()

@@ -1,0 +1,188 @@
+"""Dynamic loss scaling: back off on overflow, grow after a run of clean steps, all on device.
+
+Per step, given ``found_inf``:
+
+    overflow:  growth run resets; if ``hysteresis`` overflows have been absorbed, scale *= backoff_factor
+               (never below ``min_scale``), else one more overflow is absorbed (DeepSpeed's hysteresis)
+    clean:     after ``growth_interval`` consecutive clean steps, scale *= growth_factor (never past
+               ``max_scale``, never to inf) and the hysteresis budget refills
+
+With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` every decision and every value equals
+``torch.amp.GradScaler``'s: the products are computed in fp64 and rounded to fp32, as its kernel does.
+
+Example:
+    >>> import torch
+    >>> s = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    >>> s.scale(torch.tensor(1.0)).item()
+    8.0
+    >>> s.update(torch.ones(1)); s.get_scale()
+    4.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.scaling.base import LossScaler, check_state_type, positive_number
+
+__all__ = ["DynamicLossScaler"]
+
+
+class DynamicLossScaler(LossScaler):
+    """A loss scale that follows the gradients: halve on overflow, double after clean runs.
+
+    Args:
+        init_scale: the starting scale (2**16, as in PyTorch and Apex).
+        growth_factor: multiplier after ``growth_interval`` clean steps (> 1).
+        backoff_factor: multiplier on overflow (between 0 and 1).
+        growth_interval: consecutive clean steps before growing.
+        hysteresis: overflows absorbed before backing off (1: back off on every overflow).
+        min_scale: floor; at it, overflowing steps are still skipped but the scale stays (None: no floor).
+        max_scale: ceiling for growth (None: grow while finite).
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+    ) -> None:
+        name = "DynamicLossScaler"
+        super().__init__(positive_number(init_scale, f"{name}(init_scale=...)"))
+        self.growth_factor = positive_number(growth_factor, f"{name}(growth_factor=...)")
+        self.backoff_factor = positive_number(backoff_factor, f"{name}(backoff_factor=...)")
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"{name}(growth_factor=...) must be > 1; received {growth_factor!r}.")
+        if self.backoff_factor >= 1.0:
+            raise ValueError(f"{name}(backoff_factor=...) must be < 1; received {backoff_factor!r}.")
+        self.growth_interval = _positive_int(growth_interval, f"{name}(growth_interval=...)")
+        self.hysteresis = _positive_int(hysteresis, f"{name}(hysteresis=...)")
+        self.min_scale = None if min_scale is None else positive_number(min_scale, f"{name}(min_scale=...)")
+        self.max_scale = None if max_scale is None else positive_number(max_scale, f"{name}(max_scale=...)")
+        if self.min_scale is not None and self.min_scale > self._init_scale:
+            raise ValueError(f"{name}: min_scale={min_scale!r} is above init_scale={init_scale!r}.")
+        if self.max_scale is not None and self.max_scale < self._init_scale:
+            raise ValueError(f"{name}: max_scale={max_scale!r} is below init_scale={init_scale!r}.")
+        self._growth_tracker_init = 0
+        self._hysteresis_left_init = self.hysteresis
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_left: torch.Tensor | None = None
+
+    def _init_state(self, device: torch.device) -> None:
+        self._growth_tracker = torch.full((1,), self._growth_tracker_init, dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full((1,), self._hysteresis_left_init, dtype=torch.int32, device=device)
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Adjust the scale on device; no host sync."""
+        scale = self._scale_on(found_inf.device)
+        growth, hysteresis = self._growth_tracker, self._hysteresis_left
+        assert growth is not None and hysteresis is not None  # created with the scale
+        found = found_inf.to(scale.device) > 0
+        exhausted = hysteresis <= 1
+        backoff = found & exhausted
+
+        # fp64 products rounded to fp32: bit-identical to GradScaler's update kernel.
+        backed = (scale.double() * self.backoff_factor).float()
+        if self.min_scale is not None:
+            backed = backed.clamp(min=self.min_scale)
+        grown = (scale.double() * self.growth_factor).float()
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+        if self.max_scale is not None:
+            grown = grown.clamp(max=self.max_scale)
+
+        successful = growth + 1
+        grow = ~found & (successful >= self.growth_interval)
+        new_scale = torch.where(backoff, backed, torch.where(grow, grown, scale))
+        zero = torch.zeros_like(growth)
+        new_growth = torch.where(found | grow, zero, successful)
+        new_hysteresis = torch.where(
+            found & ~exhausted,
+            hysteresis - 1,
+            torch.where(grow, torch.full_like(hysteresis, self.hysteresis), hysteresis),
+        )
+        scale.copy_(new_scale)
+        growth.copy_(new_growth)
+        hysteresis.copy_(new_hysteresis)
+
+    def is_floor(self, scale: float) -> bool:
+        """At ``min_scale``, or below 1 without a floor: backing off further will not cure an overflow."""
+        return scale <= self.min_scale if self.min_scale is not None else scale < 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field; reads three device scalars (host sync)."""
+        return {
+            "type": "dynamic",
+            "scale": self.get_scale(),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "growth_tracker": _read(self._growth_tracker, self._growth_tracker_init),
+            "hysteresis_left": _read(self._hysteresis_left, self._hysteresis_left_init),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_keys(
+            state,
+            {
+                "type",
+                "scale",
+                "growth_factor",
+                "backoff_factor",
+                "growth_interval",
+                "hysteresis",
+                "min_scale",
+                "max_scale",
+                "growth_tracker",
+                "hysteresis_left",
+            },
+        )
+        check_state_type(self, state, "dynamic")
+        restored = DynamicLossScaler(
+            init_scale=state["scale"],
+            growth_factor=state["growth_factor"],
+            backoff_factor=state["backoff_factor"],
+            growth_interval=state["growth_interval"],
+            hysteresis=state["hysteresis"],
+            min_scale=state["min_scale"],
+            max_scale=state["max_scale"],
+        )  # validates every field
+        for field in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"):
+            setattr(self, field, getattr(restored, field))
+        self._load_scale(state["scale"])
+        self._growth_tracker_init = _non_negative_int(state["growth_tracker"], "state 'growth_tracker'")
+        self._hysteresis_left_init = _non_negative_int(state["hysteresis_left"], "state 'hysteresis_left'")
+        if self._growth_tracker is not None and self._hysteresis_left is not None:
+            self._growth_tracker.fill_(self._growth_tracker_init)
+            self._hysteresis_left.fill_(self._hysteresis_left_init)
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScaler(scale={self.get_scale()}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
+        )
+
+
+def _read(tracker: torch.Tensor | None, before_first_use: int) -> int:
+    return int(tracker.item()) if tracker is not None else before_first_use
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer; received {value!r} (of type {type(value).__name__}).")
+    return value
+
+
+def _non_negative_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"DynamicLossScaler.load_state_dict: {what} must be an integer >= 0; received {value!r}.")
+    return value

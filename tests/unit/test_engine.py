@@ -1,0 +1,395 @@
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+PRESETS = ["fp32", "mixed_bf16", "mixed_fp16", "o2_bf16", "o2_fp16", "pure_bf16"]
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.LayerNorm(24), nn.GELU(), nn.Linear(24, 5))
+
+
+def make_optimizer(model, policy, **kwargs):
+    if policy == "pure_bf16":
+        return mixprec.AdamW(model.parameters(), lr=1e-2, **kwargs)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, **kwargs)
+
+
+def batch(seed, n=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def train_step(mp, model, seed, poison=None, clip=None):
+    """One step; ``poison`` (inf or NaN) is added to the last layer's weight gradient."""
+    x, y = batch(seed)
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    last = [p for p in model.parameters() if p.dim() == 2][-1]
+    hook = last.register_hook(lambda grad: grad + poison) if poison is not None else None
+    mp.backward(loss)
+    if hook is not None:
+        hook.remove()
+    if clip is not None:
+        mp.clip_grad_norm_(clip)
+    return mp.step(), loss.detach()
+
+
+def snapshot(mp, model):
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [m.clone() for m in mp.masters.state()] if mp.masters else [],
+        "optimizer": copy.deepcopy(mp.optimizer.state_dict()),
+    }
+
+
+def assert_bit_identical(a, b):
+    for x, y in zip(a["params"] + a["masters"], b["params"] + b["masters"], strict=True):
+        assert torch.equal(x, y)
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for name in state_a[key]:
+            assert torch.equal(torch.as_tensor(state_a[key][name]), torch.as_tensor(state_b[key][name])), name
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_skipped_step_leaves_everything_bit_identical(policy, poison):
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    for seed in range(3):
+        assert train_step(mp, model, seed)
+    before = snapshot(mp, model)
+    result, _ = train_step(mp, model, 99, poison=poison, clip=1.0)
+    assert not result and not result.applied
+    assert_bit_identical(before, snapshot(mp, model))
+    assert all(p.grad is None for p in model.parameters())
+    assert train_step(mp, model, 4)  # and training goes on
+    stats = mp.stats()
+    assert (stats.steps, stats.skipped_steps) == (5, 1)
+    assert (stats.inf_steps, stats.nan_steps) == ((1, 0) if poison == float("inf") else (0, 1))
+    assert stats.recent_overflow_steps == (3,)
+
+
+@pytest.mark.parametrize(
+    ("policy", "scaler"),
+    [
+        ("fp32", mixprec.NoOpLossScaler),
+        ("mixed_bf16", mixprec.NoOpLossScaler),
+        ("pure_bf16", mixprec.NoOpLossScaler),
+        ("mixed_fp16", mixprec.DynamicLossScaler),
+        ("o2_fp16", mixprec.DynamicLossScaler),
+    ],
+)
+def test_default_scaler_per_policy(policy, scaler):
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    assert type(mp.scalers[0]) is scaler
+    assert mp.stats().scale == (2.0**16 if scaler is mixprec.DynamicLossScaler else 1.0)
+
+
+def test_o2_wires_fp32_masters_into_the_users_optimizer():
+    model = make_model()
+    original = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "lr": 1e-3}, {"params": [*model[1].parameters(), *model[3].parameters()]}],
+        lr=5e-3,
+        weight_decay=0.1,
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    mp = mixprec.MixedPrecision(model, optimizer, "o2_bf16")
+    assert [p.dtype for p in model.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2
+    group_params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in group_params)
+    masters = mp.masters.state()
+    assert len(masters) == 4 and torch.equal(masters[0], original[0])  # exact FP32 values, not their rounding
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 5e-3]
+    train_step(mp, model, 0)
+    mp.step_scheduler(scheduler)
+    assert [g["lr"] for g in optimizer.param_groups] == [5e-4, 2.5e-3]
+    assert torch.equal(model[0].weight, mp.masters.state()[0].to(torch.bfloat16))  # copied back after the step
+
+
+def test_pure_bf16_requires_a_compensated_optimizer():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"plain AdamW would round small updates away.*mixprec\.AdamW"):
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "pure_bf16")
+
+
+@pytest.mark.parametrize("policy", ["fp32", "mixed_bf16", "mixed_fp16", "o2_fp16"])
+def test_accumulation_equals_one_large_batch(policy):
+    big_model, small_model = make_model(), make_model()
+    big = mixprec.MixedPrecision(big_model, torch.optim.SGD(big_model.parameters(), lr=0.1), policy)
+    small = mixprec.MixedPrecision(
+        small_model, torch.optim.SGD(small_model.parameters(), lr=0.1), policy, accumulation_steps=4
+    )
+    x, y = batch(0, n=32)
+    with big.autocast():
+        big.backward(F.cross_entropy(big_model(x), y))
+    assert big.step()
+    results = []
+    for chunk in range(4):
+        assert small.at_update_boundary == (chunk == 3)
+        with small.autocast():
+            small.backward(F.cross_entropy(small_model(x[chunk * 8 : (chunk + 1) * 8]), y[chunk * 8 : (chunk + 1) * 8]))
+        results.append(small.step())
+    assert [r.update_step for r in results] == [False, False, False, True] and results[-1]
+    tolerance = {"fp32": 1e-6, "mixed_bf16": 2e-2, "mixed_fp16": 2e-3, "o2_fp16": 2e-3}[policy]
+    for a, b in zip(big_model.parameters(), small_model.parameters(), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance)
+    assert small.stats().steps == 1
+
+
+def test_accumulate_in_fp32_keeps_fp32_gradient_buffers():
+    model = make_model()
+    mp = mixprec.MixedPrecision(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16", accumulation_steps=2, accumulate_in_fp32=True
+    )
+    x, y = batch(0)
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y))
+    assert model[0].weight.grad is None
+    assert mp.masters.masters[0].grad.dtype == torch.float32
+    assert mp.stats().bytes_per_param.grads == 4.0
+    mp.step()
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y))
+    assert mp.step()
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16", "o2_bf16", "pure_bf16"])
+def test_clip_returns_the_true_unscaled_norm(policy):
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    x, y = batch(0)
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y))
+    mp.unscale_()
+    grads = [p.grad for g in mp.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    expected = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads]))
+    norm = mp.clip_grad_norm_(0.01)
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    clipped = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads]))
+    assert clipped.item() == pytest.approx(0.01, rel=1e-2 if policy == "pure_bf16" else 1e-5)
+
+
+def test_call_order_errors_say_which_call_and_why():
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16")
+    x, y = batch(0)
+    with pytest.raises(RuntimeError, match=r"step\(\) without backward\(\)"):
+        mp.step()
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) before backward\(\)"):
+        mp.unscale_()
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    mp.backward(loss)
+    mp.unscale_()
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called since the last step\(\)"):
+        mp.unscale_()
+    with pytest.raises(RuntimeError, match=r"backward\(\) after unscale_\(\)"):
+        mp.backward(loss)
+    mp.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) called twice"):
+        mp.step()
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    mp.backward(loss)
+    mp.step()
+    with pytest.raises(RuntimeError, match=r"backward\(\) after step\(\) without a new forward pass"):
+        mp.backward(loss)
+
+
+def test_clip_in_the_middle_of_accumulation_is_refused():
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", accumulation_steps=2)
+    x, y = batch(0)
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(RuntimeError, match=r"micro-batch 1 of 2.*at_update_boundary"):
+        mp.clip_grad_norm_(1.0)
+
+
+def test_state_dict_round_trips_every_field():
+    model = make_model()
+    mp = mixprec.MixedPrecision(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        "o2_fp16",
+        mixprec.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2),
+    )
+    for seed in range(5):
+        train_step(mp, model, seed, poison=float("inf") if seed in (1, 2) else None)
+    state = mp.state_dict()
+    assert set(state) == {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps"}
+    assert state["counters"] == {
+        "steps": 5,
+        "skipped_steps": 2,
+        "inf_steps": 2,
+        "nan_steps": 0,
+        "recent_overflow_steps": [1, 2],
+        "diagnosis": None,
+    }
+    fresh_model = make_model(seed=7)
+    fresh = mixprec.MixedPrecision(
+        fresh_model,
+        torch.optim.AdamW(fresh_model.parameters()),
+        "o2_fp16",
+        mixprec.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2),
+    )
+    fresh.load_state_dict(copy.deepcopy(state))
+    again = fresh.state_dict()
+    assert again["scalers"] == state["scalers"] and again["counters"] == state["counters"]
+    for a, b in zip(again["masters"], state["masters"], strict=True):
+        assert torch.equal(a, b)
+    for index in (0, 3):  # the lowered layers: their fp16 copies follow the restored masters
+        assert torch.equal(fresh_model[index].weight, model[index].weight)
+        assert torch.equal(fresh_model[index].bias, model[index].bias)
+    assert dataclasses.replace(fresh.stats(), bytes_per_param=None) == dataclasses.replace(
+        mp.stats(), bytes_per_param=None
+    )  # the optimizer's own state is the optimizer's to save
+
+
+def test_state_from_another_policy_is_refused():
+    model = make_model()
+    state = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16").state_dict()
+    other = make_model()
+    mp = mixprec.MixedPrecision(other, torch.optim.SGD(other.parameters(), lr=0.1), "mixed_fp16")
+    with pytest.raises(ValueError, match=r"saved under policy 'params=float32,compute=bfloat16.*same policy"):
+        mp.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"expected keys"):
+        mp.load_state_dict({"scalers": []})
+
+
+def test_scheduler_does_not_advance_on_skipped_steps():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    mp = mixprec.MixedPrecision(model, optimizer, "mixed_fp16")
+    stepped = []
+    for seed in range(4):
+        train_step(mp, model, seed, poison=float("nan") if seed == 1 else None)
+        stepped.append(mp.step_scheduler(scheduler))
+    assert stepped == [True, False, True, True]
+    assert scheduler.last_epoch == 3
+
+
+def test_several_losses_have_their_own_scalers():
+    model = make_model()
+    scalers = [mixprec.DynamicLossScaler(init_scale=2.0**10), mixprec.DynamicLossScaler(init_scale=2.0**4)]
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scalers, num_losses=2)
+    reference = make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = batch(0)
+    with mp.autocast():
+        out = model(x)
+        mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+        mp.backward(out.pow(2).mean(), loss_id=1)
+    assert mp.step()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = reference(x)
+        (F.cross_entropy(out.float(), y) + out.float().pow(2).mean()).backward()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    with mp.autocast():
+        out = model(x)
+        mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+        mp.backward(out.pow(2).mean() * float("inf"), loss_id=1)  # only the second loss overflows
+    assert not mp.step()
+    assert mp.stats().scales == (2.0**10, 2.0**3)
+
+
+def test_scaler_list_must_match_num_losses():
+    model = make_model()
+    scaler = mixprec.DynamicLossScaler()
+    with pytest.raises(ValueError, match="one LossScaler per loss"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scaler, num_losses=2)
+    with pytest.raises(ValueError, match="repeats one"):
+        mixprec.MixedPrecision(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", [scaler, scaler], num_losses=2
+        )
+
+
+class NaNForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor(float("nan"))
+
+
+def test_overflow_at_the_floor_is_diagnosed_once_and_weights_stay_safe(caplog):
+    torch.manual_seed(0)
+    model = NaNForward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    mp = mixprec.MixedPrecision(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", mixprec.DynamicLossScaler(min_scale=2.0**10)
+    )
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        for seed in range(30):
+            train_step(mp, model, seed)
+    stats = mp.stats()
+    assert stats.skipped_steps == 30 and stats.nan_steps == 30 and stats.scale == 2.0**10
+    assert "does not come from loss scaling" in stats.diagnosis and "mixprec doctor" in stats.diagnosis
+    assert "bf16" in stats.diagnosis
+    assert sum("does not come from loss scaling" in r.message for r in caplog.records) == 1
+    overflow_lines = [r.message for r in caplog.records if r.message.startswith("Gradient overflow")]
+    assert (
+        overflow_lines[0]
+        == "Gradient overflow (NaN) at step 0. Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+    )
+    assert len(overflow_lines) == 10  # rate-limited after the first ten
+    for before, after in zip(weights, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+
+
+def test_overflow_in_bf16_is_diagnosed_at_once():
+    model = NaNForward()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    train_step(mp, model, 0)
+    assert "does not come from loss scaling" in mp.stats().diagnosis
+
+
+@pytest.mark.parametrize(
+    ("policy", "total"), [("fp32", 16), ("mixed_bf16", 16), ("o2_bf16", 16), ("o2_fp16", 16), ("pure_bf16", 10)]
+)
+def test_bytes_per_parameter_with_adamw(policy, total):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))  # no norms: every parameter lowered
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    train_step_model = nn.Sequential(model, nn.Linear(64, 5).to(model[0].weight.dtype))
+    del train_step_model
+    x = torch.randn(4, 64)
+    with mp.autocast():
+        mp.backward(model(x).float().pow(2).mean())
+    mp.step()
+    assert mp.stats().bytes_per_param.total == pytest.approx(total, abs=0.01)
+
+
+def test_bad_constructor_arguments():
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"needs an nn\.Module; received dict"):
+        mixprec.MixedPrecision({}, sgd)
+    with pytest.raises(TypeError, match=r"needs a torch\.optim\.Optimizer; received list"):
+        mixprec.MixedPrecision(model, [])
+    with pytest.raises(ValueError, match=r"accumulation_steps=...\) must be an integer >= 1; received 0"):
+        mixprec.MixedPrecision(model, sgd, "fp32", accumulation_steps=0)
+    with pytest.raises(ValueError, match="unknown policy"):
+        mixprec.MixedPrecision(model, sgd, "mixed_fp12")
+    mp = mixprec.MixedPrecision(model, sgd, "fp32")
+    with pytest.raises(ValueError, match=r"one-element loss tensor; received \(16, 5\)"):
+        mp.backward(model(batch(0)[0]))
+    with pytest.raises(ValueError, match=r"loss_id=...\) must be in 0..0; received 1"):
+        mp.backward(model(batch(0)[0]).sum(), loss_id=1)

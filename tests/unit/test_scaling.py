@@ -1,0 +1,141 @@
+import pytest
+import torch
+
+import mixprec
+
+INF = float("inf")
+
+
+def run(scaler, pattern):
+    """Feed a pattern of overflow (1) / clean (0) steps; return the scale after each."""
+    scales = []
+    for bad in pattern:
+        grads = [torch.full((4,), INF if bad else 1.0)]
+        scaler.update(scaler.unscale_(grads))
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize(
+    "scaler", [mixprec.NoOpLossScaler(), mixprec.StaticLossScaler(128.0), mixprec.DynamicLossScaler(init_scale=8.0)]
+)
+def test_one_protocol(scaler, device):
+    loss = torch.tensor(2.0, device=device)
+    scaled = scaler.scale(loss)
+    assert scaled.item() == 2.0 * scaler.get_scale()
+    grads = [torch.full((3,), scaler.get_scale(), device=device), torch.ones(2, device=device, dtype=torch.bfloat16)]
+    found = scaler.unscale_(grads)
+    assert found.device.type == device and found.item() == 0.0
+    assert grads[0].tolist() == [1.0, 1.0, 1.0]
+    assert scaler.unscale_([torch.tensor([float("nan")], device=device)]).item() == 1.0
+    scaler.update(found)
+
+
+def test_noop_returns_the_loss_itself():
+    loss = torch.tensor(3.0, requires_grad=True)
+    assert mixprec.NoOpLossScaler().scale(loss) is loss
+
+
+def test_static_never_moves():
+    assert run(mixprec.StaticLossScaler(64.0), [1, 0, 0, 1, 1, 0]) == [64.0] * 6
+
+
+def test_dynamic_backoff_and_growth():
+    scaler = mixprec.DynamicLossScaler(init_scale=16.0, growth_interval=2)
+    assert run(scaler, [1, 0, 0, 0, 1, 0, 0]) == [8.0, 8.0, 16.0, 16.0, 8.0, 8.0, 16.0]
+
+
+def test_growth_never_passes_max_scale():
+    scaler = mixprec.DynamicLossScaler(init_scale=2.0**23, growth_interval=1, max_scale=2.0**24)
+    assert run(scaler, [0, 0, 0]) == [2.0**24] * 3
+    unbounded = mixprec.DynamicLossScaler(init_scale=2.0**126, growth_interval=1, max_scale=None)
+    assert run(unbounded, [0, 0]) == [2.0**127, 2.0**127]  # never grows to inf
+
+
+def test_min_scale_is_a_floor():
+    scaler = mixprec.DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+    assert run(scaler, [1, 1, 1, 1]) == [2.0, 1.0, 1.0, 1.0]
+    assert scaler.is_floor(1.0) and not scaler.is_floor(2.0)
+    assert mixprec.DynamicLossScaler().is_floor(0.5) and not mixprec.DynamicLossScaler().is_floor(1.0)
+
+
+def test_hysteresis_absorbs_overflows_deepspeed_style():
+    scaler = mixprec.DynamicLossScaler(init_scale=64.0, growth_interval=3, hysteresis=2)
+    # 1st overflow absorbed, 2nd backs off, 3rd backs off (budget stays spent), growth refills it.
+    assert run(scaler, [1, 1, 1, 0, 0, 0, 1, 1]) == [64.0, 32.0, 16.0, 16.0, 16.0, 32.0, 32.0, 16.0]
+
+
+def test_overflow_resets_the_growth_run():
+    scaler = mixprec.DynamicLossScaler(init_scale=8.0, growth_interval=3)
+    assert run(scaler, [0, 0, 1, 0, 0, 0]) == [8.0, 8.0, 4.0, 4.0, 4.0, 8.0]
+
+
+def test_dynamic_state_round_trips_every_field():
+    scaler = mixprec.DynamicLossScaler(
+        init_scale=2.0**12,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        growth_interval=5,
+        hysteresis=3,
+        min_scale=2.0,
+        max_scale=2.0**20,
+    )
+    run(scaler, [0, 0, 1, 0])
+    state = scaler.state_dict()
+    assert state == {
+        "type": "dynamic",
+        "scale": 2.0**12,
+        "growth_factor": 3.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 5,
+        "hysteresis": 3,
+        "min_scale": 2.0,
+        "max_scale": 2.0**20,
+        "growth_tracker": 1,
+        "hysteresis_left": 2,
+    }
+    restored = mixprec.DynamicLossScaler()
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state
+    assert run(restored, [1, 1, 0]) == run(scaler, [1, 1, 0])  # the trackers came along
+
+
+def test_static_and_noop_state_round_trip():
+    static = mixprec.StaticLossScaler(32.0)
+    other = mixprec.StaticLossScaler(1.0)
+    other.load_state_dict(static.state_dict())
+    assert other.get_scale() == 32.0
+    mixprec.NoOpLossScaler().load_state_dict(mixprec.NoOpLossScaler().state_dict())
+
+
+def test_loading_foreign_state_is_refused():
+    with pytest.raises(ValueError, match="from a 'static' scaler, this one is 'dynamic'"):
+        mixprec.DynamicLossScaler().load_state_dict({**mixprec.DynamicLossScaler().state_dict(), "type": "static"})
+    with pytest.raises(ValueError, match=r"missing \['scale'\]"):
+        mixprec.StaticLossScaler(2.0).load_state_dict({"type": "static"})
+    with pytest.raises(TypeError, match="needs a dict; received list"):
+        mixprec.NoOpLossScaler().load_state_dict([])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"init_scale": 0}, r"init_scale=...\) must be a positive finite number; received 0"),
+        ({"init_scale": float("inf")}, "positive finite"),
+        ({"growth_factor": 1.0}, r"growth_factor=...\) must be > 1"),
+        ({"backoff_factor": 1.5}, r"backoff_factor=...\) must be < 1"),
+        ({"growth_interval": 0}, "positive integer; received 0"),
+        ({"growth_interval": 2.5}, r"received 2.5 \(of type float\)"),
+        ({"hysteresis": True}, "positive integer"),
+        ({"min_scale": 2.0**20}, "min_scale=1048576.0 is above init_scale"),
+        ({"max_scale": 2.0}, "max_scale=2.0 is below init_scale"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mixprec.DynamicLossScaler(**kwargs)
+
+
+def test_scale_needs_a_tensor():
+    with pytest.raises(TypeError, match=r"needs a torch\.Tensor; received float"):
+        mixprec.StaticLossScaler(2.0).scale(1.0)
