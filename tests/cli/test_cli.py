@@ -80,14 +80,16 @@ def test_policy_command():
     assert auto["reason"] == mixprec.get_policy("auto", device="cpu").reason
 
 
-def test_demo_trains_under_two_policies():
-    result = run("demo", "--steps", "20", "--policies", "fp32,mixed_bf16")
+def test_demo_trains_under_each_policy():
+    result = run("demo", "--steps", "20", "--policies", "fp32,mixed_bf16,o2_fp16,pure_bf16")
     assert result.returncode == 0, result.stderr
-    rows = [line for line in result.stdout.splitlines() if " -> " in line]
-    assert len(rows) == 2
+    rows = [line.split() for line in result.stdout.splitlines() if " -> " in line]
+    assert [row[0] for row in rows] == ["fp32", "mixed_bf16", "o2_fp16", "pure_bf16"]
     for row in rows:
-        first, last = (float(v) for v in row.split()[2:5:2])  # "1.485 -> 0.408"
+        first, last = float(row[1]), float(row[3])  # "1.485 -> 0.408"
         assert last < first
+    assert rows[2][7] == "65536"  # o2_fp16 has a dynamic loss scale
+    assert [row[-1] for row in rows] == ["16.0", "16.0", "16.0", "10.0"]  # bytes of model state per parameter
     assert "fp8_e5m2" in result.stdout  # the formats table follows
 
 

@@ -15,9 +15,9 @@ from torch import nn
 
 from mixprec.cli.formats_cmd import formats_table
 from mixprec.cli.table import render_table
+from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
+from mixprec.master.compensated import AdamW
 from mixprec.numerics.formats import FORMATS
-from mixprec.policy.autocast import autocast
-from mixprec.policy.casting import cast_module
 from mixprec.policy.parse import parse_policy_list
 from mixprec.policy.policy import Policy
 
@@ -61,32 +61,32 @@ def _model(seed: int) -> nn.Module:
 
 
 def train_once(policy: Policy, steps: int, seed: int) -> dict:
-    """Train under ``policy``; returns first/last loss, held-out accuracy and time per step."""
+    """Train under ``policy`` with MixedPrecision; returns losses, accuracy, time per step and stats."""
     x, y = _data(seed)
     split = _SAMPLES * 7 // 8
     train_x, train_y, test_x, test_y = x[:split], y[:split], x[split:], y[split:]
-    model = cast_module(_model(seed), policy)
-    # Until FP32 master weights arrive, low-precision parameters are updated in place.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    model = _model(seed)
+    optimizer_class = AdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
+    mp = MixedPrecision(model, optimizer_class(model.parameters(), lr=2e-3), policy)
     gen = torch.Generator().manual_seed(seed)
     losses = []
     start = time.perf_counter()
     for _ in range(steps):
         idx = torch.randint(0, len(train_x), (_BATCH,), generator=gen)
-        with autocast(policy, model):
+        with mp.autocast():
             loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        mp.backward(loss)
+        mp.step()
         losses.append(loss.item())  # host sync, once per step: fine for a demo
     seconds = time.perf_counter() - start
-    with torch.no_grad(), autocast(policy, model):
+    with torch.no_grad(), mp.autocast():
         accuracy = (model(test_x).argmax(dim=1) == test_y).float().mean().item()
     return {
         "first_loss": sum(losses[:10]) / 10,
         "last_loss": sum(losses[-10:]) / 10,
         "accuracy": accuracy,
         "ms_per_step": 1e3 * seconds / steps,
+        "stats": mp.stats(),
     }
 
 
@@ -98,28 +98,37 @@ def run(args: argparse.Namespace) -> int:
         f"Training a {_FEATURES}-{_HIDDEN}-{_HIDDEN}-{_CLASSES} MLP for {args.steps} steps per policy "
         f"(synthetic data, seed {args.seed}, {torch.get_num_threads()} threads)\n"
     )
+    for spec, policy in pairs:
+        print(f"{spec}: {policy}" + (f"  [{policy.reason}]" if policy.reason else ""))
     rows, reference_ms = [], None
     for spec, policy in pairs:
         result = train_once(policy, args.steps, args.seed)
         reference_ms = reference_ms or result["ms_per_step"]
+        stats = result["stats"]
         rows.append(
             [
                 spec,
-                str(policy),
                 f"{result['first_loss']:.3f} -> {result['last_loss']:.3f}",
                 f"{100 * result['accuracy']:.1f}%",
                 f"{result['ms_per_step']:.2f}",
                 f"{reference_ms / result['ms_per_step']:.2f}x",
+                str(stats.skipped_steps),
+                f"{stats.scale:g}",
+                f"{stats.bytes_per_param.total:.1f}",
             ]
         )
-        if policy.reason:
-            print(f"{spec}: {policy.reason}")
+    headers = [
+        "policy",
+        "train loss",
+        "test acc",
+        "ms/step",
+        f"speed vs {pairs[0][0]}",
+        "skipped",
+        "scale",
+        "bytes/param",
+    ]
     print()
-    print(
-        render_table(
-            ["policy", "meaning", "train loss", "test acc", "ms/step", f"speed vs {pairs[0][0]}"], rows, align="llrrrr"
-        )
-    )
+    print(render_table(headers, rows))
     print("\nThe float formats:\n")
     print(formats_table(list(FORMATS.values())))
     return 0

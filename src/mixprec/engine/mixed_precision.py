@@ -40,7 +40,7 @@ from mixprec.scaling.base import LossScaler
 from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.scaling.static import NoOpLossScaler
 
-__all__ = ["MixedPrecision", "StepResult", "default_scaler"]
+__all__ = ["MixedPrecision", "StepResult", "default_scaler", "needs_compensated_optimizer"]
 
 
 def default_scaler(policy: Policy) -> LossScaler:
@@ -48,6 +48,12 @@ def default_scaler(policy: Policy) -> LossScaler:
     if torch.float16 in (policy.compute_dtype, policy.param_dtype):
         return DynamicLossScaler()
     return NoOpLossScaler()
+
+
+def needs_compensated_optimizer(policy: Policy) -> bool:
+    """True when the policy keeps no FP32 copy of low-precision weights (``pure_bf16``): the optimizer
+    must then compensate its rounding itself (``mixprec.AdamW``)."""
+    return policy.master_dtype == policy.param_dtype != torch.float32
 
 
 class StepResult:
@@ -122,8 +128,7 @@ class MixedPrecision:
         self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
 
         lowered = lowered_parameters(model, self.policy) if self.policy.param_dtype != torch.float32 else []
-        no_masters = self.policy.master_dtype == self.policy.param_dtype != torch.float32
-        if no_masters and lowered and not isinstance(optimizer, CompensatedAdamW):
+        if needs_compensated_optimizer(self.policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
             raise ValueError(
                 f"policy {self.policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
                 "round small updates away in low precision. Build the optimizer as "

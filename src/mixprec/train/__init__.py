@@ -1,0 +1,1 @@
+"""Training on built-in tasks and user models (the trainer arrives with its own issue)."""

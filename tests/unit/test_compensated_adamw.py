@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+import mixprec
+
+
+def run_pair(steps, dtype=torch.float32, lr=3e-3, **kwargs):
+    """mixprec.AdamW and torch.optim.AdamW (FP32, single-tensor) on the same gradients."""
+    torch.manual_seed(0)
+    start = torch.randn(64)
+    bias = torch.randn(64) * 0.5  # gradients with a consistent direction, so weights drift
+    ref = torch.nn.Parameter(start.clone())
+    ours = torch.nn.Parameter(start.clone().to(dtype))
+    groups = dict(lr=lr, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+    ref_opt = torch.optim.AdamW([ref], foreach=False, **groups)
+    our_opt = mixprec.AdamW([ours], **groups, **kwargs)
+    for _ in range(steps):
+        grad = torch.randn(64) + bias
+        ref.grad, ours.grad = grad.clone(), grad.to(dtype)
+        ref_opt.step()
+        our_opt.step()
+    return ref, ours, our_opt
+
+
+def test_fp32_parameters_match_torch_adamw_bit_for_bit():
+    ref, ours, _ = run_pair(50)
+    assert torch.equal(ref, ours)
+
+
+def test_param_groups_and_lr_changes_are_honoured():
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = mixprec.AdamW([{"params": [a], "lr": 0.1}, {"params": [b]}], lr=0.0, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    a.grad, b.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    assert torch.all(a < 1) and torch.equal(b, torch.ones(4))
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("update", ["kahan", "stochastic"])
+def test_bf16_compensated_updates_track_fp32_better_than_rounding(update):
+    # lr 1e-4: most single updates are below half a bf16 ulp, so plain rounding loses them
+    ref, ours, _ = run_pair(1000, torch.bfloat16, lr=1e-4, update=update, generator=torch.Generator().manual_seed(0))
+    _, rounded, _ = run_pair(1000, torch.bfloat16, lr=1e-4, update="nearest")
+    error = (ours.float() - ref).abs().mean().item()
+    rounding_error = (rounded.float() - ref).abs().mean().item()
+    assert error < rounding_error / 2, (error, rounding_error)
+
+
+def test_kahan_keeps_tiny_updates():
+    p = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    opt = mixprec.AdamW([p], lr=1e-4, weight_decay=0.0)  # each update is far below bf16's ulp at 1.0
+    for _ in range(200):
+        p.grad = torch.ones(1000, dtype=torch.bfloat16)
+        opt.step()
+    total = p.float() + opt.state[p]["kahan_comp"].float()
+    assert total.mean().item() == pytest.approx(1 - 200 * 1e-4, rel=1e-3)  # nothing lost
+    nearest = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    plain = mixprec.AdamW([nearest], lr=1e-4, weight_decay=0.0, update="nearest")
+    for _ in range(200):
+        nearest.grad = torch.ones(1000, dtype=torch.bfloat16)
+        plain.step()
+    assert torch.equal(nearest, torch.ones(1000, dtype=torch.bfloat16))  # plain bf16 rounds every update away
+
+
+def test_state_is_stored_in_the_parameter_dtype():
+    _, ours, opt = run_pair(2, torch.bfloat16)
+    state = opt.state[ours]
+    assert {k: v.dtype for k, v in state.items()} == {
+        "step": torch.float32,
+        "exp_avg": torch.bfloat16,
+        "exp_avg_sq": torch.bfloat16,
+        "kahan_comp": torch.bfloat16,
+    }
+    _, ours, opt = run_pair(2, torch.bfloat16, update="stochastic")
+    assert "kahan_comp" not in opt.state[ours]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1.0}, "lr=...\\) must be >= 0"),
+        ({"betas": (1.0, 0.9)}, "betas"),
+        ({"eps": -1.0}, "eps"),
+        ({"update": "fast"}, "update=...\\): received 'fast'; use one of 'kahan', 'stochastic', 'nearest'"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mixprec.AdamW([torch.nn.Parameter(torch.ones(1))], **kwargs)
