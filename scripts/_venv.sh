@@ -1,6 +1,6 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: make .venv ready, fast when it already is.
 # Installs torch==2.13.0 first (the CPU wheel on these machines; an unpinned torch would pull
-# several GB of CUDA packages), then mixprec in editable mode with its dev extra.
+# several GB of CUDA packages), then mixprec in editable mode with every extra.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=.venv
@@ -12,8 +12,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "Installing torch==2.13.0, then mixprec[dev] into $VENV" >&2
+  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,dev] into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,dev]"
   echo "$want" > "$stamp"
 fi

@@ -20,6 +20,7 @@ from mixprec.policy import (
     get_policy,
 )
 from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler, StaticLossScaler
+from mixprec.train import TaskConfig, TaskParts, TrainConfig, Trainer
 
 try:
     __version__ = version("mixprec")
@@ -43,6 +44,10 @@ __all__ = [
     "StaticLossScaler",
     "Stats",
     "StepResult",
+    "TaskConfig",
+    "TaskParts",
+    "TrainConfig",
+    "Trainer",
     "__version__",
     "autocast",
     "cast_module",

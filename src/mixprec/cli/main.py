@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from mixprec.cli import demo, formats_cmd, policy_cmd
+from mixprec.cli import compare_cmd, demo, export_cmd, formats_cmd, policy_cmd, train_cmd
 
 USAGE_ERROR = 2
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", parser_class=_Parser)
-    for command in (formats_cmd, policy_cmd, demo):
+    for command in (formats_cmd, policy_cmd, train_cmd, compare_cmd, export_cmd, demo):
         command.add_parser(subparsers)
     return parser
 
@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     try:
         return args.run(args)
+    except ModuleNotFoundError as exc:
+        print(
+            f"mixprec {args.command}: error: {exc}; install the extras: pip install 'mixprec[train]'", file=sys.stderr
+        )
+        return USAGE_ERROR
     except (ValueError, TypeError, OSError) as exc:
         if os.environ.get("MIXPREC_DEBUG"):
             raise

@@ -375,6 +375,20 @@ class MixedPrecision:
             bytes_per_param=model_state_bytes(self.model, masters, self.optimizer, self.accumulate_in_fp32),
         )
 
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in FP32, with the exact master values where the model holds rounded copies.
+
+        This is the model to evaluate as the FP32 reference or to export; ``model.state_dict()`` under an
+        o2 policy holds the bf16/fp16 roundings.
+        """
+        exact = dict(zip(map(id, self.masters.model_params), self.masters.state(), strict=True)) if self.masters else {}
+        named = self.model.named_parameters(remove_duplicate=False)  # tied weights under every name
+        by_name = {name: exact.get(id(param), param.detach()) for name, param in named}
+        return {
+            name: by_name.get(name, value).float() if value.is_floating_point() else value
+            for name, value in self.model.state_dict().items()
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Scalers, master weights and counters (the optimizer and model save their own). Host sync."""
         return {

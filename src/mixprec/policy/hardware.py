@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceCaps", "device_caps", "device_type_of"]
+__all__ = ["DeviceCaps", "device_caps", "device_type_of", "machine_info"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +118,25 @@ def _cuda_caps() -> DeviceCaps:
         bf16_note=f"bf16: {name} " + ("has bf16 tensor cores" if major >= 8 else "has no bf16 tensor cores"),
         tf32_note=f"tf32: {name} " + ("has TF32 tensor cores" if major >= 8 else "has no TF32 units"),
     )
+
+
+def machine_info() -> dict[str, object]:
+    """What a result was measured on: CPU, threads, accelerator, versions (for reports and benchmarks)."""
+    import os
+    import sys
+
+    from mixprec import __version__
+
+    cpu = device_caps("cpu")
+    return {
+        "cpu": cpu.description,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "bf16": cpu.bf16_note,
+        "fp16": cpu.fp16_note,
+        "cuda": device_caps("cuda").description if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mixprec": __version__,
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+    }

@@ -1,0 +1,143 @@
+"""``mixprec train``: train a built-in task or your own model under a policy, into a run folder."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mixprec.train.config import TrainConfig
+from mixprec.train.task import BUILTIN_TASKS
+from mixprec.train.trainer import TrainingInterrupted
+
+if TYPE_CHECKING:
+    from mixprec.train.run import RunOutcome
+
+INTERRUPTED = 130
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by train and compare; each maps to a TrainConfig field."""
+    parser.add_argument("task", nargs="?", help=f"a built-in task ({', '.join(BUILTIN_TASKS)})")
+    parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="passes over the training data (default: the task's)")
+    length.add_argument("--steps", type=int, help="optimizer updates instead of epochs")
+    parser.add_argument("--batch-size", type=int, help="samples per micro-batch (default: the task's)")
+    parser.add_argument("--lr", type=float, help="peak learning rate of AdamW (cosine decay to 10%%)")
+    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default: the task's)")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the true gradient norm to this")
+    parser.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
+    parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
+    parser.add_argument("--eval-every", type=int, help="evaluate every N updates (default: at the end)")
+    parser.add_argument("--log-every", type=int, default=10, help="log metrics every N updates (default 10)")
+    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N updates (default: at the end)")
+    parser.add_argument("--keep", type=int, default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)")
+    parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a built-in task with progress, metrics, checkpoints, plots",
+        description="Train a task under a precision policy; writes metrics, checkpoints, plots and a report.",
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--policy", default="auto", help="preset or policy string (default: auto)")
+    parser.add_argument("--out", type=Path, help="run folder (default: runs/TASK-POLICY-TIME)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.set_defaults(run=run)
+
+
+def task_spec(args: argparse.Namespace) -> str:
+    if args.task and args.model:
+        raise ValueError(f"give a task ({args.task!r}) or --model ({args.model!r}), not both.")
+    if args.model:
+        sys.path.insert(0, os.getcwd())  # so that --model finds modules next to where the command runs
+        return args.model
+    if not args.task:
+        raise ValueError(f"name a task ({', '.join(BUILTIN_TASKS)}) or pass --model MODULE:FACTORY.")
+    return args.task
+
+
+def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
+    return TrainConfig(
+        task=task_spec(args),
+        policy=policy,
+        epochs=args.epochs,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        seed=args.seed,
+        size=args.size,
+        accumulation_steps=args.accumulation_steps,
+        eval_every=args.eval_every,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        skip_bad_batches=args.skip_bad_batches,
+        device=args.device,
+    )
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in text)[:60]
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.train.run import run_training  # needs the 'train' extra (plots)
+
+    if args.resume:
+        if args.out is None:
+            raise ValueError("--resume needs --out RUN_FOLDER: the run to continue.")
+        config = TrainConfig.load(args.out)
+        if args.steps is not None or args.epochs is not None:  # resuming may extend the run
+            config = config.replace(steps=args.steps, epochs=args.epochs)
+        out = args.out
+    else:
+        config = config_from(args, args.policy)
+        out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        outcome = run_training(config, out, resume=args.resume, progress=not args.quiet)
+    except TrainingInterrupted as stop:
+        where = f"; checkpoint saved to {stop.checkpoint}" if stop.checkpoint else ""
+        print(
+            f"mixprec train: interrupted at step {stop.step}{where}. Resume with: mixprec train --out {out} --resume",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+    print(summary(outcome))
+    return 0
+
+
+def summary(outcome: RunOutcome) -> str:
+    """The one-screen summary printed at the end of a run."""
+    result, stats = outcome.result, outcome.result.stats
+    lines = [
+        ("task", f"{outcome.config.task}: {outcome.description}"),
+        ("policy", f"{outcome.policy}" + (f"  [{outcome.policy.reason}]" if outcome.policy.reason else "")),
+        ("trained", f"{result.steps} steps, {result.epochs} epochs in {result.seconds:.1f} s"),
+        ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s"),
+        ("final train loss", f"{result.train_loss:.4f}"),
+        *((f"eval {k}", f"{v:.4f}") for k, v in result.eval.items()),
+        (
+            "loss scale",
+            f"{stats.scale:g} ({stats.skipped_steps} steps skipped: {stats.inf_steps} inf, {stats.nan_steps} NaN)",
+        ),
+        ("model state", f"{stats.bytes_per_param.total:.1f} bytes/param x {outcome.parameters:,} params"),
+        ("activations", f"{outcome.activation_bytes / 2**20:.2f} MB saved for backward per eval batch"),
+        ("run folder", str(outcome.run_dir)),
+        ("report", str(outcome.report)),
+    ]
+    if stats.diagnosis:
+        lines.append(("diagnosis", stats.diagnosis))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)

@@ -1,0 +1,126 @@
+"""TrainConfig: one typed, frozen description of a training run, shared by the CLI and the run folder.
+
+The CLI parses its flags into it, every run writes it to ``config.json``, ``--resume`` and ``export``
+read it back. Reading checks every key: unknown keys and wrong types are errors, and nothing is
+evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CONFIG_FILE", "TrainConfig"]
+
+CONFIG_FILE = "config.json"
+SIZES = ("default", "tiny")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run (None: the task's default)."""
+
+    task: str
+    policy: str = "auto"
+    epochs: int | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
+    seed: int = 0
+    size: str = "default"
+    accumulation_steps: int = 1
+    eval_every: int | None = None
+    log_every: int = 10
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 3
+    skip_bad_batches: bool = False
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not _has_type(value, typing.get_type_hints(TrainConfig)[field.name]):
+                raise ValueError(
+                    f"config '{field.name}': received {value!r} (of type {type(value).__name__}); "
+                    f"expected {_type_name(typing.get_type_hints(TrainConfig)[field.name])}."
+                )
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("config: give epochs or steps, not both.")
+        for name in (
+            "epochs",
+            "steps",
+            "batch_size",
+            "accumulation_steps",
+            "eval_every",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"config '{name}' must be >= 1; received {value}.")
+        for name in ("lr", "weight_decay", "max_grad_norm"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"config '{name}' must be >= 0; received {value}.")
+        if self.size not in SIZES:
+            raise ValueError(f"config 'size': received {self.size!r}; use one of {', '.join(SIZES)}.")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "config") -> TrainConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object; received {type(data).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown keys {unknown}; known keys: {', '.join(sorted(known))}.")
+        if "task" not in data:
+            raise ValueError(f"{source}: the key 'task' is missing.")
+        return cls(**data)
+
+    def save(self, run_dir: Path) -> Path:
+        path = run_dir / CONFIG_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> TrainConfig:
+        path = Path(run_dir) / CONFIG_FILE
+        if not path.is_file():
+            raise ValueError(f"{run_dir} is not a mixprec run folder: it has no {CONFIG_FILE}.")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not readable JSON ({exc}).") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _has_type(value: Any, annotation: Any) -> bool:
+    if isinstance(annotation, types.UnionType):
+        return any(_has_type(value, arm) for arm in annotation.__args__)
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in annotation.__args__)
+    return "null" if annotation is type(None) else annotation.__name__

@@ -1,0 +1,490 @@
+"""Trainer: a training loop for built-in tasks and simple user models, on top of MixedPrecision.
+
+It has no numerics of its own: casting, scaling, skipping and master weights are MixedPrecision's.
+What it adds: epochs and steps, evaluation, metrics (JSONL, TensorBoard), progress, checkpoints that
+resume bit-identically, a clean stop on Ctrl-C, and a refusal to train on non-finite inputs.
+
+Records in ``metrics.jsonl``:
+    train  step, epoch, loss (mean since the last record), scale, skipped_steps (cumulative), skipped_at
+           (steps skipped since the last record), samples_per_s, ms_per_step, lr, time (seconds)
+    eval   step, loss, and the task's metric (e.g. accuracy)
+
+Host syncs: one per logged step (the running loss), one per step for the input check (``check_inputs``),
+and those of MixedPrecision.step().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.stats import Stats
+from mixprec.policy.policy import Policy
+from mixprec.scaling.base import LossScaler
+from mixprec.train.checkpoint import load_latest, save_checkpoint
+from mixprec.train.evaluate import batch_size, evaluate, to_device
+from mixprec.train.metrics_log import MetricsLog
+from mixprec.train.progress import ProgressBar
+from mixprec.train.task import Metric
+
+__all__ = ["FitResult", "Trainer", "TrainingInterrupted"]
+
+logger = logging.getLogger("mixprec")
+BAD_BATCH_ACTIONS = ("stop", "skip")
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C during fit(): a checkpoint was saved (when the run has a folder); ``checkpoint`` is its path."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"interrupted at step {step}" + (f"; checkpoint saved to {checkpoint}" if checkpoint else ""))
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+@dataclass(frozen=True)
+class FitResult:
+    steps: int
+    epochs: int
+    seconds: float
+    train_loss: float
+    eval: dict[str, float]
+    ms_per_step: float
+    samples_per_s: float
+    stats: Stats
+    history: list[dict[str, Any]]
+    run_dir: Path | None
+
+
+class Trainer:
+    """Train ``model`` on ``train_data`` with ``optimizer`` under ``policy``; evaluate on ``eval_data``.
+
+    Args:
+        model, optimizer, policy, scaler, accumulation_steps: as for :class:`mixprec.MixedPrecision`.
+        train_data, eval_data: re-iterable batches of ``(inputs, targets)`` (e.g. DataLoaders).
+        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar loss.
+        metric: an evaluation metric (:data:`mixprec.train.task.accuracy`), or None.
+        scheduler: an LR scheduler, stepped after each applied update (never after a skipped one).
+        max_grad_norm: clip the true gradient norm to this (None: no clipping).
+        out_dir: the run folder for metrics, checkpoints and TensorBoard (None: nothing written).
+        seed: seeds the data order of every epoch (via the data's ``generator``) and the global RNGs.
+        eval_every, log_every, checkpoint_every: in update steps (eval and checkpoint also at the end).
+        keep_checkpoints: how many checkpoints to keep.
+        progress: show a progress bar.
+        check_inputs: refuse inputs holding NaN or inf; ``on_bad_batch`` says whether to "stop" or "skip".
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Iterable,
+        eval_data: Iterable | None,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        policy: Policy | str = "auto",
+        *,
+        metric: Metric | None = None,
+        scheduler: Any = None,
+        scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        out_dir: str | Path | None = None,
+        seed: int = 0,
+        eval_every: int | None = None,
+        log_every: int = 10,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        progress: bool = True,
+        check_inputs: bool = True,
+        on_bad_batch: str = "stop",
+    ) -> None:
+        if on_bad_batch not in BAD_BATCH_ACTIONS:
+            raise ValueError(f"Trainer(on_bad_batch=...): received {on_bad_batch!r}; use 'stop' or 'skip'.")
+        for name, value in (("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Trainer({name}=...) must be an integer >= 1; received {value!r}.")
+        self.model = model
+        self.mp = MixedPrecision(model, optimizer, policy, scaler, accumulation_steps=accumulation_steps)
+        self.optimizer = optimizer
+        self.train_data, self.eval_data = train_data, eval_data
+        self.loss_fn, self.metric, self.scheduler = loss_fn, metric, scheduler
+        self.max_grad_norm = max_grad_norm
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.seed = seed
+        self.eval_every, self.log_every, self.checkpoint_every = eval_every, log_every, checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.progress, self.check_inputs, self.on_bad_batch = progress, check_inputs, on_bad_batch
+        self.step = 0  # applied or skipped updates so far
+        self.epoch = 0
+        self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
+        self._committed = (0, 0)  # (epoch, batch_in_epoch) after the last completed update: where a resume starts
+        self._committed_rng: dict[str, Any] | None = None  # the random state there
+        self._committed_buffers: list[torch.Tensor] = []  # and the model's buffers (e.g. batch-norm statistics)
+        self._stop_requested = False
+        self.skipped_batches = 0  # bad input batches dropped with on_bad_batch="skip"
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log = MetricsLog(self.out_dir)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mp.device
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.out_dir / "checkpoints" if self.out_dir is not None else None
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self, epochs: int | None = None, steps: int | None = None, resume: bool = False) -> FitResult:
+        """Train for ``epochs`` passes or ``steps`` updates (exactly one of them); ``resume`` continues from
+        the newest valid checkpoint in the run folder.
+
+        Ctrl-C stops after the current update and saves a checkpoint there; a second Ctrl-C stops at once
+        and saves the state of the last completed update (position, random state, buffers).
+
+        Raises:
+            TrainingInterrupted: on Ctrl-C, after saving a checkpoint.
+            ValueError: bad arguments, or a batch with non-finite inputs under ``on_bad_batch="stop"``.
+        """
+        total = self._total_steps(epochs, steps)
+        if resume:
+            self._resume()
+        else:
+            self.check_new_run()
+            self._seed_everything()
+        bar = ProgressBar(total, "training", self.progress)
+        window = _Window(time.perf_counter())
+        start = time.perf_counter()
+        try:
+            with _stop_on_first_ctrl_c(self):
+                while self.step < total and not self._stop_requested:
+                    self._run_epoch(total, window, bar)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one raised from inside a step
+            bar.close()
+            self._restore_committed()
+            raise TrainingInterrupted(self.step, self.save_checkpoint()) from None
+        finally:
+            bar.close()
+        if self._stop_requested:
+            raise TrainingInterrupted(self.step, self.save_checkpoint())
+        seconds = time.perf_counter() - start
+        self.save_checkpoint()
+        evaluation = self._final_evaluation()
+        self.log.close()
+        train = [r for r in self.log.records if r["kind"] == "train"]
+        timed = [r["ms_per_step"] for r in train if r["ms_per_step"] > 0]
+        return FitResult(
+            steps=self.step,
+            epochs=self.epoch,
+            seconds=seconds,
+            train_loss=train[-1]["loss"] if train else math.nan,
+            eval=evaluation,
+            ms_per_step=float(np.median(timed)) if timed else math.nan,
+            samples_per_s=float(np.median([r["samples_per_s"] for r in train])) if train else math.nan,
+            stats=self.mp.stats(),
+            history=list(self.log.records),
+            run_dir=self.out_dir,
+        )
+
+    def _total_steps(self, epochs: int | None, steps: int | None) -> int:
+        if (epochs is None) == (steps is None):
+            raise ValueError(f"fit() takes exactly one of epochs= or steps=; received epochs={epochs}, steps={steps}.")
+        value, name = (epochs, "epochs") if epochs is not None else (steps, "steps")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fit({name}=...) must be an integer >= 1; received {value!r}.")
+        if steps is not None:
+            return steps
+        try:
+            batches = len(self.train_data)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError("fit(epochs=...) needs train_data with a length; pass steps= instead.") from None
+        per_epoch = batches // self.mp.accumulation_steps
+        if per_epoch < 1:
+            raise ValueError(
+                f"one epoch has {batches} batches, fewer than accumulation_steps={self.mp.accumulation_steps}: "
+                "lower the batch size or the accumulation steps."
+            )
+        return epochs * per_epoch
+
+    def check_new_run(self) -> None:
+        """Refuse to start a fresh run in a folder that already holds one (its checkpoints would be lost)."""
+        if self.checkpoint_dir is not None and list(self.checkpoint_dir.glob("step-*.safetensors")):
+            raise ValueError(
+                f"{self.out_dir} already holds a run with checkpoints; resume it (resume=True, CLI --resume) "
+                "or choose a new folder."
+            )
+
+    def _seed_everything(self) -> None:
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+
+    def _seed_epoch(self) -> None:
+        generator = getattr(self.train_data, "generator", None)
+        if isinstance(generator, torch.Generator):
+            generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+
+    def _run_epoch(self, total: int, window: _Window, bar: ProgressBar) -> None:
+        self._seed_epoch()
+        self.model.train()
+        batches = iter(self.train_data)
+        for _ in range(self.batch_in_epoch):  # resuming mid-epoch: replay the order, skip what was done
+            next(batches)
+        for inputs, targets in batches:
+            self.batch_in_epoch += 1
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+            if self.check_inputs and not self._inputs_ok(inputs):
+                continue
+            with self.mp.autocast():
+                loss = self.loss_fn(self.model(inputs), targets)
+            self.mp.backward(loss)
+            if self.max_grad_norm is not None and self.mp.at_update_boundary:
+                self.mp.clip_grad_norm_(self.max_grad_norm)
+            window.add(loss.detach(), batch_size(targets))
+            if not self.mp.step().update_step:
+                continue
+            if self.scheduler is not None:
+                self.mp.step_scheduler(self.scheduler)
+            self.step += 1
+            self._commit()
+            window.updates += 1
+            if self.step % self.log_every == 0 or self.step == total:
+                record = self._train_record(window)
+                bar.update(self.step, loss=record["loss"], scale=record["scale"])
+            if self.eval_every and self.step % self.eval_every == 0 and self.eval_data is not None:
+                self._evaluate_and_log()
+            if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                self.save_checkpoint()
+            if self.step >= total or self._stop_requested:
+                break
+        else:
+            self._next_epoch()
+            return
+        if self.batch_in_epoch == _length(self.train_data):  # stopped on the epoch's last batch: it is complete
+            self._next_epoch()
+
+    def _commit(self) -> None:
+        """Remember where a resume would start: position, random state, buffers (after each update)."""
+        self._committed, self._committed_rng = (self.epoch, self.batch_in_epoch), _get_rng()
+        buffers = [b for b in self.model.buffers()]
+        if len(self._committed_buffers) != len(buffers):
+            self._committed_buffers = [b.detach().clone() for b in buffers]
+        elif buffers:
+            torch._foreach_copy_(self._committed_buffers, [b.detach() for b in buffers])
+
+    def _restore_committed(self) -> None:
+        """Undo an unfinished window, so that the checkpoint resumes exactly at the last update."""
+        self.mp.zero_grad()
+        self.epoch, self.batch_in_epoch = self._committed
+        if self._committed_rng is not None:
+            _set_rng(self._committed_rng)
+        with torch.no_grad():
+            for buffer, saved in zip(self.model.buffers(), self._committed_buffers, strict=False):
+                buffer.copy_(saved)
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        if self._committed[1] == _length(self.train_data):
+            self._committed = (self.epoch, 0)
+
+    def _inputs_ok(self, inputs: Any) -> bool:
+        tensor = inputs if isinstance(inputs, torch.Tensor) else None
+        if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):  # host sync
+            return True
+        where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
+        if self.on_bad_batch == "stop":
+            raise ValueError(
+                f"{where} has NaN or inf in its inputs; refusing to train on it. Clean the data, or pass "
+                "on_bad_batch='skip' (CLI: --skip-bad-batches) to drop such batches."
+            )
+        self.skipped_batches += 1
+        logger.warning("Skipping %s: NaN or inf in its inputs (%d bad batches so far)", where, self.skipped_batches)
+        return False
+
+    def _train_record(self, window: _Window) -> dict[str, Any]:
+        stats = self.mp.stats()
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.epoch,
+            **window.flush(),
+            "scale": stats.scale,
+            "skipped_steps": stats.skipped_steps,
+            "skipped_at": [s + 1 for s in stats.recent_overflow_steps if s + 1 > self._last_logged_step()],
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
+        self.log.write(record)
+        return record
+
+    def _last_logged_step(self) -> int:
+        train = [r for r in self.log.records if r["kind"] == "train"]
+        return train[-1]["step"] if train else 0
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss (and the metric) over ``eval_data`` under the policy, without gradients."""
+        if self.eval_data is None:
+            raise ValueError("evaluate() needs eval_data; the Trainer was built with eval_data=None.")
+        return evaluate(self.model, self.eval_data, self.loss_fn, self.metric, self.mp.autocast, self.device)
+
+    def _final_evaluation(self) -> dict[str, float]:
+        if self.eval_data is None:
+            return {}
+        last = self.log.records[-1] if self.log.records else None
+        if last is not None and last["kind"] == "eval" and last["step"] == self.step:  # just evaluated here
+            return {k: v for k, v in last.items() if k not in ("kind", "step")}
+        return self._evaluate_and_log()
+
+    def _evaluate_and_log(self) -> dict[str, float]:
+        result = self.evaluate()
+        self.log.write({"kind": "eval", "step": self.step, **result})
+        return result
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "mixed_precision": self.mp.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": _get_rng(),
+            "position": {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "skipped_batches": self.skipped_batches,
+                "seed": self.seed,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.mp.load_state_dict(state["mixed_precision"])  # after the model: masters overwrite lowered weights
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state["scheduler"] is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            _set_rng(state["rng"])
+            position = state["position"]
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise ValueError(f"the checkpoint does not fit this model and optimizer: {exc}") from None
+        self.step, self.epoch = position["step"], position["epoch"]
+        self.batch_in_epoch, self.skipped_batches = position["batch_in_epoch"], position["skipped_batches"]
+        self._committed = (self.epoch, self.batch_in_epoch)
+
+    def save_checkpoint(self) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=self.keep_checkpoints)
+
+    def _resume(self) -> None:
+        if self.checkpoint_dir is None:
+            raise ValueError("resume=True needs out_dir: the run folder that holds the checkpoints.")
+        found = load_latest(self.checkpoint_dir)
+        if found is None:
+            raise ValueError(f"no usable checkpoint in {self.checkpoint_dir}; nothing to resume.")
+        path, state = found
+        self.load_state_dict(state)
+        self.log.truncate_after(self.step)
+        logger.info("Resumed from %s (step %d, epoch %d)", path, self.step, self.epoch)
+
+
+class _Window:
+    """Running loss, samples and time since the last train record (the loss stays on the device)."""
+
+    def __init__(self, now: float) -> None:
+        self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
+        self.origin = now
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss = loss.float() if self.loss is None else self.loss + loss.float()
+        self.batches += 1
+        self.samples += samples
+
+    def flush(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        loss = float(self.loss) / self.batches if self.batches else math.nan  # host sync: once per record
+        record = {
+            "loss": loss,
+            "samples_per_s": self.samples / elapsed,
+            "ms_per_step": 1e3 * elapsed / max(self.updates, 1),
+            "time": now - self.origin,
+        }
+        self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
+        return record
+
+
+def _length(data: Iterable) -> int | None:
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+@contextlib.contextmanager
+def _stop_on_first_ctrl_c(trainer: Trainer):
+    """The first Ctrl-C asks the loop to stop after the current update; a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def handler(signum, frame):
+        if trainer._stop_requested:
+            raise KeyboardInterrupt
+        trainer._stop_requested = True
+        logger.warning("Stopping after the current step; press Ctrl-C again to stop at once")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _get_rng() -> dict[str, Any]:
+    """Every global random state a training step may draw from."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(_numpy_rng_from(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _numpy_rng_from(state: dict[str, Any]) -> tuple:
+    keys = state["keys"].numpy().astype(np.uint32)
+    return state["name"], keys, state["position"], state["has_gauss"], state["cached_gaussian"]

@@ -1,0 +1,183 @@
+"""mixprec train / compare / export, run as a user would, on tiny settings."""
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.train.checkpoint import list_checkpoints, load_checkpoint
+
+MIXPREC = str(Path(sys.executable).with_name("mixprec"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*args, cwd=REPO, timeout=300):
+    return subprocess.run(
+        [MIXPREC, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
+    )
+
+
+def summary(stdout):
+    return {line[:18].strip(): line[18:].strip() for line in stdout.splitlines() if line[:18].strip()}
+
+
+def test_train_writes_a_complete_run(tmp_path):
+    result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run", "--quiet")
+    assert result.returncode == 0, result.stderr
+    lines = summary(result.stdout)
+    assert lines["trained"].startswith("46 steps, 2 epochs")
+    assert float(lines["eval accuracy"]) > 0.9
+    assert lines["model state"].startswith("16.0 bytes/param")
+    run_dir = tmp_path / "run"
+    for name in ("config.json", "metrics.jsonl", "report.md", "loss.png", "metric.png", "scale.png"):
+        assert (run_dir / name).is_file(), name
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000046.safetensors"]
+
+
+def assert_same_weights(a, b):
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for x, y in zip(a["mixed_precision"]["masters"], b["mixed_precision"]["masters"], strict=True):
+        assert torch.equal(x, y)
+
+
+def test_resume_from_the_cli_is_bit_identical(tmp_path):
+    # A 20-step run keeps its step-10 checkpoint; a copy of the run stopped there resumes to step 20.
+    args = ("train", "digits", "--size", "tiny", "--policy", "o2_bf16", "--steps", "20", "--checkpoint-every", "10")
+    assert run(*args, "--out", tmp_path / "straight", "--quiet").returncode == 0
+    stopped = tmp_path / "stopped"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "straight" / "config.json", stopped)
+    shutil.copy(tmp_path / "straight" / "checkpoints" / "step-00000010.safetensors", stopped / "checkpoints")
+    resumed = run("train", "--out", stopped, "--resume", "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert summary(resumed.stdout)["trained"].startswith("20 steps")
+    final = "checkpoints/step-00000020.safetensors"
+    assert_same_weights(load_checkpoint(tmp_path / "straight" / final), load_checkpoint(stopped / final))
+
+
+def test_compare_prints_one_table_and_a_report(tmp_path):
+    result = run(
+        "compare", "digits", "--size", "tiny", "--policies", "fp32,mixed_bf16,pure_bf16", "--out", tmp_path, "--quiet"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
+    assert {"fp32", "mixed_bf16", "pure_bf16"} <= rows.keys()
+    assert rows["fp32"][2] == "1.00x"  # speed relative to itself
+    assert rows["pure_bf16"][6] == "10.0"  # bytes/param of model state
+    assert float(rows["mixed_bf16"][4].rstrip("x")) < 1.0  # fewer activation bytes than FP32
+    for name in ("report.md", "compare_loss.png", "compare_scale.png"):
+        assert (tmp_path / name).is_file()
+    assert "| mixed_bf16 |" in (tmp_path / "report.md").read_text()
+
+
+def test_export_halves_the_file_and_reports_accuracy(tmp_path):
+    assert run("train", "digits", "--size", "tiny", "--policy", "o2_bf16", "--out", tmp_path, "--quiet").returncode == 0
+    result = run("export", tmp_path, "--dtype", "bf16", "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    fp32 = (tmp_path / "export" / "model-fp32.safetensors").stat().st_size
+    half = (tmp_path / "export" / "model-bf16.safetensors").stat().st_size
+    assert 0.45 < half / fp32 < 0.55
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
+    assert abs(float(rows["bf16"][4]) - float(rows["fp32"][4])) < 0.02  # accuracy barely moves
+    assert "accuracy change" in result.stdout
+
+
+def test_users_own_model_from_a_factory(tmp_path):
+    result = run(
+        "train",
+        "--model",
+        "examples.custom_model:build",
+        "--size",
+        "tiny",
+        "--policy",
+        "mixed_bf16",
+        "--out",
+        tmp_path,
+        "--quiet",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "two interleaved spirals" in result.stdout
+
+
+@pytest.mark.parametrize("task", ["charlm", "hf"])
+def test_language_model_tasks(tmp_path, task):
+    result = run("train", task, "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert 0 < float(summary(result.stdout)["eval bits_per_char"]) < 8.5  # below uniform over bytes is 8
+
+
+def test_ctrl_c_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
+    args = ["train", "digits", "--policy", "mixed_bf16", "--steps", "150", "--checkpoint-every", "10", "--quiet"]
+    process = subprocess.Popen(
+        [MIXPREC, *args, "--out", str(tmp_path / "stopped")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(tmp_path / "stopped" / "checkpoints") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)  # wherever it is: mid-step, mid-checkpoint, between steps
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "interrupted at step" in stderr and f"mixprec train --out {tmp_path / 'stopped'} --resume" in stderr
+    assert "Traceback" not in stderr
+    step = int(stderr.split("interrupted at step ")[1].split(";")[0])
+    assert 0 < step < 150
+    assert list_checkpoints(tmp_path / "stopped" / "checkpoints")[-1].name == f"step-{step:08d}.safetensors"
+    assert run("train", "--out", tmp_path / "stopped", "--resume", "--quiet").returncode == 0
+    assert run(*args, "--out", tmp_path / "straight").returncode == 0
+    final = "checkpoints/step-00000150.safetensors"
+    assert_same_weights(load_checkpoint(tmp_path / "straight" / final), load_checkpoint(tmp_path / "stopped" / final))
+
+
+def nan_factory_file(tmp_path):
+    (tmp_path / "nanfactory.py").write_text(
+        "import torch\n"
+        "from mixprec.train import TaskParts\n"
+        "def build(config):\n"
+        "    x = torch.randn(64, 4); x[5, 1] = float('nan'); y = torch.zeros(64, dtype=torch.int64)\n"
+        "    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]\n"
+        "    return TaskParts(model=torch.nn.Linear(4, 2), train_data=batches, eval_data=batches,\n"
+        "                     loss_fn=torch.nn.functional.cross_entropy)\n"
+        "def wrong(config):\n"
+        "    return 42\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("train", "digitz"), ("mixprec train: error:", "'digitz'", "digits, charlm, hf")),
+        (("train",), ("name a task",)),
+        (("train", "digits", "--policy", "mixed_fp8"), ("unknown policy",)),
+        (("train", "--model", "no_such_module:build"), ("cannot import 'no_such_module'",)),
+        (("train", "--model", "nanfactory:missing"), ("has no callable 'missing'",)),
+        (("train", "--model", "nanfactory:wrong"), ("returned int", "TaskParts")),
+        (
+            ("train", "--model", "nanfactory:build", "--policy", "fp32"),
+            ("NaN or inf in its inputs", "--skip-bad-batches"),
+        ),
+        (("train", "digits", "--batch-size", "0"), ("'batch_size' must be >= 1; received 0",)),
+        (("train", "--resume"), ("--resume needs --out",)),
+        (("train", "--out", "{tmp}", "--resume"), ("is not a mixprec run folder",)),
+        (("export", "{tmp}"), ("is not a mixprec run folder",)),
+        (("compare", "digits", "--policies", "fp32,bogus"), ("'bogus'",)),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
+    nan_factory_file(tmp_path)
+    args = [str(a).replace("{tmp}", str(tmp_path / "notarun")) for a in args]
+    result = run(*args, cwd=tmp_path)  # runs land in tmp_path/runs; factories import from tmp_path
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]

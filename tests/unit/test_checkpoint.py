@@ -1,0 +1,141 @@
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mixprec.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
+from mixprec.train.serialize import flatten, unflatten
+
+
+def nested_state():
+    shared = torch.arange(6, dtype=torch.float32)
+    return {
+        "model": {"w": torch.randn(3, 4, dtype=torch.bfloat16), "tied_a": shared, "tied_b": shared},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "name": None, "flag": True}],
+        },
+        "scalers": [{"scale": float("inf"), "min_scale": float("nan"), "tracker": -1}],
+        "rng": torch.get_rng_state(),
+        "python": (3, tuple(range(5)), None),
+    }
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b and type(a) is type(b)
+
+
+def test_flatten_round_trips_types_keys_and_specials():
+    state = nested_state()
+    tensors, skeleton = flatten(state)
+    assert_same(unflatten(skeleton, tensors), state)
+
+
+def test_flatten_refuses_objects():
+    with pytest.raises(TypeError, match=r"state\.fn: function values are not tensors"):
+        flatten({"fn": lambda: 0})
+
+
+def test_save_and_load_round_trip(tmp_path):
+    state = nested_state()
+    path = save_checkpoint(tmp_path, 7, state)
+    assert path.name == "step-00000007.safetensors"
+    assert_same(load_checkpoint(path), state)
+
+
+def test_keeps_the_newest(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor(step)}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.safetensors", "step-00000005.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_truncated_and_corrupt_files_are_detected_and_skipped(tmp_path, caplog):
+    save_checkpoint(tmp_path, 1, {"x": torch.ones(1000)})
+    save_checkpoint(tmp_path, 2, {"x": torch.full((1000,), 2.0)})
+    newest = list_checkpoints(tmp_path)[-1]
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(newest)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        path, state = load_latest(tmp_path)
+    assert path.name == "step-00000001.safetensors" and state["x"][0].item() == 1.0
+    assert "Skipping damaged checkpoint" in caplog.text
+
+    flipped = bytearray(data)
+    flipped[-10] ^= 0xFF  # a byte inside the tensor data
+    newest.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_checkpoint(newest)
+
+
+def test_foreign_files_are_refused(tmp_path):
+    foreign = tmp_path / "step-00000001.safetensors"
+    save_file({"x": torch.ones(2)}, str(foreign))
+    with pytest.raises(CheckpointError, match="not a mixprec checkpoint"):
+        load_checkpoint(foreign)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_a_pickle_payload_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "step-00000003.safetensors"
+    path.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+    assert load_latest(tmp_path) is None
+    assert not marker.exists()
+    torch.save({"x": torch.ones(1)}, path)  # a torch.save file is refused the same way
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+
+
+def test_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 1, {"x": torch.ones(10)})
+    script = textwrap.dedent(f"""
+        import torch, sys
+        from mixprec.train.checkpoint import save_checkpoint
+        big = {{"x": torch.randn(64, 1024, 1024)}}  # 256 MB: the write takes a while
+        print("ready", flush=True)
+        for step in range(2, 100):
+            save_checkpoint({str(tmp_path)!r}, step, big, keep=100)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.005)  # wait until a temporary file is being written
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    path, state = load_latest(tmp_path)  # every complete checkpoint verifies; the partial one is not listed
+    assert path.name.startswith("step-") and state["x"].numel() in (10, 64 * 1024 * 1024)
+    for checkpoint in list_checkpoints(tmp_path):
+        load_checkpoint(checkpoint)

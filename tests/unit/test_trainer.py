@@ -1,0 +1,180 @@
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec
+from mixprec.train import Trainer, TrainingInterrupted, accuracy
+from mixprec.train.checkpoint import list_checkpoints
+from mixprec.train.tasks.digits import DigitsCNN, load_digits_split
+
+DIGITS = load_digits_split()
+
+
+def make_trainer(out_dir, policy="o2_bf16", loss_fn=torch.nn.functional.cross_entropy, **kwargs):
+    train_x, train_y, test_x, test_y = DIGITS
+    torch.manual_seed(0)
+    model = DigitsCNN(width=8)
+    train = DataLoader(TensorDataset(train_x, train_y), batch_size=64, shuffle=True, generator=torch.Generator())
+    test = DataLoader(TensorDataset(test_x, test_y), batch_size=512)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.05 * step))
+    return Trainer(
+        model,
+        train,
+        test,
+        loss_fn,
+        optimizer,
+        policy,
+        metric=accuracy,
+        scheduler=scheduler,
+        out_dir=out_dir,
+        progress=False,
+        log_every=5,
+        max_grad_norm=1.0,
+        **kwargs,
+    )
+
+
+def parameters(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()] + [
+        m.clone() for m in (trainer.mp.masters.state() if trainer.mp.masters else [])
+    ]
+
+
+def assert_bit_identical(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_resume_continues_bit_identically(tmp_path, accumulation_steps):
+    # 30 updates straight, against 15 (mid-epoch), stop, resume, 15 more: the run crosses an epoch boundary.
+    straight = make_trainer(tmp_path / "straight", accumulation_steps=accumulation_steps)
+    straight.fit(steps=30)
+    first = make_trainer(tmp_path / "split", accumulation_steps=accumulation_steps)
+    first.fit(steps=15)
+    resumed = make_trainer(tmp_path / "split", accumulation_steps=accumulation_steps)
+    result = resumed.fit(steps=30, resume=True)
+    assert result.steps == 30
+    assert_bit_identical(parameters(straight), parameters(resumed))
+    assert straight.optimizer.param_groups[0]["lr"] == resumed.optimizer.param_groups[0]["lr"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches(tmp_path):
+    calls = {"n": 0}
+
+    def interrupting_loss(outputs, targets):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise KeyboardInterrupt
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    straight = make_trainer(tmp_path / "straight")
+    straight.fit(steps=25)
+    with pytest.raises(TrainingInterrupted) as stop:
+        make_trainer(tmp_path / "split", loss_fn=interrupting_loss).fit(steps=25)
+    assert stop.value.step == 19 and stop.value.checkpoint.name == "step-00000019.safetensors"
+    resumed = make_trainer(tmp_path / "split")
+    resumed.fit(steps=25, resume=True)
+    assert_bit_identical(parameters(straight), parameters(resumed))
+
+
+def test_metrics_file_and_final_checkpoint(tmp_path):
+    trainer = make_trainer(tmp_path, policy="mixed_bf16", eval_every=10)
+    result = trainer.fit(epochs=1)
+    assert result.steps == 23 and result.epochs == 1
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 23]
+    assert [r["step"] for r in evals] == [10, 20, 23]
+    assert set(train[0]) == {
+        "kind",
+        "step",
+        "epoch",
+        "loss",
+        "samples_per_s",
+        "ms_per_step",
+        "time",
+        "scale",
+        "skipped_steps",
+        "skipped_at",
+        "lr",
+    }
+    assert evals[-1]["accuracy"] == result.eval["accuracy"] > 0.15  # chance is 0.10 after 23 small steps
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000023.safetensors"]
+
+
+def test_skipped_steps_are_recorded(tmp_path):
+    trainer = make_trainer(tmp_path, policy="mixed_bf16")
+    weight = trainer.model.classifier.weight
+    calls = {"n": 0}
+
+    def poison(grad):
+        calls["n"] += 1
+        return grad * float("nan") if calls["n"] in (3, 7) else grad
+
+    weight.register_hook(poison)
+    trainer.fit(steps=10)
+    train = [r for r in trainer.log.records if r["kind"] == "train"]
+    assert train[0]["skipped_at"] == [3] and train[1]["skipped_at"] == [7]
+    assert train[-1]["skipped_steps"] == 2
+
+
+def nan_batches():
+    x = torch.randn(4, 1, 8, 8)
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    y = torch.zeros(4, dtype=torch.int64)
+    return [(x, y), (bad, y), (x, y)]
+
+
+def test_nan_inputs_stop_with_a_clear_message_or_are_skipped(tmp_path):
+    model = DigitsCNN(width=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, nan_batches(), None, torch.nn.functional.cross_entropy, optimizer, "fp32", progress=False)
+    with pytest.raises(ValueError, match=r"batch 2 of epoch 0 has NaN or inf in its inputs.*on_bad_batch='skip'"):
+        trainer.fit(epochs=1)
+    skipping = Trainer(
+        model,
+        nan_batches(),
+        None,
+        torch.nn.functional.cross_entropy,
+        optimizer,
+        "fp32",
+        progress=False,
+        on_bad_batch="skip",
+    )
+    assert skipping.fit(steps=2).steps == 2 and skipping.skipped_batches == 1
+
+
+def test_refuses_to_start_over_an_existing_run(tmp_path):
+    make_trainer(tmp_path).fit(steps=2)
+    with pytest.raises(ValueError, match="already holds a run with checkpoints; resume it"):
+        make_trainer(tmp_path).fit(steps=2)
+    with pytest.raises(ValueError, match="no usable checkpoint"):
+        make_trainer(tmp_path / "empty").fit(steps=2, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of epochs= or steps="),
+        ({"epochs": 1, "steps": 2}, "exactly one"),
+        ({"steps": 0}, r"steps=...\) must be an integer >= 1"),
+        ({"epochs": 1.5}, "epochs=..."),
+    ],
+)
+def test_fit_arguments(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path).fit(**kwargs)
+
+
+def test_trainer_is_exported_and_rejects_bad_options():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"on_bad_batch=...\): received 'ignore'"):
+        mixprec.Trainer(model, [], None, torch.nn.functional.mse_loss, optimizer, "fp32", on_bad_batch="ignore")
