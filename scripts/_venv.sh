@@ -1,4 +1,4 @@
-# Sourced by scripts/demo.sh and scripts/test.sh: make .venv ready, fast when it already is.
+# Sourced by scripts/main.sh and scripts/test.sh: make .venv ready, fast when it already is.
 # Installs torch==2.13.0 first (the CPU wheel on these machines; an unpinned torch would pull
 # several GB of CUDA packages), then mixprec in editable mode with every extra.
 set -euo pipefail

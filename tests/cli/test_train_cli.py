@@ -27,8 +27,9 @@ def summary(stdout):
 
 
 def test_train_writes_a_complete_run(tmp_path):
-    result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run", "--quiet")
+    result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run")
     assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("training") and "46/46" in result.stdout.splitlines()[0]  # the progress bar
     lines = summary(result.stdout)
     assert lines["trained"].startswith("46 steps, 2 epochs")
     assert float(lines["eval accuracy"]) > 0.9

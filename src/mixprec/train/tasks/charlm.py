@@ -145,8 +145,12 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy, computed in FP32."""
+def lm_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy, computed in FP32, from logits or a transformers output's ``.logits``.
+
+    Targets are already shifted by one byte (see :meth:`Corpus.batch`).
+    """
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 

@@ -7,7 +7,7 @@ import torch
 from mixprec.train.task import TaskConfig, TaskParts, bits_per_char
 from mixprec.train.tasks.charlm import Corpus, GPTConfig, TinyGPT, lm_loss, stdlib_corpus
 
-__all__ = ["RandomWindows", "build"]
+__all__ = ["FixedWindows", "RandomWindows", "build", "byte_lm_parts"]
 
 
 class RandomWindows:
@@ -40,20 +40,36 @@ SIZES = {
 }
 
 
-def build(config: TaskConfig) -> TaskParts:
-    gpt, max_bytes, batch_size, batches, eval_batches = SIZES.get(config.size, SIZES["default"])
-    corpus = stdlib_corpus(max_bytes=max_bytes)
+def byte_lm_parts(
+    model: torch.nn.Module,
+    corpus: Corpus,
+    config: TaskConfig,
+    context: int,
+    batch_size: int,
+    batches: int,
+    eval_batches: int,
+    name: str,
+) -> TaskParts:
+    """TaskParts for any next-byte language model on ``corpus`` (charlm's TinyGPT, hf's GPT-2)."""
     torch.manual_seed(config.seed)
     batch_size = config.batch_size or batch_size
     return TaskParts(
-        model=TinyGPT(gpt).to(config.device),
-        train_data=RandomWindows(corpus, "train", batch_size, gpt.context, batches, config.seed),
-        eval_data=FixedWindows(corpus, "valid", batch_size, gpt.context, eval_batches, config.seed),
+        model=model.to(config.device),
+        train_data=RandomWindows(corpus, "train", batch_size, context, batches, config.seed),
+        eval_data=FixedWindows(corpus, "valid", batch_size, context, eval_batches, config.seed),
         loss_fn=lm_loss,
         metric=bits_per_char,
         defaults={"lr": 1e-3, "weight_decay": 0.01, "epochs": 1 if config.size == "tiny" else 2, "max_grad_norm": 1.0},
         description=(
-            f"TinyGPT {gpt.layers}x{gpt.width} (context {gpt.context}) on {corpus.files} stdlib files "
+            f"{name} on {corpus.files} stdlib files "
             f"({len(corpus.train):,} train / {len(corpus.valid):,} validation bytes)"
         ),
     )
+
+
+def build(config: TaskConfig) -> TaskParts:
+    gpt, max_bytes, batch_size, batches, eval_batches = SIZES.get(config.size, SIZES["default"])
+    corpus = stdlib_corpus(max_bytes=max_bytes)
+    torch.manual_seed(config.seed)  # the same weights for every policy
+    name = f"TinyGPT {gpt.layers}x{gpt.width} (context {gpt.context})"
+    return byte_lm_parts(TinyGPT(gpt), corpus, config, gpt.context, batch_size, batches, eval_batches, name)

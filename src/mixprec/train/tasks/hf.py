@@ -8,28 +8,19 @@ with a 256-symbol byte vocabulary, so nothing is downloaded (no weights, no toke
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 
-from mixprec.train.task import TaskConfig, TaskParts, bits_per_char
+from mixprec.train.task import TaskConfig, TaskParts
 from mixprec.train.tasks.charlm import VOCAB, stdlib_corpus
-from mixprec.train.tasks.charlm_task import FixedWindows, RandomWindows
+from mixprec.train.tasks.charlm_task import byte_lm_parts
 
-__all__ = ["SIZES", "build", "lm_loss"]
+__all__ = ["SIZES", "build"]
 
 # size: (n_layer, n_embd, n_head, context, corpus bytes, batch size, batches per epoch, eval batches)
 SIZES = {
     "default": (4, 192, 6, 128, 3_000_000, 24, 400, 20),
     "tiny": (1, 32, 2, 32, 200_000, 8, 8, 2),
 }
-
-
-def lm_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy in FP32 from ``outputs.logits`` (targets are already shifted)."""
-    logits = outputs.logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build(config: TaskConfig) -> TaskParts:
@@ -54,17 +45,6 @@ def build(config: TaskConfig) -> TaskParts:
         attn_implementation="sdpa",  # works under CPU autocast and with bf16/fp16 parameters
     )
     corpus = stdlib_corpus(max_bytes=max_bytes)
-    torch.manual_seed(config.seed)
-    batch_size = config.batch_size or batch_size
-    return TaskParts(
-        model=GPT2LMHeadModel(gpt2).to(config.device),
-        train_data=RandomWindows(corpus, "train", batch_size, context, batches, config.seed),
-        eval_data=FixedWindows(corpus, "valid", batch_size, context, eval_batches, config.seed),
-        loss_fn=lm_loss,
-        metric=bits_per_char,
-        defaults={"lr": 1e-3, "weight_decay": 0.01, "epochs": 1 if config.size == "tiny" else 2, "max_grad_norm": 1.0},
-        description=(
-            f"transformers GPT2LMHeadModel {layers}x{width} ({heads} heads, context {context}, byte vocabulary) "
-            f"on {corpus.files} stdlib files ({len(corpus.train):,} train / {len(corpus.valid):,} validation bytes)"
-        ),
-    )
+    torch.manual_seed(config.seed)  # the same weights for every policy
+    name = f"transformers GPT2LMHeadModel {layers}x{width} ({heads} heads, context {context}, byte vocabulary)"
+    return byte_lm_parts(GPT2LMHeadModel(gpt2), corpus, config, context, batch_size, batches, eval_batches, name)
