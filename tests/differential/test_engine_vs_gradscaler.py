@@ -45,7 +45,9 @@ def test_scale_skips_and_parameters_equal_gradscaler(optimizer_name, clip):
     )
     scales = []
     for step in range(STEPS):
-        with torch.autocast("cpu", dtype=torch.float16):
+        # The same fp16 compute as mixprec's (emulated on CPUs without fp16 units): this test is about
+        # scaling, skipping and updating, which GradScaler and the optimizer do on the reference side.
+        with mixprec.autocast("mixed_fp16", reference):
             ref_loss = loss_of(reference, x[step], y[step], step)
         grad_scaler.scale(ref_loss).backward()
         if clip:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from mixprec.cli.table import render_table
-from mixprec.policy.autocast import check_device_supports
+from mixprec.policy.autocast import check_device_supports, compute_plan
 from mixprec.policy.hardware import device_caps, device_type_of
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         "fp32_ops": list(policy.fp32_ops),
         "reason": policy.reason,
         "device": device_caps(device_type).description,
+        "compute_plan": f"{compute_plan(policy, device_type).mode}: {compute_plan(policy, device_type).reason}",
     }
     if args.json:
         print(json.dumps(record, indent=2))

@@ -124,6 +124,7 @@ def summary(outcome: RunOutcome) -> str:
     lines = [
         ("task", f"{outcome.config.task}: {outcome.description}"),
         ("policy", f"{outcome.policy}" + (f"  [{outcome.policy.reason}]" if outcome.policy.reason else "")),
+        ("compute", f"{outcome.compute_plan.mode}: {outcome.compute_plan.reason}"),
         ("trained", f"{result.steps} steps, {result.epochs} epochs in {result.seconds:.1f} s"),
         ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s"),
         ("final train loss", f"{result.train_loss:.4f}"),

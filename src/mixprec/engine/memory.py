@@ -18,20 +18,30 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mixprec.policy.emulation import active_emulation
+
 __all__ = ["saved_activation_bytes"]
 
 
 def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module) -> int:
-    """Bytes saved for backward while ``forward()`` runs (its result is discarded, no backward is run)."""
+    """Bytes saved for backward while ``forward()`` runs (its result is discarded, no backward is run).
+
+    Inside an emulated 16-bit region the region's own packing applies first, so what is counted is
+    what a training step would really keep.
+    """
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
+    emulation = active_emulation()
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
+    def pack(tensor: torch.Tensor) -> object:
+        packed = emulation.pack(tensor) if emulation is not None else tensor
+        stored = packed[1] if isinstance(packed, tuple) else packed
+        storage = stored.untyped_storage()
         if storage.data_ptr() not in parameters:
             storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return packed
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    unpack = emulation.unpack if emulation is not None else (lambda packed: packed)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         forward()
     return sum(storages.values())

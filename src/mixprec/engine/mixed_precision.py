@@ -31,7 +31,7 @@ from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.weights import MasterWeights
 from mixprec.numerics.finite import nonfinite_kinds
-from mixprec.policy.autocast import autocast, check_device_supports
+from mixprec.policy.autocast import ComputePlan, autocast, check_device_supports, compute_plan
 from mixprec.policy.casting import cast_module, lowered_parameters
 from mixprec.policy.hardware import device_type_of
 from mixprec.policy.parse import get_policy
@@ -121,6 +121,7 @@ class MixedPrecision:
         self.device = first.device if first is not None else torch.device(device_type_of(None))
         self.policy = get_policy(policy, device=self.device)
         check_device_supports(self.policy, self.device.type)
+        self.compute_plan: ComputePlan = compute_plan(self.policy, self.device.type)  # native or emulated, and why
         self.model = model
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps

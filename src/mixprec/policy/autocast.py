@@ -2,6 +2,8 @@
 
 Inside ``autocast(policy, model)``:
     - matmuls and convolutions run in ``policy.compute_dtype`` (``torch.autocast``'s own op lists);
+      where the device has no units for that dtype (fp16 on most CPUs) the same numerics are
+      emulated in FP32 (see :mod:`mixprec.policy.emulation` and :func:`compute_plan`);
       with ``tf32``, FP32 matmuls may use TF32 units where the device has them;
     - ops in ``policy.fp32_ops`` run in FP32 (see :mod:`mixprec.policy.op_overrides`);
     - modules the policy keeps in FP32 run with autocast off and FP32 inputs;
@@ -21,19 +23,47 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.policy.casting import fp32_modules
+from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import device_caps, device_type_of
 from mixprec.policy.op_overrides import FP32Ops
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 
-__all__ = ["autocast", "check_device_supports", "tf32_matmuls"]
+__all__ = ["ComputePlan", "autocast", "check_device_supports", "compute_plan", "tf32_matmuls"]
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """How a policy's compute dtype runs on a device: "fp32", "native" (torch.autocast) or "emulated"."""
+
+    mode: str
+    dtype: torch.dtype
+    reason: str
+
+
+def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
+    """Native 16-bit compute where the device has it; fp16 emulated in FP32 on CPUs without fp16 units."""
+    caps = device_caps(device_type)
+    if policy.compute_dtype == torch.float32:
+        return ComputePlan("fp32", torch.float32, caps.tf32_note if policy.allow_tf32 else "FP32 compute")
+    if policy.compute_dtype == torch.float16 and device_type == "cpu" and not caps.fast_fp16:
+        return ComputePlan(
+            "emulated",
+            torch.float16,
+            f"fp16 emulated in FP32 ({caps.fp16_note}): GEMM inputs and outputs rounded to fp16, FP32 accumulation, "
+            "as on tensor cores",
+        )
+    note = caps.fp16_note if policy.compute_dtype == torch.float16 else caps.bf16_note
+    return ComputePlan("native", policy.compute_dtype, f"{note}; torch.autocast")
 
 
 def check_device_supports(policy: Policy, device_type: str) -> None:
@@ -90,26 +120,34 @@ def autocast(
         device = first.device if first is not None else None
     device_type = device_type_of(device)
     check_device_supports(policy, device_type)
+    plan = compute_plan(policy, device_type)
     with contextlib.ExitStack() as stack:
-        if policy.compute_dtype != torch.float32:
-            stack.enter_context(torch.autocast(device_type, dtype=policy.compute_dtype))
-        if policy.allow_tf32:
-            stack.enter_context(tf32_matmuls(device_type))
-        if policy.fp32_ops:
-            stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
+        if plan.mode == "emulated":
+            emulation = stack.enter_context(EmulatedAutocast(plan.dtype, policy.fp32_ops))
+            fp32_region = emulation.suspend
+        else:
+            if plan.mode == "native":
+                stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
+            if policy.allow_tf32:
+                stack.enter_context(tf32_matmuls(device_type))
+            if policy.fp32_ops:
+                stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
+            fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
         if model is not None:
-            stack.enter_context(_model_hooks(model, policy, device_type))
+            stack.enter_context(_model_hooks(model, policy, fp32_region))
         yield policy
 
 
 @contextlib.contextmanager
-def _model_hooks(model: nn.Module, policy: Policy, device_type: str) -> Iterator[None]:
+def _model_hooks(
+    model: nn.Module, policy: Policy, fp32_region: Callable[[], contextlib.AbstractContextManager]
+) -> Iterator[None]:
     handles = []
     # (module, autocast-off region) for each FP32 module whose forward is running, innermost last.
     open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
 
     def enter_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        region = torch.autocast(device_type, enabled=False)
+        region = fp32_region()
         region.__enter__()
         open_regions.append((module, region))
         return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)

@@ -16,6 +16,7 @@ import torch
 from mixprec.engine.memory import saved_activation_bytes
 from mixprec.engine.mixed_precision import needs_compensated_optimizer
 from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.policy.autocast import ComputePlan
 from mixprec.policy.hardware import machine_info
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
@@ -32,6 +33,7 @@ class RunOutcome:
     config: TrainConfig
     run_dir: Path
     policy: Policy
+    compute_plan: ComputePlan
     result: FitResult
     parameters: int
     activation_bytes: int
@@ -126,13 +128,14 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         "model state bytes/param": stats.bytes_per_param.total,
         "saved activations (MB, one eval batch)": activations / 2**20,
     }
+    plan = trainer.mp.compute_plan
     report = write_run_report(
         run_dir / "report.md",
         title=f"mixprec run: {config.task} under {config.policy}",
         config={**config.to_dict(), **settings, "task description": parts.description},
         machine=machine_info(),
         policy=str(trainer.mp.policy),
-        policy_reason=trainer.mp.policy.reason,
+        policy_reason=f"{trainer.mp.policy.reason}; compute {plan.mode}: {plan.reason}",
         results=results,
         plots=plots,
     )
@@ -140,6 +143,7 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         config=config,
         run_dir=run_dir,
         policy=trainer.mp.policy,
+        compute_plan=trainer.mp.compute_plan,
         result=result,
         parameters=sum(p.numel() for p in trainer.model.parameters()),
         activation_bytes=activations,

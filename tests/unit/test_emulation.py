@@ -1,0 +1,112 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.engine.memory import saved_activation_bytes
+from mixprec.policy.autocast import compute_plan
+from mixprec.policy.emulation import EmulatedAutocast
+
+FP16 = torch.float16
+
+
+def half_values(t):
+    return t.to(FP16).float()
+
+
+def test_cpu_without_fp16_units_gets_the_emulated_plan_with_a_reason():
+    plan = compute_plan(mixprec.get_policy("mixed_fp16"), "cpu")
+    if mixprec.device_caps("cpu").fast_fp16:
+        pytest.skip("this CPU has fp16 units: fp16 runs natively")
+    assert plan.mode == "emulated" and plan.dtype == FP16
+    assert "fp16 emulated in FP32" in plan.reason and "tensor cores" in plan.reason
+    assert compute_plan(mixprec.get_policy("mixed_bf16"), "cpu").mode == "native"
+    assert compute_plan(mixprec.get_policy("fp32"), "cpu").mode == "fp32"
+
+
+def test_linear_forward_and_backward_have_tensor_core_numerics():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(4, 16, requires_grad=True)
+    with EmulatedAutocast(FP16):
+        y = F.linear(x, w)
+    assert y.dtype == FP16
+    expected = F.linear(half_values(x), half_values(w)).to(FP16)  # fp16 inputs, FP32 accumulation, fp16 output
+    assert torch.equal(y, expected)
+    grad = torch.randn(8, 4)
+    y.backward(grad.to(FP16))
+    grad16 = half_values(grad)
+    assert torch.equal(x.grad, half_values(grad16 @ half_values(w)))  # gradients rounded to fp16 as well
+    assert torch.equal(w.grad, half_values(grad16.T @ half_values(x)))
+
+
+def test_close_to_pytorchs_own_fp16_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    x = torch.randn(4, 3, 8, 8)
+    with torch.autocast("cpu", dtype=FP16):
+        native = model(x)
+    with EmulatedAutocast(FP16):
+        emulated = model(x)
+    assert native.dtype == emulated.dtype == FP16
+    torch.testing.assert_close(emulated, native, rtol=2e-3, atol=2e-3)  # differ only in FP32 summation order
+
+
+def test_small_gradients_underflow_without_loss_scaling_and_survive_with_it():
+    """The classic reason for loss scaling, reproduced on a CPU."""
+
+    def weight_grad(scaler):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "mixed_fp16", scaler)
+        with mp.autocast():
+            loss = model(torch.randn(32, 16)).float().mean() * 1e-6  # gradients around 1e-8: below fp16's range
+        mp.backward(loss)
+        mp.unscale_()
+        return model[0].weight.grad
+
+    assert torch.count_nonzero(weight_grad(mixprec.NoOpLossScaler())) == 0  # all flushed to zero in fp16
+    scaled = weight_grad(mixprec.StaticLossScaler(2.0**16))
+    assert torch.count_nonzero(scaled) == scaled.numel()
+
+
+def test_fp32_lists_run_in_fp32_and_batch_norm_keeps_its_dtype():
+    x = torch.randn(4, 6).to(FP16)
+    with EmulatedAutocast(FP16):
+        assert torch.softmax(x, -1).dtype == torch.float32
+        assert F.layer_norm(x, (6,)).dtype == torch.float32
+        assert F.cross_entropy(x, torch.zeros(4, dtype=torch.int64)).dtype == torch.float32
+        assert F.gelu(x).dtype == FP16  # not in either list: its input's dtype
+        assert F.batch_norm(x, torch.zeros(6), torch.ones(6), training=True).dtype == FP16
+
+
+def test_policy_fp32_ops_and_modules_win_over_the_emulation():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    seen = {}
+    model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("head", (a[0].dtype, o.dtype)))
+    policy = mixprec.get_policy("mixed_fp16").with_fp32_names("1").with_fp32_ops("matmul")
+    with mixprec.autocast(policy, model, device="cpu"):
+        model(torch.randn(3, 4))
+        product = torch.randn(3, 3) @ torch.randn(3, 3)
+    assert seen["head"] == (torch.float32, torch.float32)
+    assert product.dtype == torch.float32
+
+
+def test_activations_are_stored_in_fp16():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    x = torch.randn(4096, 256)  # activations, not the fp16 copies of the weights, dominate
+    fp32 = saved_activation_bytes(lambda: model(x), model)
+    with mixprec.autocast("mixed_fp16", model, device="cpu"):
+        fp16 = saved_activation_bytes(lambda: model(x), model)
+    assert fp16 / fp32 < 0.55
+
+
+def test_weights_are_rounded_once_per_region():
+    w = nn.Parameter(torch.randn(4, 4))
+    with EmulatedAutocast(FP16) as mode:
+        F.linear(torch.randn(2, 4), w)
+        F.linear(torch.randn(2, 4), w)
+        assert len(mode._weights) == 1
+    assert not mode._weights
