@@ -74,56 +74,79 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("mixprec.AdamW does not support sparse gradients.")
-                self._update(param, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("mixprec.AdamW does not support sparse gradients.")
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for param in params:
+                by_dtype.setdefault(param.dtype, []).append(param)
+            for same_dtype in by_dtype.values():
+                self._update(same_dtype, group)
         return loss
 
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[param]
-        lowp = param.dtype != torch.float32
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if lowp and group["update"] == "kahan":
-                state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    def _update(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """One AdamW step for parameters of one dtype, with fused multi-tensor (foreach) kernels."""
+        lowp = params[0].dtype != torch.float32
+        kahan = lowp and group["update"] == "kahan"
+        for param in params:
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if kahan:
+                    state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["step"] += 1
+        states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        state["step"] += 1
-        step = state["step"].item()  # host value for the bias corrections, as torch.optim.AdamW (CPU tensor)
+        # Parameters added together share a step count; a group's steps can differ only if some
+        # parameters had no gradient at some step, so compute the bias corrections per step value.
+        steps = [s["step"].item() for s in states]  # host values, as torch.optim.AdamW (CPU tensors)
 
-        # Everything below runs in FP32, whatever the storage dtype (for FP32 tensors .float() is a no-op).
-        grad = param.grad.float()
-        exp_avg = state["exp_avg"].float()
-        exp_avg_sq = state["exp_avg_sq"].float()
-        weight = param.float().clone() if lowp else param
+        # Everything below runs in FP32, whatever the storage dtype (for FP32 tensors, in place).
+        grads = [p.grad.float() for p in params]
+        exp_avgs = [s["exp_avg"].float() for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"].float() for s in states]
+        weights = [p.float() for p in params] if lowp else params
+        old = [w.clone() for w in weights] if lowp else None
 
-        weight.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        weight.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        torch._foreach_mul_(weights, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        bias_correction2_sqrt = [(1 - beta2**step) ** 0.5 for step in steps]
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, bias_correction2_sqrt)
+        torch._foreach_add_(denoms, eps)
+        step_sizes = [-lr / (1 - beta1**step) for step in steps]
+        torch._foreach_addcdiv_(weights, exp_avgs, denoms, step_sizes)
 
         if lowp:
-            state["exp_avg"].copy_(exp_avg)
-            state["exp_avg_sq"].copy_(exp_avg_sq)
-            self._write_back(param, weight, state, group["update"])
+            torch._foreach_copy_([s["exp_avg"] for s in states], exp_avgs)
+            torch._foreach_copy_([s["exp_avg_sq"] for s in states], exp_avg_sqs)
+            self._write_back(params, weights, old, states, group["update"])
 
-    def _write_back(self, param: torch.Tensor, target: torch.Tensor, state: dict[str, Any], update: str) -> None:
-        """Store the FP32 ``target`` weight into the low-precision ``param``."""
+    def _write_back(
+        self,
+        params: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        old: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        update: str,
+    ) -> None:
+        """Store the FP32 ``targets`` into the low-precision ``params``."""
         if update == "kahan":
-            compensation = state["kahan_comp"]
-            old = param.float()
-            wanted = target - old + compensation.float()  # this step's update plus what earlier steps lost
-            param.copy_(old + wanted)  # rounded to the parameter's dtype
-            compensation.copy_(wanted - (param.float() - old))  # what this rounding lost
+            compensations = [s["kahan_comp"] for s in states]
+            # wanted = this step's update plus what earlier steps lost
+            wanted = torch._foreach_sub(targets, old)
+            torch._foreach_add_(wanted, [c.float() for c in compensations])
+            torch._foreach_copy_(params, torch._foreach_add(old, wanted))  # rounded to the parameters' dtype
+            # what this rounding lost: wanted - (new - old)
+            torch._foreach_sub_(wanted, torch._foreach_sub([p.float() for p in params], old))
+            torch._foreach_copy_(compensations, wanted)
         elif update == "stochastic":
-            param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
+            for param, target in zip(params, targets, strict=True):
+                param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
         else:
-            param.copy_(target)
+            torch._foreach_copy_(params, targets)

@@ -48,6 +48,7 @@ class ComputePlan:
     mode: str
     dtype: torch.dtype
     reason: str
+    fp32_ops: tuple[str, ...] = ()  # ops the device runs faster in FP32 than in the compute dtype
 
 
 def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
@@ -63,6 +64,15 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
             "as on tensor cores",
         )
     note = caps.fp16_note if policy.compute_dtype == torch.float16 else caps.bf16_note
+    if device_type == "cpu":
+        # PyTorch's CPU flash-attention kernel is faster in FP32 than in bf16 (23.0 vs 28.5 ms per layer
+        # forward+backward, 8x6x256x64, torch 2.13 on AVX512-BF16): attention runs in FP32 there.
+        return ComputePlan(
+            "native",
+            policy.compute_dtype,
+            f"{note}; torch.autocast, attention in FP32 (faster on CPUs)",
+            fp32_ops=("scaled_dot_product_attention",),
+        )
     return ComputePlan("native", policy.compute_dtype, f"{note}; torch.autocast")
 
 
@@ -130,8 +140,9 @@ def autocast(
                 stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
             if policy.allow_tf32:
                 stack.enter_context(tf32_matmuls(device_type))
-            if policy.fp32_ops:
-                stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
+            fp32_ops = (*policy.fp32_ops, *plan.fp32_ops)
+            if fp32_ops:
+                stack.enter_context(FP32Ops(fp32_ops, device_type))
             fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
         if model is not None:
             stack.enter_context(_model_hooks(model, policy, fp32_region))
