@@ -173,7 +173,20 @@ def _peak_rss_child(model: str, policy: str, queue) -> None:
     step, _ = _mixprec_step(bench, policy)
     for _ in range(2):
         step()
-    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+    queue.put(_high_water_rss())
+
+
+def _high_water_rss() -> int:
+    """This process's peak resident set in bytes. VmHWM belongs to this address space; ru_maxrss would
+    also carry the parent's peak across the exec that starts a spawned process."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, bytes on macOS
 
 
 def _peak_rss(model: str, policy: str) -> int:

@@ -6,7 +6,9 @@ Inside ``autocast(policy, model)``:
       emulated in FP32 (see :mod:`mixprec.policy.emulation` and :func:`compute_plan`);
       with ``tf32``, FP32 matmuls may use TF32 units where the device has them;
     - ops in ``policy.fp32_ops`` run in FP32 (see :mod:`mixprec.policy.op_overrides`);
-    - modules the policy keeps in FP32 run with autocast off and FP32 inputs;
+    - modules the policy keeps in FP32 run with autocast off and FP32 inputs, except batch, layer and
+      group norms, whose kernels already compute in FP32 from 16-bit inputs (FP32 parameters, output
+      in the input's dtype, as cuDNN does);
     - the model's outputs are cast to ``policy.output_dtype``.
 Everything changed (autocast state, matmul precision, hooks) is restored on exit, exceptions included.
 
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.policy.casting import fp32_modules
+from mixprec.policy.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import device_caps, device_type_of
 from mixprec.policy.op_overrides import FP32Ops
@@ -48,7 +50,6 @@ class ComputePlan:
     mode: str
     dtype: torch.dtype
     reason: str
-    fp32_ops: tuple[str, ...] = ()  # ops the device runs faster in FP32 than in the compute dtype
 
 
 def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
@@ -64,15 +65,6 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
             "as on tensor cores",
         )
     note = caps.fp16_note if policy.compute_dtype == torch.float16 else caps.bf16_note
-    if device_type == "cpu":
-        # PyTorch's CPU flash-attention kernel is faster in FP32 than in bf16 (23.0 vs 28.5 ms per layer
-        # forward+backward, 8x6x256x64, torch 2.13 on AVX512-BF16): attention runs in FP32 there.
-        return ComputePlan(
-            "native",
-            policy.compute_dtype,
-            f"{note}; torch.autocast, attention in FP32 (faster on CPUs)",
-            fp32_ops=("scaled_dot_product_attention",),
-        )
     return ComputePlan("native", policy.compute_dtype, f"{note}; torch.autocast")
 
 
@@ -140,9 +132,8 @@ def autocast(
                 stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
             if policy.allow_tf32:
                 stack.enter_context(tf32_matmuls(device_type))
-            fp32_ops = (*policy.fp32_ops, *plan.fp32_ops)
-            if fp32_ops:
-                stack.enter_context(FP32Ops(fp32_ops, device_type))
+            if policy.fp32_ops:
+                stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
             fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
         if model is not None:
             stack.enter_context(_model_hooks(model, policy, fp32_region))
@@ -170,6 +161,8 @@ def _model_hooks(
 
     if policy.compute_dtype != torch.float32:
         for _, module in fp32_modules(model, policy):
+            if isinstance(module, MIXED_DTYPE_NORMS):
+                continue  # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
             handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))
             handles.append(module.register_forward_hook(leave_fp32, always_call=True))
     handles.append(model.register_forward_hook(lambda m, a, out: _cast_floating(out, policy.output_dtype)))

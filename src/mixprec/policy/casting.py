@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.policy.policy import NORM, Policy
 
-__all__ = ["cast_module", "fp32_modules", "lowered_parameters"]
+__all__ = ["MIXED_DTYPE_NORMS", "cast_module", "fp32_modules", "lowered_parameters"]
 
 _TORCH_NORMS = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*d, InstanceNorm*d, SyncBatchNorm
@@ -33,6 +33,9 @@ _TORCH_NORMS = (
     nn.LocalResponseNorm,
     nn.RMSNorm,
 )
+# Norms whose kernels take 16-bit inputs with FP32 parameters, compute in FP32 and return the input's
+# dtype (as cuDNN does): kept in FP32, they need no FP32 copy of their input.
+MIXED_DTYPE_NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 # Normalization layers defined outside torch (LlamaRMSNorm, T5LayerNorm, ...) by naming convention.
 _NORM_NAME = re.compile(r"(Norm|Normalization)(\d+d)?$")
 

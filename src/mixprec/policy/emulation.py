@@ -132,7 +132,8 @@ class EmulatedAutocast(TorchFunctionMode):
         self.dtype = dtype
         self._user_fp32 = frozenset(n for op in fp32_ops for n in (op, f"__{op}__", f"__r{op}__"))
         self._weights: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, source, rounded)
-        self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(FP32 copy) -> (copy, 16-bit source)
+        # storage of an FP32 copy -> (the copy, its 16-bit source); layouts match (both preserve strides)
+        self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._suspended = 0
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -143,16 +144,17 @@ class EmulatedAutocast(TorchFunctionMode):
         return self
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved for backward: an FP32 copy of 16-bit values is kept as its 16-bit source."""
-        entry = self._low_of.get(id(tensor))
-        if entry is not None and entry[0]() is tensor:
-            return (_PACKED, entry[1])
-        return tensor
+        """Saved for backward: an FP32 copy of 16-bit values (or a view of one) is kept as its 16-bit source."""
+        entry = self._low_of.get(tensor.untyped_storage().data_ptr())
+        if entry is None or entry[0]() is None:
+            return tensor
+        return (_PACKED, entry[1], tensor.size(), tensor.stride(), tensor.storage_offset())
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple) and packed[0] == _PACKED:
-            return packed[1].float()
+            _, low, size, stride, offset = packed
+            return low.float().as_strided(size, stride, offset)  # the same layout as the FP32 copy it replaces
         return packed
 
     @contextlib.contextmanager
@@ -202,7 +204,7 @@ class EmulatedAutocast(TorchFunctionMode):
         low = tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
         rounded = low.float()
         if torch.is_grad_enabled():  # autograd may save it: remember its 16-bit source for pack()
-            self._low_of[id(rounded)] = (weakref.ref(rounded), low)
+            self._low_of[rounded.untyped_storage().data_ptr()] = (weakref.ref(rounded), low)
         if is_weight:
             self._weights[id(tensor)] = (tensor._version, tensor, rounded)
         return rounded
@@ -213,7 +215,7 @@ class EmulatedAutocast(TorchFunctionMode):
             return tensor
         wide = tensor.float()
         if torch.is_grad_enabled() and tensor.dtype == self.dtype:
-            self._low_of[id(wide)] = (weakref.ref(wide), tensor)
+            self._low_of[wide.untyped_storage().data_ptr()] = (weakref.ref(wide), tensor)
         return wide
 
     def _to_low(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,12 @@
+"""The 'accuracy' benchmark suite (see mixprec.bench.suites); same as `mixprec bench --suite accuracy`.
+
+    python benchmarks/bench_accuracy.py [--models mlp,cnn,gpt] [--policies ...] [--repeats 7] [--quick]
+
+Results go to benchmarks/results/bench_accuracy.json with the machine and the command.
+"""
+
+import sys
+
+from mixprec.cli.main import main
+
+sys.exit(main(["bench", "--suite", "accuracy", *sys.argv[1:]]))

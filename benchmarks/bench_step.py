@@ -1,0 +1,12 @@
+"""The 'step' benchmark suite (see mixprec.bench.suites); same as `mixprec bench --suite step`.
+
+    python benchmarks/bench_step.py [--models mlp,cnn,gpt] [--policies ...] [--repeats 7] [--quick]
+
+Results go to benchmarks/results/bench_step.json with the machine and the command.
+"""
+
+import sys
+
+from mixprec.cli.main import main
+
+sys.exit(main(["bench", "--suite", "step", *sys.argv[1:]]))
