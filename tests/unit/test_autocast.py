@@ -75,8 +75,11 @@ def test_o2_model_runs_with_norms_in_fp32():
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     policy = mixprec.get_policy("o2_fp16")
     mixprec.cast_module(model, policy)
+    seen = {}
+    model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("norm", (a[0].dtype, o.dtype)))
     with mixprec.autocast(policy, model):
         out = model(torch.randn(3, 4))
+    assert seen["norm"][0] == torch.float16  # fp16 in; out as autocast's FP32 list says (FP32 on CUDA)
     out.sum().backward()
     assert out.dtype == torch.float32
     assert model[1].weight.grad.dtype == torch.float32 and model[0].weight.grad.dtype == torch.float16
@@ -89,6 +92,19 @@ class FailingNorm(nn.LayerNorm):
         if self.fail:
             raise RuntimeError("boom")
         return super().forward(x)
+
+
+def test_fp32_norms_run_their_mixed_dtype_kernels_under_native_bf16():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    policy = mixprec.get_policy("o2_bf16")
+    mixprec.cast_module(model, policy)
+    seen = {}
+    model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("norm", (a[0].dtype, o.dtype)))
+    with mixprec.autocast(policy, model, device="cpu"):
+        model(torch.randn(3, 4)).sum().backward()
+    # FP32 parameters and FP32 arithmetic inside the kernel, bf16 in and out: no FP32 copy of its input
+    assert seen["norm"] == (torch.bfloat16, torch.bfloat16)
+    assert model[1].weight.dtype == model[1].weight.grad.dtype == torch.float32
 
 
 @pytest.mark.parametrize("fail_before_region_hooks", [False, True])

@@ -93,10 +93,11 @@ def test_policy_fp32_ops_and_modules_win_over_the_emulation():
     assert product.dtype == torch.float32
 
 
-def test_activations_are_stored_in_fp16():
+@pytest.mark.parametrize("shape", [(4096, 256), (16, 256, 256)])  # 3-D inputs reach the GEMM as views
+def test_activations_are_stored_in_fp16(shape):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
-    x = torch.randn(4096, 256)  # activations, not the fp16 copies of the weights, dominate
+    x = torch.randn(*shape)  # activations, not the fp16 copies of the weights, dominate
     fp32 = saved_activation_bytes(lambda: model(x), model)
     with mixprec.autocast("mixed_fp16", model, device="cpu"):
         fp16 = saved_activation_bytes(lambda: model(x), model)
