@@ -77,56 +77,57 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _step_table(records: list[dict]) -> str:
+def step_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["model", "mode", "ms/step", "spread", "time vs fp32", "vs same torch loop"]
     rows = [
-        [
-            r["model"],
-            r["mode"],
-            f"{r['median_ms']:.1f}",
-            f"{r['spread_ms']:.1f}",
-            _ratio(r["vs_fp32"]),
-            _ratio(r["overhead_vs_torch"]),
-        ]
+        [r["model"], r["mode"], f"{r['median_ms']:.1f}", f"{r['spread_ms']:.1f}", _ratio(r["vs_fp32"]),
+         _ratio(r["overhead_vs_torch"])]
         for r in records
-    ]
-    return render_table(["model", "mode", "ms/step", "spread", "time vs fp32", "vs same torch loop"], rows, "llrrrr")
+    ]  # fmt: skip
+    return headers, rows
 
 
-def _memory_table(records: list[dict]) -> str:
-    rows = [
-        [
-            r["model"],
-            r["policy"],
-            f"{r['state_bytes_per_param']:.1f}",
-            f"{r['saved_activation_bytes'] / 2**20:.1f}",
-            _ratio(r["activations_vs_fp32"]),
-            "-" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**20:.0f}",
-            _ratio(r["rss_vs_fp32"]),
-        ]
-        for r in records
-    ]
+def memory_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["model", "policy", "state B/param", "activations MB", "vs fp32", "peak RSS MB", "vs fp32"]
-    return render_table(headers, rows, "llrrrrr")
-
-
-def _accuracy_table(records: list[dict]) -> str:
     rows = [
-        [
-            r["task"],
-            r["policy"],
-            f"{r['mean']:.4f}",
-            f"{r['spread']:.4f}",
-            str(r["seeds"]),
-            f"{r.get('vs_fp32', float('nan')):+.4f}",
-        ]
+        [r["model"], r["policy"], f"{r['state_bytes_per_param']:.1f}", f"{r['saved_activation_bytes'] / 2**20:.1f}",
+         _ratio(r["activations_vs_fp32"]), "-" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**20:.0f}",
+         _ratio(r["rss_vs_fp32"])]
         for r in records
-    ]
-    return render_table(["task", "policy", "mean", "seed spread", "seeds", "vs fp32"], rows, "llrrrr")
+    ]  # fmt: skip
+    return headers, rows
 
 
-def _gemm_table(records: list[dict]) -> str:
+def accuracy_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["task", "policy", "mean", "seed spread", "seeds", "vs fp32"]
+    rows = [
+        [r["task"], r["policy"], f"{r['mean']:.4f}", f"{r['spread']:.4f}", str(r["seeds"]),
+         f"{r.get('vs_fp32', float('nan')):+.4f}"]
+        for r in records
+    ]  # fmt: skip
+    return headers, rows
+
+
+def gemm_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["n", "dtype", "GFLOP/s", "vs fp32", "of best measured"]
     rows = [
         [str(r["n"]), r["dtype"], f"{r['gflops']:.0f}", _ratio(r["vs_fp32"]), f"{100 * r['of_best_measured']:.0f}%"]
         for r in records
     ]
-    return render_table(["n", "dtype", "GFLOP/s", "vs fp32", "of best measured"], rows, "rlrrr")
+    return headers, rows
+
+
+def _step_table(records: list[dict]) -> str:
+    return render_table(*step_rows(records), "llrrrr")
+
+
+def _memory_table(records: list[dict]) -> str:
+    return render_table(*memory_rows(records), "llrrrrr")
+
+
+def _accuracy_table(records: list[dict]) -> str:
+    return render_table(*accuracy_rows(records), "llrrrr")
+
+
+def _gemm_table(records: list[dict]) -> str:
+    return render_table(*gemm_rows(records), "rlrrr")
