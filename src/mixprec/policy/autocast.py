@@ -24,9 +24,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch import nn
 from mixprec.policy.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import device_caps, device_type_of
+from mixprec.policy.nest import map_floating
 from mixprec.policy.op_overrides import FP32Ops
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, Policy
@@ -177,15 +177,4 @@ def _model_hooks(
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """Cast every floating tensor in a nest of tuples, lists and mappings to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, Mapping):
-        out = copy.copy(value)  # keeps the mapping's type (e.g. transformers' ModelOutput)
-        for key, item in value.items():
-            out[key] = _cast_floating(item, dtype)  # type: ignore[index]
-        return out
-    return value
+    return map_floating(value, lambda t: t if t.dtype == dtype else t.to(dtype))

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixprec.policy.nest import map_floating
+
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "EmulatedAutocast", "active_emulation"]
 
 _ACTIVE: list[EmulatedAutocast] = []  # regions entered on this thread, innermost last
@@ -178,18 +180,18 @@ class EmulatedAutocast(TorchFunctionMode):
         name = getattr(func, "__name__", None)
         if self._suspended or name in self._user_fp32:
             if name in self._user_fp32:  # the policy's own FP32 ops win over autocast's lists
-                args, kwargs = _map((args, kwargs), self._widened)
+                args, kwargs = map_floating((args, kwargs), self._widened)
             return func(*args, **kwargs)
         if name in LOWER_PRECISION_OPS:
-            args, kwargs = _map((args, kwargs), self._rounded_fp32)
-            return _map(func(*args, **kwargs), self._to_low)
+            args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
+            return map_floating(func(*args, **kwargs), self._to_low)
         if name in FP32_OPS:
-            args, kwargs = _map((args, kwargs), self._widened)
+            args, kwargs = map_floating((args, kwargs), self._widened)
             return func(*args, **kwargs)
         if name in _SAME_DTYPE_FP32_OPS and args and isinstance(args[0], torch.Tensor):
             dtype = args[0].dtype
-            args, kwargs = _map((args, kwargs), self._widened)
-            return _map(func(*args, **kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
+            args, kwargs = map_floating((args, kwargs), self._widened)
+            return map_floating(func(*args, **kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
         return func(*args, **kwargs)
 
     def _rounded_fp32(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -225,14 +227,3 @@ class EmulatedAutocast(TorchFunctionMode):
 def active_emulation() -> EmulatedAutocast | None:
     """The innermost emulated region on this thread, if any (for tools that also hook saved tensors)."""
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def _map(value: Any, fn) -> Any:
-    """Apply ``fn`` to every floating tensor in a nest of tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value

@@ -18,10 +18,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.overrides import TorchFunctionMode
+
+from mixprec.policy.nest import map_floating
 
 __all__ = ["FP32Ops"]
 
@@ -33,14 +33,8 @@ def _names(ops: tuple[str, ...]) -> frozenset[str]:
     return frozenset(n for op in ops for n in (op, f"__{op}__", f"__r{op}__"))
 
 
-def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in _LOW_PRECISION else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
+def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in _LOW_PRECISION else tensor
 
 
 class FP32Ops(TorchFunctionMode):
@@ -61,5 +55,6 @@ class FP32Ops(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) in self._names:
             with torch.autocast(self._device_type, enabled=False):
-                return func(*_to_fp32(args), **_to_fp32(kwargs))
+                args, kwargs = map_floating((args, kwargs), _to_fp32)
+                return func(*args, **kwargs)
         return func(*args, **kwargs)

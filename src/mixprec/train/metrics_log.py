@@ -36,6 +36,7 @@ class MetricsLog:
     def __init__(self, run_dir: str | Path | None, tensorboard: bool = True) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.records: list[dict[str, Any]] = read_metrics(self.run_dir) if self.run_dir else []
+        self.last_train_step = self._last_train_step()
         self._writer = None
         if self.run_dir is not None and tensorboard:
             try:
@@ -48,14 +49,20 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (resuming from a checkpoint taken there); rewrites the file atomically."""
         self.records = [r for r in self.records if r["step"] <= step]
+        self.last_train_step = self._last_train_step()
         if self.run_dir is None:
             return
         temporary = self.run_dir / f".{FILE}.tmp-{os.getpid()}"
         temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
         os.replace(temporary, self.run_dir / FILE)
 
+    def _last_train_step(self) -> int:
+        return next((r["step"] for r in reversed(self.records) if r["kind"] == "train"), 0)
+
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
+        if record["kind"] == "train":
+            self.last_train_step = record["step"]
         if self.run_dir is not None:
             with open(self.run_dir / FILE, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")

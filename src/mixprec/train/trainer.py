@@ -318,6 +318,7 @@ class Trainer:
 
     def _train_record(self, window: _Window) -> dict[str, Any]:
         stats = self.mp.stats()
+        since = self.log.last_train_step
         record = {
             "kind": "train",
             "step": self.step,
@@ -325,15 +326,11 @@ class Trainer:
             **window.flush(),
             "scale": stats.scale,
             "skipped_steps": stats.skipped_steps,
-            "skipped_at": [s + 1 for s in stats.recent_overflow_steps if s + 1 > self._last_logged_step()],
+            "skipped_at": [s + 1 for s in stats.recent_overflow_steps if s + 1 > since],
             "lr": float(self.optimizer.param_groups[0]["lr"]),
         }
         self.log.write(record)
         return record
-
-    def _last_logged_step(self) -> int:
-        train = [r for r in self.log.records if r["kind"] == "train"]
-        return train[-1]["step"] if train else 0
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -51,7 +51,6 @@ def byte_lm_parts(
     name: str,
 ) -> TaskParts:
     """TaskParts for any next-byte language model on ``corpus`` (charlm's TinyGPT, hf's GPT-2)."""
-    torch.manual_seed(config.seed)
     batch_size = config.batch_size or batch_size
     return TaskParts(
         model=model.to(config.device),

@@ -1,0 +1,30 @@
+"""One walker for the nests that torch functions take and models return (tuples, lists, mappings)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["map_floating"]
+
+
+def map_floating(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every floating tensor in a nest of tuples, lists and mappings.
+
+    Containers keep their types: namedtuples, and mappings such as transformers' ModelOutput.
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(map_floating(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_floating(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = map_floating(item, fn)  # type: ignore[index]
+        return out
+    return value
