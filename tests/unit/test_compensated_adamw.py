@@ -89,3 +89,45 @@ def test_state_is_stored_in_the_parameter_dtype():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mixprec.AdamW([torch.nn.Parameter(torch.ones(1))], **kwargs)
+
+
+def test_kahan_steps_the_fp32_value_parameter_plus_compensation():
+    # Reference: torch.optim.AdamW (FP32, single-tensor) on w = p + c with the bf16-stored moments,
+    # then p = round(w) and c = w - p, every step.
+    torch.manual_seed(1)
+    ours = torch.nn.Parameter(torch.randn(256).bfloat16())
+    opt = mixprec.AdamW([ours], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    p, c = ours.detach().clone(), torch.zeros(256, dtype=torch.bfloat16)
+    m, v = torch.zeros(256, dtype=torch.bfloat16), torch.zeros(256, dtype=torch.bfloat16)
+    for step in range(1, 21):
+        grad = torch.randn(256).bfloat16()
+        ours.grad = grad.clone()
+        opt.step()
+        w = torch.nn.Parameter(p.float() + c.float())
+        ref = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
+        ref.state[w] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.float(), "exp_avg_sq": v.float()}
+        w.grad = grad.float()
+        ref.step()
+        m, v = ref.state[w]["exp_avg"].bfloat16(), ref.state[w]["exp_avg_sq"].bfloat16()
+        p = w.detach().bfloat16()
+        c = (w.detach() - p.float()).bfloat16()
+    total = ours.float() + opt.state[ours]["kahan_comp"].float()
+    torch.testing.assert_close(total, p.float() + c.float(), rtol=1e-5, atol=1e-7)
+    assert (ours != p).sum() <= 2  # a last-bit difference between kernels may flip a rounding
+
+
+@pytest.mark.parametrize("update", ["kahan", "stochastic", "nearest"])
+def test_updating_in_chunks_gives_the_same_result(update, monkeypatch):
+    def train(chunk_elements):
+        monkeypatch.setattr("mixprec.master.compensated.CHUNK_ELEMENTS", chunk_elements)
+        torch.manual_seed(2)
+        params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (7, 300, 20, 5)]
+        opt = mixprec.AdamW(params, lr=1e-3, update=update, generator=torch.Generator().manual_seed(0))
+        for _ in range(5):
+            for param in params:
+                param.grad = torch.randn_like(param)
+            opt.step()
+        return params
+
+    for one, other in zip(train(2**22), train(16), strict=True):
+        assert torch.equal(one, other)

@@ -228,7 +228,7 @@ def memory_suite(models: list[str], policies: list[str], rss: bool = True) -> li
 
 
 def accuracy_suite(policies: list[str], seeds: list[int], charlm_steps: int = 300) -> list[dict]:
-    """digits test accuracy per policy and seed; charlm (2x128 GPT) validation loss per policy."""
+    """digits test accuracy and charlm (2x128 GPT) validation loss, per policy and seed."""
     from mixprec.train.config import TrainConfig
     from mixprec.train.run import build_trainer
 
@@ -238,11 +238,12 @@ def accuracy_suite(policies: list[str], seeds: list[int], charlm_steps: int = 30
             trainer, _, _ = build_trainer(TrainConfig(task="digits", policy=policy, seed=seed), None, progress=False)
             result = trainer.fit(epochs=15)
             records.append({"task": "digits", "policy": policy, "seed": seed, "metric": result.eval["accuracy"]})
-        trainer, _, _ = build_trainer(
-            TrainConfig(task="charlm", policy=policy, seed=0, steps=charlm_steps), None, progress=False
-        )
-        result = trainer.fit(steps=charlm_steps)
-        records.append({"task": "charlm", "policy": policy, "seed": 0, "metric": result.eval["loss"]})
+        for seed in seeds:
+            trainer, _, _ = build_trainer(
+                TrainConfig(task="charlm", policy=policy, seed=seed, steps=charlm_steps), None, progress=False
+            )
+            result = trainer.fit(steps=charlm_steps)
+            records.append({"task": "charlm", "policy": policy, "seed": seed, "metric": result.eval["loss"]})
     return records
 
 
@@ -295,4 +296,5 @@ def summarize_accuracy(records: list[dict]) -> list[dict]:
         for row in out:
             if row["task"] == task and "fp32" in means:
                 row["vs_fp32"] = row["mean"] - means["fp32"]
+                row["vs_fp32_relative"] = row["vs_fp32"] / means["fp32"]
     return out

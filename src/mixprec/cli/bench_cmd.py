@@ -99,10 +99,10 @@ def memory_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def accuracy_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["task", "policy", "mean", "seed spread", "seeds", "vs fp32"]
+    headers = ["task", "policy", "mean", "seed spread", "seeds", "vs fp32", "vs fp32 %"]
     rows = [
         [r["task"], r["policy"], f"{r['mean']:.4f}", f"{r['spread']:.4f}", str(r["seeds"]),
-         f"{r.get('vs_fp32', float('nan')):+.4f}"]
+         f"{r.get('vs_fp32', float('nan')):+.4f}", f"{100 * r.get('vs_fp32_relative', float('nan')):+.2f}%"]
         for r in records
     ]  # fmt: skip
     return headers, rows
@@ -126,7 +126,7 @@ def _memory_table(records: list[dict]) -> str:
 
 
 def _accuracy_table(records: list[dict]) -> str:
-    return render_table(*accuracy_rows(records), "llrrrr")
+    return render_table(*accuracy_rows(records), "llrrrrr")
 
 
 def _gemm_table(records: list[dict]) -> str:

@@ -5,7 +5,7 @@ FP32 master copy fixes that at 4 extra bytes per parameter. This optimizer keeps
 moments in the parameters' dtype and computes each step in FP32, then writes the new weight back with:
 
     kahan       (default) a bf16 compensation buffer carries what rounding lost into the next step:
-                    y = update + c;  p' = round(p + y);  c = y - (p' - p)
+                    w = p + c (in FP32);  w = adamw(w);  p' = round(w);  c = w - p'
                 2 extra bytes per parameter; tiny updates accumulate until they move the weight.
     stochastic  p' = stochastic_round(p + update): unbiased on average, no extra memory.
     nearest     plain rounding (what a bf16 torch optimizer does); for comparison.
@@ -85,33 +85,38 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _update(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
-        """One AdamW step for parameters of one dtype, with fused multi-tensor (foreach) kernels."""
+        """One AdamW step for parameters of one dtype."""
         lowp = params[0].dtype != torch.float32
         kahan = lowp and group["update"] == "kahan"
         for param in params:
             state = self.state[param]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if lowp else "cpu")
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if kahan:
                     state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            elif lowp and state["step"].device != param.device:
+                state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
             state["step"] += 1
         states = [self.state[p] for p in params]
+        if not lowp:
+            self._update_fp32(params, states, group)
+            return
+        for chunk in _chunks(list(zip(params, states, strict=True))):
+            self._update_low_precision([p for p, _ in chunk], [s for _, s in chunk], group)
+
+    def _update_fp32(self, params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any]) -> None:
+        """FP32 parameters: torch.optim.AdamW's single-tensor arithmetic, op for op, in foreach kernels."""
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         # Parameters added together share a step count; a group's steps can differ only if some
         # parameters had no gradient at some step, so compute the bias corrections per step value.
         steps = [s["step"].item() for s in states]  # host values, as torch.optim.AdamW (CPU tensors)
-
-        # Everything below runs in FP32, whatever the storage dtype (for FP32 tensors, in place).
-        grads = [p.grad.float() for p in params]
-        exp_avgs = [s["exp_avg"].float() for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"].float() for s in states]
-        weights = [p.float() for p in params] if lowp else params
-        old = [w.clone() for w in weights] if lowp else None
-
-        torch._foreach_mul_(weights, 1 - lr * weight_decay)
+        grads = [p.grad for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
@@ -120,33 +125,64 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_div_(denoms, bias_correction2_sqrt)
         torch._foreach_add_(denoms, eps)
         step_sizes = [-lr / (1 - beta1**step) for step in steps]
-        torch._foreach_addcdiv_(weights, exp_avgs, denoms, step_sizes)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
 
-        if lowp:
-            torch._foreach_copy_([s["exp_avg"] for s in states], exp_avgs)
-            torch._foreach_copy_([s["exp_avg_sq"] for s in states], exp_avg_sqs)
-            self._write_back(params, weights, old, states, group["update"])
-
-    def _write_back(
-        self,
-        params: list[torch.Tensor],
-        targets: list[torch.Tensor],
-        old: list[torch.Tensor],
-        states: list[dict[str, Any]],
-        update: str,
+    def _update_low_precision(
+        self, params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any]
     ) -> None:
-        """Store the FP32 ``targets`` into the low-precision ``params``."""
+        """16-bit parameters: torch's fused AdamW kernel computes the step in FP32.
+
+        ``nearest`` runs it on the 16-bit tensors directly (one pass, rounding each result). The
+        compensated modes widen one chunk of parameters to FP32 (for kahan, parameter + compensation:
+        the value the weights would hold with an FP32 master), step it, and round it back; a chunk at
+        a time bounds the transient FP32 memory.
+        """
+        update = group["update"]
+        hyper = {
+            "lr": group["lr"],
+            "beta1": group["betas"][0],
+            "beta2": group["betas"][1],
+            "weight_decay": group["weight_decay"],
+            "eps": group["eps"],
+            "amsgrad": False,
+            "maximize": False,
+        }
+        steps = [s["step"] for s in states]
+        grads = [p.grad for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        if update == "nearest":
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **hyper)
+            return
+        wide = [[t.float() for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
+        weights, wide_grads, wide_avgs, wide_avg_sqs = wide
         if update == "kahan":
             compensations = [s["kahan_comp"] for s in states]
-            # wanted = this step's update plus what earlier steps lost
-            wanted = torch._foreach_sub(targets, old)
-            torch._foreach_add_(wanted, [c.float() for c in compensations])
-            torch._foreach_copy_(params, torch._foreach_add(old, wanted))  # rounded to the parameters' dtype
-            # what this rounding lost: wanted - (new - old)
-            torch._foreach_sub_(wanted, torch._foreach_sub([p.float() for p in params], old))
-            torch._foreach_copy_(compensations, wanted)
-        elif update == "stochastic":
-            for param, target in zip(params, targets, strict=True):
-                param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
+            torch._foreach_add_(weights, compensations)
+        torch._fused_adamw_(weights, wide_grads, wide_avgs, wide_avg_sqs, [], steps, **hyper)
+        torch._foreach_copy_(exp_avgs, wide_avgs)
+        torch._foreach_copy_(exp_avg_sqs, wide_avg_sqs)
+        if update == "kahan":
+            torch._foreach_copy_(params, weights)  # rounded to the parameters' dtype
+            torch._foreach_sub_(weights, params)  # what the rounding lost, carried to the next step
+            torch._foreach_copy_(compensations, weights)
         else:
-            torch._foreach_copy_(params, targets)
+            for param, target in zip(params, weights, strict=True):
+                param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
+
+
+# Elements widened to FP32 at once by the compensated modes: 4 tensors x 4 bytes x 2**22 = 64 MiB.
+CHUNK_ELEMENTS = 2**22
+
+
+def _chunks(items: list[tuple[torch.Tensor, Any]]) -> list[list[tuple[torch.Tensor, Any]]]:
+    """Consecutive runs of parameters holding about CHUNK_ELEMENTS elements (a larger one alone)."""
+    chunks: list[list[tuple[torch.Tensor, Any]]] = [[]]
+    size = 0
+    for item in items:
+        if chunks[-1] and size + item[0].numel() > CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += item[0].numel()
+    return chunks
