@@ -40,6 +40,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", type=int, default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)")
     parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs")
     parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
+    parser.add_argument("--loss-scale", type=float, help="initial dynamic loss scale (default 65536 for fp16)")
+    parser.add_argument(
+        "--trace-nonfinite",
+        action="store_true",
+        help="name the module where each skipped step's first inf/NaN appeared",
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Train a task under a precision policy; writes metrics, checkpoints, plots and a report.",
     )
     add_run_arguments(parser)
-    parser.add_argument("--policy", default="auto", help="preset or policy string (default: auto)")
+    parser.add_argument(
+        "--policy",
+        default="auto",
+        help="preset, policy string, or a FILE.json from `mixprec doctor --apply` (default: auto)",
+    )
     parser.add_argument("--out", type=Path, help="run folder (default: runs/TASK-POLICY-TIME)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     parser.set_defaults(run=run)
@@ -67,6 +77,12 @@ def task_spec(args: argparse.Namespace) -> str:
 
 
 def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
+    loss_scale = args.loss_scale
+    if policy.endswith(".json"):  # the doctor's advice: a policy and the loss scale it recommends
+        from mixprec.doctor.policy_file import read_policy_file
+
+        policy, advised_scale = read_policy_file(policy)
+        loss_scale = loss_scale if loss_scale is not None else advised_scale
     return TrainConfig(
         task=task_spec(args),
         policy=policy,
@@ -85,6 +101,8 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints,
         skip_bad_batches=args.skip_bad_batches,
         device=args.device,
+        loss_scale=loss_scale,
+        trace_nonfinite=args.trace_nonfinite,
     )
 
 
@@ -132,6 +150,18 @@ def summary(outcome: RunOutcome) -> str:
         (
             "loss scale",
             f"{stats.scale:g} ({stats.skipped_steps} steps skipped: {stats.inf_steps} inf, {stats.nan_steps} NaN)",
+        ),
+        *(
+            [
+                (
+                    "non-finite",
+                    f"{len(outcome.nonfinite)} traced; first: {outcome.nonfinite[0]}"
+                    if outcome.nonfinite
+                    else "none traced",
+                )
+            ]
+            if outcome.nonfinite is not None
+            else []
         ),
         ("model state", f"{stats.bytes_per_param.total:.1f} bytes/param x {outcome.parameters:,} params"),
         ("activations", f"{outcome.activation_bytes / 2**20:.2f} MB saved for backward per eval batch"),

@@ -28,6 +28,7 @@ from torch import nn
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import OverflowLog, StepRecord
 from mixprec.engine.stats import Stats, model_state_bytes
+from mixprec.fp8.region import fp8_state
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.weights import MasterWeights
 from mixprec.numerics.finite import nonfinite_kinds
@@ -399,12 +400,13 @@ class MixedPrecision:
             "counters": self._log.state_dict(),
             "micro_step": self._order.micro_step,
             "accumulation_steps": self.accumulation_steps,
+            "fp8": fp8_state(self.model, self.policy.fp8).state_dict() if self.policy.fp8 else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned; refuses state from another policy or model."""
-        expected = {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps"}
-        if not isinstance(state, dict) or set(state) != expected:
+        expected = {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps", "fp8"}
+        if not isinstance(state, dict) or set(state) | {"fp8"} != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"MixedPrecision.load_state_dict: expected keys {sorted(expected)}, received {got}; "
@@ -433,3 +435,5 @@ class MixedPrecision:
             raise ValueError("MixedPrecision.load_state_dict: the state holds master weights, this policy keeps none.")
         self._log.load_state_dict(state["counters"])
         self._order.micro_step = int(state["micro_step"])
+        if self.policy.fp8 is not None:
+            fp8_state(self.model, self.policy.fp8).load_state_dict(state.get("fp8", {}))

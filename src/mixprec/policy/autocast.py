@@ -9,6 +9,8 @@ Inside ``autocast(policy, model)``:
     - modules the policy keeps in FP32 run with autocast off and FP32 inputs, except batch, layer and
       group norms, whose kernels already compute in FP32 from 16-bit inputs (FP32 parameters, output
       in the input's dtype, as cuDNN does);
+    - with an FP8 recipe (``policy.fp8``), the model's selected Linear layers compute in FP8, emulated
+      exactly (see :mod:`mixprec.fp8`);
     - the model's outputs are cast to ``policy.output_dtype``.
 Everything changed (autocast state, matmul precision, hooks) is restored on exit, exceptions included.
 
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.fp8.region import fp8_region
 from mixprec.policy.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import device_caps, device_type_of
@@ -53,7 +56,20 @@ class ComputePlan:
 
 
 def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
-    """Native 16-bit compute where the device has it; fp16 emulated in FP32 on CPUs without fp16 units."""
+    """Native 16-bit compute where the device has it; fp16 emulated in FP32 on CPUs without fp16 units.
+    FP8 Linear layers are always emulated exactly (FP8-rounded operands, FP32 arithmetic)."""
+    plan = _compute_plan(policy, device_type)
+    if policy.fp8 is None:
+        return plan
+    recipe = policy.fp8
+    note = (
+        f"Linear layers in FP8 emulated with FP32 arithmetic ({recipe.forward} inputs and weights, {recipe.backward} "
+        f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
+    )
+    return ComputePlan(plan.mode, plan.dtype, f"{plan.reason}; {note}")
+
+
+def _compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     caps = device_caps(device_type)
     if policy.compute_dtype == torch.float32:
         return ComputePlan("fp32", torch.float32, caps.tf32_note if policy.allow_tf32 else "FP32 compute")
@@ -135,6 +151,13 @@ def autocast(
             if policy.fp32_ops:
                 stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
             fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
+        if policy.fp8 is not None:
+            if model is None:
+                raise ValueError(
+                    f"policy {policy} computes Linear layers in FP8, which needs the model: "
+                    "use autocast(policy, model)."
+                )
+            stack.enter_context(fp8_region(model, policy.fp8, policy.compute_dtype))
         if model is not None:
             stack.enter_context(_model_hooks(model, policy, fp32_region))
         yield policy

@@ -4,12 +4,18 @@ Grammar (jmp's, extended):
 
     policy  := preset | dtype | field ("," field)*
     field   := key "=" value
-    key     := params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names | fp32_ops|ops
+    key     := base | params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names
+               | fp32_ops|ops | fp8 | fp8_scaling | fp8_history | fp8_amax | fp8_margin | fp8_keep
     value   := a dtype name (f32, float32, bf16, half, ...; compute also takes tf32)
                or, for the three lists, entries joined by "+"  (fp32_ops=softmax+exp)
+               or, for base, a preset name (base=mixed_fp16,names=head: the preset, then the changes)
+               fp8: hybrid (e4m3 forward, e5m2 gradients) or e4m3;  fp8_scaling: current or delayed;
+               fp8_history: amax history length;  fp8_amax: max or recent;  fp8_margin: 0, 1, ...;
+               fp8_keep: Linear layers kept out of FP8, "first", "last" or name globs, joined by "+", or none
 
 Unspecified fields follow jmp: params default to float32, compute to params, output to compute,
-master to float32. A lone dtype (``"bf16"``) means that dtype everywhere.
+master to float32. A lone dtype (``"bf16"``) means that dtype everywhere. With ``base``, unspecified
+fields keep the preset's values and the given ones replace them (lists are replaced, not extended).
 
 Example:
     >>> str(get_policy("p=f32,c=bf16"))
@@ -20,14 +26,19 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.policy.policy import Policy
 from mixprec.policy.presets import PRESET_ALIASES, PRESETS, resolve_auto
 
 __all__ = ["get_policy", "parse_policy_list", "valid_policy_names"]
 
 _KEYS = {
+    "base": "base",
+    "preset": "base",
     "params": "params",
     "p": "params",
     "param": "params",
@@ -44,7 +55,15 @@ _KEYS = {
     "names": "fp32_names",
     "fp32_ops": "fp32_ops",
     "ops": "fp32_ops",
+    "fp8": "fp8",
+    "fp8_scaling": "fp8_scaling",
+    "fp8_history": "fp8_history",
+    "fp8_amax": "fp8_amax",
+    "fp8_margin": "fp8_margin",
+    "fp8_keep": "fp8_keep",
 }
+_FP8_KEYS = ("fp8_scaling", "fp8_history", "fp8_amax", "fp8_margin", "fp8_keep")
+_FP8_FORMATS = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3")}
 _LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
 
 
@@ -112,12 +131,15 @@ def _parse_fields(text: str, spec: str) -> Policy:
             raise ValueError(f"get_policy(spec={spec!r}): the key {canonical!r} is given twice.")
         fields[canonical] = value
 
+    if "base" in fields:
+        return _with_base(fields, spec)
     params = fields.get("params", "float32")
     compute = fields.get("compute", params)
     allow_tf32 = compute.lower() in ("tf32", "tensorfloat32")
     if allow_tf32:
         compute = "float32"
     lists = {key: tuple(v for v in fields.get(key, "").split("+") if v.strip()) for key in _LIST_KEYS}
+    fp8 = _fp8_recipe(fields, None, spec)
     try:
         return Policy(
             param_dtype=params,
@@ -125,8 +147,74 @@ def _parse_fields(text: str, spec: str) -> Policy:
             output_dtype=fields.get("output", compute),
             master_dtype=fields.get("master", "float32"),
             allow_tf32=allow_tf32,
+            fp8=fp8,
             **lists,
         )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+
+
+def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp8Recipe | None:
+    """The FP8 recipe the fields describe, starting from ``base`` (a preset's recipe, or none)."""
+    given = [k for k in _FP8_KEYS if k in fields]
+    if "fp8" not in fields and not given:
+        return base
+    if "fp8" in fields and fields["fp8"].lower() == "none":
+        return None
+    if "fp8" not in fields and base is None:
+        raise ValueError(
+            f"get_policy(spec={spec!r}): {', '.join(given)} set(s) an FP8 recipe; add fp8=hybrid or fp8=e4m3, "
+            "or start from base=fp8."
+        )
+    changes: dict[str, object] = {}
+    if "fp8" in fields:
+        formats = _FP8_FORMATS.get(fields["fp8"].lower())
+        if formats is None:
+            raise ValueError(
+                f"get_policy(spec={spec!r}): fp8={fields['fp8']!r}; "
+                "use hybrid (e4m3 forward, e5m2 gradients), e4m3 or none."
+            )
+        changes["forward"], changes["backward"] = formats
+    for key in ("fp8_scaling", "fp8_amax"):
+        if key in fields:
+            changes[key.removeprefix("fp8_")] = fields[key].lower()
+    for key in ("fp8_history", "fp8_margin"):
+        if key in fields:
+            try:
+                changes[key.removeprefix("fp8_")] = int(fields[key])
+            except ValueError:
+                raise ValueError(f"get_policy(spec={spec!r}): {key}={fields[key]!r} is not a whole number.") from None
+    if "fp8_keep" in fields:
+        keep = fields["fp8_keep"]
+        changes["keep"] = () if keep.lower() == "none" else tuple(k for k in keep.split("+") if k.strip())
+    try:
+        return dataclasses.replace(base or Fp8Recipe(), **changes)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+
+
+def _with_base(fields: dict[str, str], spec: str) -> Policy:
+    name = PRESET_ALIASES.get(fields["base"].lower().replace("-", "_"), fields["base"].lower().replace("-", "_"))
+    if name not in PRESETS:
+        raise ValueError(
+            f"get_policy(spec={spec!r}): base={fields['base']!r} is not a preset; use one of {', '.join(PRESETS)}."
+        )
+    base = PRESETS[name]
+    changes: dict[str, object] = {}
+    changes["fp8"] = _fp8_recipe(fields, base.fp8, spec)
+    for key, value in fields.items():
+        if key == "fp8" or key in _FP8_KEYS:
+            continue
+        if key in _LIST_KEYS:
+            changes[key] = tuple(v for v in value.split("+") if v.strip())
+        elif key == "compute" and value.lower() in ("tf32", "tensorfloat32"):
+            changes.update(compute_dtype="float32", allow_tf32=True)
+        elif key != "base":
+            changes[f"{'param' if key == 'params' else key}_dtype"] = value
+    if "compute_dtype" in changes and "allow_tf32" not in changes:
+        changes["allow_tf32"] = False
+    try:
+        return dataclasses.replace(base, reason="", **changes)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
 

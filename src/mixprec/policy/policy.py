@@ -10,6 +10,7 @@ A policy names four dtypes and three exception lists:
     fp32_modules  module classes kept and computed in FP32 (``norm`` = every normalization layer)
     fp32_names    module name globs kept and computed in FP32 (``*.lm_head``)
     fp32_ops      torch ops computed in FP32 inside the low-precision region (``softmax``, ``exp``)
+    fp8           an FP8 recipe (:class:`mixprec.fp8.Fp8Recipe`): Linear layers compute in FP8
 
 ``str(policy)`` is the policy in the grammar of :func:`mixprec.get_policy`, and parses back to an
 equal policy.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.numerics.formats import get_format
 
 __all__ = ["DTYPE_NAMES", "NORM", "Policy"]
@@ -64,6 +66,7 @@ class Policy:
     fp32_modules: tuple[str, ...] = ()
     fp32_names: tuple[str, ...] = ()
     fp32_ops: tuple[str, ...] = ()
+    fp8: Fp8Recipe | None = None
     reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class Policy:
         object.__setattr__(self, "fp32_modules", _check_list(self.fp32_modules, "fp32_modules", _check_class))
         object.__setattr__(self, "fp32_names", _check_list(self.fp32_names, "fp32_names", _check_glob))
         object.__setattr__(self, "fp32_ops", _check_list(self.fp32_ops, "fp32_ops", _check_op))
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+            raise TypeError(f"Policy(fp8=...) takes a mixprec.fp8.Fp8Recipe or None; received {self.fp8!r}.")
 
     # -- derived facts -----------------------------------------------------------------------
     @property
@@ -134,6 +139,16 @@ class Policy:
             values = getattr(self, key)
             if values:
                 parts.append(f"{key}={'+'.join(values)}")
+        if self.fp8 is not None:
+            recipe = self.fp8
+            parts += [
+                f"fp8={recipe.format_name}",
+                f"fp8_scaling={recipe.scaling}",
+                f"fp8_history={recipe.history}",
+                f"fp8_amax={recipe.amax}",
+                f"fp8_margin={recipe.margin}",
+                f"fp8_keep={'+'.join(recipe.keep) or 'none'}",
+            ]
         return ",".join(parts)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.policy.hardware import device_caps, device_type_of
 from mixprec.policy.policy import NORM, Policy
 
@@ -50,6 +51,20 @@ PRESETS: dict[str, Policy] = {
         output_dtype=F32,
         master_dtype=BF16,
         reason="everything bf16, no FP32 master copy (compensated updates); the leanest in memory",
+    ),
+    "fp8": Policy(
+        param_dtype=F32,
+        compute_dtype=BF16,
+        output_dtype=F32,
+        fp8=Fp8Recipe(),
+        reason="every Linear layer in FP8 (e4m3 inputs and weights, e5m2 gradients, delayed scaling), bf16 elsewhere",
+    ),
+    "fp8_hybrid": Policy(
+        param_dtype=F32,
+        compute_dtype=BF16,
+        output_dtype=F32,
+        fp8=Fp8Recipe(keep=("first", "last")),
+        reason="Linear layers in FP8 (e4m3/e5m2, delayed scaling) except the first and last, which stay bf16",
     ),
 }
 

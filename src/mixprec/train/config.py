@@ -42,6 +42,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     skip_bad_batches: bool = False
     device: str = "auto"
+    loss_scale: float | None = None
+    trace_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -66,6 +68,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"config '{name}' must be >= 1; received {value}.")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"config 'loss_scale': received {self.loss_scale!r}; use a positive number such as 1024.")
         for name in ("lr", "weight_decay", "max_grad_norm"):
             value = getattr(self, name)
             if value is not None and not value >= 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mixprec.doctor.nonfinite import NonFiniteEvent
 from mixprec.engine.memory import saved_activation_bytes
 from mixprec.engine.mixed_precision import needs_compensated_optimizer
 from mixprec.master.compensated import AdamW as CompensatedAdamW
@@ -20,6 +21,7 @@ from mixprec.policy.autocast import ComputePlan
 from mixprec.policy.hardware import machine_info
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
+from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.train.config import TrainConfig
 from mixprec.train.report import plot_run, write_run_report
 from mixprec.train.task import TaskConfig, TaskParts, build_task
@@ -40,6 +42,7 @@ class RunOutcome:
     description: str
     metric: str | None
     report: Path
+    nonfinite: list[NonFiniteEvent] | None = None  # with trace_nonfinite: the first inf/NaN of each skipped step
 
 
 def resolve_device(spec: str) -> str:
@@ -95,6 +98,12 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
         keep_checkpoints=config.keep_checkpoints,
         progress=progress,
         on_bad_batch="skip" if config.skip_bad_batches else "stop",
+        scaler=(
+            DynamicLossScaler(init_scale=config.loss_scale, max_scale=max(2.0**24, config.loss_scale))
+            if config.loss_scale is not None
+            else None
+        ),
+        trace_nonfinite=config.trace_nonfinite,
     )
     return trainer, parts, settings
 
@@ -150,4 +159,5 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         description=parts.description,
         metric=metric,
         report=report,
+        nonfinite=trainer.tracer.events if trainer.tracer is not None else None,
     )

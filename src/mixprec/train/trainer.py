@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.doctor.nonfinite import NonFiniteTracer
+from mixprec.engine.mixed_precision import MixedPrecision, StepResult
 from mixprec.engine.stats import Stats
 from mixprec.policy.policy import Policy
 from mixprec.scaling.base import LossScaler
@@ -111,6 +112,7 @@ class Trainer:
         progress: bool = True,
         check_inputs: bool = True,
         on_bad_batch: str = "stop",
+        trace_nonfinite: bool = False,
     ) -> None:
         if on_bad_batch not in BAD_BATCH_ACTIONS:
             raise ValueError(f"Trainer(on_bad_batch=...): received {on_bad_batch!r}; use 'stop' or 'skip'.")
@@ -128,6 +130,8 @@ class Trainer:
         self.eval_every, self.log_every, self.checkpoint_every = eval_every, log_every, checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.progress, self.check_inputs, self.on_bad_batch = progress, check_inputs, on_bad_batch
+        # where the first inf/NaN of each skipped step appeared (mixprec.doctor.NonFiniteTracer)
+        self.tracer = NonFiniteTracer(model) if trace_nonfinite else None
         self.step = 0  # applied or skipped updates so far
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
@@ -170,7 +174,7 @@ class Trainer:
         window = _Window(time.perf_counter())
         start = time.perf_counter()
         try:
-            with _stop_on_first_ctrl_c(self):
+            with _stop_on_first_ctrl_c(self), self.tracer or contextlib.nullcontext():
                 while self.step < total and not self._stop_requested:
                     self._run_epoch(total, window, bar)
         except KeyboardInterrupt:  # a second Ctrl-C, or one raised from inside a step
@@ -238,6 +242,15 @@ class Trainer:
         if isinstance(generator, torch.Generator):
             generator.manual_seed(self.seed * 1_000_003 + self.epoch)
 
+    def _trace(self, result: StepResult) -> None:
+        """Name where a skipped step's first inf/NaN appeared; forget the records of a clean step."""
+        if result:  # host sync, once per update (CPU optimizers sync for the skip decision anyway)
+            self.tracer.clear()
+            return
+        event = self.tracer.check(step=self.step + 1)
+        if event is not None:
+            logger.warning("%s", event)
+
     def _run_epoch(self, total: int, window: _Window, bar: ProgressBar) -> None:
         self._seed_epoch()
         self.model.train()
@@ -255,8 +268,11 @@ class Trainer:
             if self.max_grad_norm is not None and self.mp.at_update_boundary:
                 self.mp.clip_grad_norm_(self.max_grad_norm)
             window.add(loss.detach(), batch_size(targets))
-            if not self.mp.step().update_step:
+            result = self.mp.step()
+            if not result.update_step:
                 continue
+            if self.tracer is not None:
+                self._trace(result)
             if self.scheduler is not None:
                 self.mp.step_scheduler(self.scheduler)
             self.step += 1

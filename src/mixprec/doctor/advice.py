@@ -1,0 +1,218 @@
+"""``diagnose``: run a few FP32 steps with the range hooks on and say what 16 and 8 bits would do.
+
+Per format it reports the share of gradient values (activation and weight gradients) that would be
+lost, rounded to zero, without loss scaling, and the loss scale it recommends: the smallest power of
+two 2**k (k >= 0) at which at least ``keep`` of the non-zero gradient values are at or above the
+format's smallest subnormal, provided the largest gradient times 2**k still stays below the format's
+overflow threshold. Where no scale does both, the largest scale that does not overflow is given and
+``reaches_keep`` is False. It names the modules whose activations overflow each format (where the
+overflow starts, then every module it reaches), and recommends a policy with a reason for each part.
+
+The model is not changed: no optimizer step is taken, and its gradients are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.doctor.report import DoctorReport, Histogram
+from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
+from mixprec.numerics.formats import get_format
+
+__all__ = ["Diagnosis", "FormatAdvice", "diagnose", "recommend_scale"]
+
+
+@dataclass(frozen=True)
+class FormatAdvice:
+    """What training with this format's gradients and activations would meet."""
+
+    format: str
+    gradient_values: int  # non-zero finite gradient values recorded (activation + weight gradients)
+    lost_without_scaling: float  # fraction of them that round to zero at scale 1
+    activation_grads_lost: float
+    weight_grads_lost: float
+    gradient_amax: float
+    recommended_scale: float
+    kept_with_scale: float
+    reaches_keep: bool
+    activations_overflow: tuple[str, ...]  # forward: every module whose outputs overflow, in order
+    overflow_starts_in: tuple[str, ...]  # forward: modules whose outputs overflow although their inputs fit
+    activation_grads_overflow: tuple[str, ...]  # backward, unscaled
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The doctor's findings: statistics, advice per format and a recommended policy with reasons."""
+
+    report: DoctorReport
+    keep: float
+    formats: dict[str, FormatAdvice]
+    policy: str
+    loss_scale: float | None
+    reasons: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "loss_scale": self.loss_scale,
+            "reasons": list(self.reasons),
+            "keep": self.keep,
+            "formats": {name: asdict(advice) for name, advice in self.formats.items()},
+            "report": self.report.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=lambda v: None)
+
+
+def recommend_scale(histogram: Histogram, amax: float, fmt: str, keep: float) -> tuple[int, float, bool]:
+    """(k, kept fraction, reaches keep) for the loss scale 2**k; see the module docstring."""
+    spec = get_format(fmt)
+    smallest = round(math.log2(spec.min_subnormal))
+    fits = [k for k in range(-128, 129) if amax == 0 or math.ldexp(amax, k) < spec.overflow_threshold]
+    if not fits:
+        return 0, histogram.fraction_at_least(smallest), False
+    largest = max(fits)
+    for k in range(min(0, largest), largest + 1):
+        kept = histogram.fraction_at_least(smallest - k)
+        if kept >= keep:
+            return k, kept, True
+    return largest, histogram.fraction_at_least(smallest - largest), False
+
+
+def diagnose(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    steps: int = 10,
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    keep: float = 0.999,
+    bf16_supported: bool = True,
+) -> Diagnosis:
+    """Run ``steps`` forward and backward passes in FP32 with the range hooks on; advise.
+
+    Args:
+        model: an FP32 model (left unchanged).
+        batches: an iterable of ``(inputs, targets)``; ``inputs`` may be a tensor or a tuple of them.
+        loss_fn: ``loss_fn(model_output, targets)`` returning a scalar loss.
+        steps: batches to run (stops early if ``batches`` runs out).
+        formats: formats to analyse; fp16 is always included (the policy advice is about it).
+        keep: fraction of non-zero gradient values the recommended loss scale must keep in range.
+        bf16_supported: whether the device computes bf16 (for the advice when fp16 cannot work).
+
+    Raises:
+        ValueError: ``steps`` < 1, ``keep`` outside (0, 1], or no batch at all.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"diagnose(steps=...): received {steps!r}; use a positive number of batches.")
+    if not 0 < keep <= 1:
+        raise ValueError(f"diagnose(keep=...): received {keep!r}; use a fraction in (0, 1], e.g. 0.999.")
+    names = tuple(dict.fromkeys(["fp16", *(get_format(f, argument="formats").name for f in formats)]))
+    saved_grads = {p: p.grad for p in model.parameters()}
+    was_training = model.training
+    model.train()
+    watch = RangeWatch(model, formats=names)
+    try:
+        with watch:
+            for batch in batches:
+                if watch.steps >= steps:
+                    break
+                inputs, targets = batch[0], batch[1]
+                for p in model.parameters():
+                    p.grad = None
+                output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+                loss_fn(output, targets).backward()
+                watch.step()
+    finally:
+        for p, grad in saved_grads.items():
+            p.grad = grad
+        model.train(was_training)
+    if watch.steps == 0:
+        raise ValueError("diagnose(batches=...): received no batch; pass an iterable of (inputs, targets).")
+    report = watch.report()
+    advice = {fmt: _format_advice(report, fmt, keep) for fmt in names}
+    policy, loss_scale, reasons = _recommend_policy(advice, keep, bf16_supported)
+    return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
+
+
+def _format_advice(report: DoctorReport, fmt: str, keep: float) -> FormatAdvice:
+    activation = report.totals("backward")
+    weight = report.totals("weight_grad")
+    parts = [t for t in (activation, weight) if t is not None]
+    histogram = parts[0].histogram if parts else Histogram(0, ())
+    for part in parts[1:]:
+        histogram = histogram + part.histogram
+    amax = max((t.amax for t in parts), default=0.0)
+    k, kept, reached = recommend_scale(histogram, amax, fmt, keep)
+    nonzero = histogram.total
+
+    def lost(total) -> float:  # among the non-zero values, which the histogram counts
+        return 0.0 if total is None else total.formats[fmt].underflow * total.values / max(total.histogram.total, 1)
+
+    under = sum(t.formats[fmt].underflow * t.values for t in parts)
+    return FormatAdvice(
+        format=fmt,
+        gradient_values=nonzero,
+        lost_without_scaling=under / max(nonzero, 1),
+        activation_grads_lost=lost(activation),
+        weight_grads_lost=lost(weight),
+        gradient_amax=amax,
+        recommended_scale=math.ldexp(1.0, k),
+        kept_with_scale=kept,
+        reaches_keep=reached,
+        activations_overflow=tuple(s.module for s in report.overflowing(fmt, "forward")),
+        overflow_starts_in=tuple(report.overflow_origins(fmt)),
+        activation_grads_overflow=tuple(s.module for s in report.overflowing(fmt, "backward")),
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def _recommend_policy(
+    advice: dict[str, FormatAdvice], keep: float, bf16_supported: bool
+) -> tuple[str, float | None, tuple[str, ...]]:
+    fp16 = advice["fp16"]
+    limit = get_format("fp16").max
+    if fp16.overflow_starts_in or fp16.activations_overflow:
+        starts = ", ".join(fp16.overflow_starts_in or fp16.activations_overflow)
+        reasons = [
+            f"activations overflow fp16 (largest finite {limit:g}) starting in {starts}; "
+            f"{len(fp16.activations_overflow)} module(s) overflow in all",
+        ]
+        if bf16_supported:
+            reasons.append("bf16 has FP32's exponent range: mixed_bf16 needs no loss scale")
+            reasons.append(
+                f"to stay in fp16 instead, keep them in FP32: base=mixed_fp16,names={'+'.join(fp16.overflow_starts_in)}"
+            )
+            return "mixed_bf16", None, tuple(reasons)
+        reasons.append("this device has no bf16: keep the overflowing modules and their consumers in FP32")
+        return f"base=mixed_fp16,names={'+'.join(fp16.overflow_starts_in)}", fp16.recommended_scale, tuple(reasons)
+    scale_text = f"2^{round(math.log2(fp16.recommended_scale))}"
+    reasons = [
+        f"no activation overflows fp16; without scaling {_pct(fp16.lost_without_scaling)} of non-zero gradient "
+        f"values underflow to zero (activation gradients {_pct(fp16.activation_grads_lost)}, weight gradients "
+        f"{_pct(fp16.weight_grads_lost)})",
+    ]
+    if fp16.reaches_keep:
+        reasons.append(
+            f"loss scale {scale_text} keeps {_pct(fp16.kept_with_scale)} of them (target {_pct(keep)}) while the "
+            f"largest gradient, {fp16.gradient_amax:.3g}, times the scale stays below {limit:g}"
+        )
+        return "mixed_fp16", fp16.recommended_scale, tuple(reasons)
+    reasons.append(
+        f"no loss scale keeps {_pct(keep)}: at {scale_text}, the largest without overflow, "
+        f"{_pct(fp16.kept_with_scale)} are kept"
+    )
+    if bf16_supported:
+        reasons.append("bf16 keeps FP32's exponent range: use mixed_bf16")
+        return "mixed_bf16", None, tuple(reasons)
+    return "mixed_fp16", fp16.recommended_scale, tuple(reasons)

@@ -1,0 +1,66 @@
+"""The doctor's advice on disk: a small JSON file that ``mixprec train --policy FILE.json`` reads.
+
+    {"policy": "mixed_fp16", "loss_scale": 1024.0, "reasons": ["..."], "source": "mixprec doctor charlm --steps 20"}
+
+Reading parses JSON only (no code runs) and checks every key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from mixprec.doctor.advice import Diagnosis
+from mixprec.policy.parse import get_policy
+
+__all__ = ["read_policy_file", "write_policy_file"]
+
+
+def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") -> Path:
+    """Write the recommended policy and loss scale to ``path`` (atomically)."""
+    path = Path(path)
+    payload = {
+        "policy": diagnosis.policy,
+        "loss_scale": diagnosis.loss_scale,
+        "reasons": list(diagnosis.reasons),
+        "source": source,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as tmp:
+        json.dump(payload, tmp, indent=1)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+    os.replace(tmp.name, path)
+    return path
+
+
+def read_policy_file(path: str | Path) -> tuple[str, float | None]:
+    """(policy string, loss scale or None) from a file :func:`write_policy_file` wrote.
+
+    Raises:
+        ValueError: unreadable file, not JSON, missing or malformed keys, an invalid policy or scale.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--policy {path}: not a readable policy file ({exc}).") from None
+    if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
+        raise ValueError(
+            f"--policy {path}: expected a JSON object with a 'policy' string, as `mixprec doctor --apply` writes."
+        )
+    unknown = set(data) - {"policy", "loss_scale", "reasons", "source"}
+    if unknown:
+        raise ValueError(
+            f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source."
+        )
+    get_policy(data["policy"])  # raises with the reason when invalid
+    scale = data.get("loss_scale")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"--policy {path}: loss_scale must be a positive number or null; received {scale!r}.")
+    return data["policy"], None if scale is None else float(scale)

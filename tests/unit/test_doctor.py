@@ -1,0 +1,174 @@
+"""The doctor names where values overflow or turn non-finite, and advises a scale and a policy."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.doctor import Histogram, NonFiniteTracer, RangeWatch, diagnose, plot_histograms, recommend_scale
+
+
+def _overflowing_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Sequential(nn.Linear(32, 32), nn.ReLU())),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 4),
+    )
+    with torch.no_grad():
+        model[2][2][0].weight.fill_(3e4)  # tanh outputs up to 1, summed over 32 inputs: up to ~1e6
+        model[2][2][0].bias.zero_()
+    return model
+
+
+def _batches(n=3, features=16, classes=4):
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(32, features, generator=generator), torch.randint(0, classes, (32,), generator=generator))
+        for _ in range(n)
+    ]
+
+
+def test_the_doctor_names_the_module_where_fp16_overflow_starts():
+    diagnosis = diagnose(_overflowing_model(), _batches(), nn.functional.cross_entropy, steps=3)
+    fp16 = diagnosis.formats["fp16"]
+    assert fp16.overflow_starts_in == ("2.2.0",)
+    assert "2.2.0" in fp16.activations_overflow and "2.1" not in fp16.activations_overflow
+    stats = diagnosis.report.get("2.2.0", "forward")
+    assert stats.formats["fp16"].overflow > 0 and stats.input_amax < 65504
+    assert stats.formats["bf16"].overflow == 0
+    assert diagnosis.policy == "mixed_bf16"
+    assert any("2.2.0" in reason for reason in diagnosis.reasons)
+
+
+def test_a_healthy_model_gets_mixed_fp16_and_a_power_of_two_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    diagnosis = diagnose(model, _batches(), nn.functional.cross_entropy, steps=3, keep=0.99999)
+    assert diagnosis.policy == "mixed_fp16"
+    fp16 = diagnosis.formats["fp16"]
+    scale = diagnosis.loss_scale
+    assert scale == fp16.recommended_scale and scale >= 1 and (scale.bit_length() if isinstance(scale, int) else True)
+    assert fp16.gradient_amax * scale < 65520
+    assert fp16.kept_with_scale >= 0.99999 or not fp16.reaches_keep
+    json.loads(diagnosis.to_json())  # plain data
+
+
+def test_diagnose_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Dropout(0.5), nn.Linear(8, 4)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g
+    diagnose(model, _batches(), nn.functional.cross_entropy, steps=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    assert not model.training
+    assert not model._forward_hooks and all(not m._forward_hooks for m in model.modules())
+
+
+def test_recommend_scale_on_a_known_histogram():
+    # 1000 values at 2**-30 and 1000 at 2**-20: fp16's smallest subnormal is 2**-24
+    counts = [0] * 40
+    counts[0], counts[10] = 1000, 1000
+    histogram = Histogram(-30, tuple(counts))
+    k, kept, reached = recommend_scale(histogram, amax=2.0**-19, fmt="fp16", keep=0.999)
+    assert (k, kept, reached) == (6, 1.0, True)  # 2**-30 * 2**6 = 2**-24
+    k, kept, reached = recommend_scale(histogram, amax=2.0**10, fmt="fp16", keep=0.999)
+    assert reached is False and k == 5 and kept == 0.5  # 2**10 * 2**5 = 32768 fits, 2**6 would overflow
+
+
+def test_first_nan_in_forward_is_named_with_its_module():
+    class InjectNaN(nn.Module):
+        def forward(self, x):
+            return x.masked_fill(torch.arange(x.shape[-1]) == 1, float("nan"))
+
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 4)), nn.Linear(4, 1)
+    )
+    with NonFiniteTracer(model) as tracer:
+        model(torch.randn(3, 4)).sum().backward()
+        assert tracer.check() is not None
+        model(torch.randn(3, 4)).sum().backward()
+        second = tracer.check()
+    assert tracer.first.module == "1.1" and tracer.first.phase == "forward" and tracer.first.kind == "nan"
+    assert tracer.first.step == 0 and second.step == 1
+    assert not model[1][1]._forward_hooks  # removed on exit
+
+
+def test_first_inf_in_backward_is_named_with_the_module_that_produced_it():
+    class OverflowingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 1e38 * 1e38  # overflows FP32 to inf
+
+    class Amplify(nn.Module):
+        def forward(self, x):
+            return OverflowingBackward.apply(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), Amplify()), nn.Linear(4, 1))
+    tracer = NonFiniteTracer(model).attach()
+    model(torch.randn(3, 4)).sum().backward()
+    event = tracer.check()
+    tracer.detach()
+    assert (event.module, event.phase, event.tensor, event.kind) == ("1.1", "backward", "input gradient", "inf")
+
+
+def test_a_clean_step_reports_nothing_and_inputs_are_checked():
+    model = nn.Linear(4, 2)
+    with NonFiniteTracer(model) as tracer:
+        model(torch.randn(2, 4)).sum().backward()
+        assert tracer.check() is None
+        model(torch.tensor([[float("inf"), 0.0, 0.0, 0.0]]))
+        event = tracer.check()
+    assert (event.module, event.kind) == ("input", "inf")
+
+
+def test_range_watch_phases_and_json(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with RangeWatch(model, formats=("fp16", "fp8_e4m3")) as watch:
+        for x, y in _batches(2, features=8, classes=2):
+            nn.functional.cross_entropy(model(x), y).backward()
+            watch.step()
+    report = watch.report()
+    assert report.steps == 2
+    assert {s.phase for s in report.stats} == {"forward", "backward", "weight_grad"}
+    assert report.get("2", "forward").values == 2 * 32 * 2
+    assert report.get("0", "weight_grad").values == 2 * (8 * 8 + 8)
+    assert report.get("0", "forward").order < report.get("2", "forward").order
+    assert report.get("2", "backward").order < report.get("0", "backward").order  # backward runs in reverse
+    assert json.loads(report.to_json())["steps"] == 2
+    png = plot_histograms(report, tmp_path / "hist.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"steps": 0}, "steps=...\\): received 0"),
+        ({"keep": 1.5}, "keep=...\\): received 1.5"),
+        ({"formats": ("fp12",)}, "fp12"),
+    ],
+)
+def test_diagnose_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        diagnose(nn.Linear(2, 2), [(torch.randn(1, 2), torch.tensor([0]))], nn.functional.cross_entropy, **kwargs)
+
+
+def test_watch_rejects_unknown_modules_and_phases():
+    with pytest.raises(ValueError, match="not modules of the model"):
+        RangeWatch(nn.Linear(2, 2), modules=["encoder"])
+    with pytest.raises(ValueError, match="phases"):
+        RangeWatch(nn.Linear(2, 2), phases=["sideways"])
+    assert mixprec.doctor.DEFAULT_FORMATS == ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")

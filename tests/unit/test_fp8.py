@@ -1,0 +1,126 @@
+"""FP8 training: exact emulation against torch's float8 casts, scaling, recipes and policies."""
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.fp8 import Fp8LinearState, Fp8Recipe, cast_to_fp8, fp8_layers, fp8_linear, fp8_region, power_of_two_scale
+
+TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_scaled_casts_match_torch_float8_bit_for_bit(fmt):
+    torch.manual_seed(0)
+    x = torch.randn(50000) * torch.exp2(torch.randint(-30, 10, (50000,)).float())
+    scale = power_of_two_scale(x.abs().amax(), mixprec.get_format(fmt).max)
+    ours = cast_to_fp8(x, scale, fmt)
+    reference = (x * scale).to(TORCH_FP8[fmt]).float()
+    assert torch.equal(ours, reference)
+    # every value as a float8 bit pattern: the emulation reproduces it exactly
+    assert torch.equal(ours.to(TORCH_FP8[fmt]).view(torch.uint8), (x * scale).to(TORCH_FP8[fmt]).view(torch.uint8))
+
+
+def test_power_of_two_scales_are_the_largest_that_fit():
+    amax = torch.tensor([448.0, 449.0, 1.0, 3e-5, 65504.0, 0.0, float("inf"), float("nan")])
+    scale = power_of_two_scale(amax, 448.0)
+    finite = amax[:5]
+    assert torch.all(finite * scale[:5] <= 448) and torch.all(finite * scale[:5] * 2 > 448)
+    assert torch.all(torch.log2(scale) == torch.log2(scale).round())
+    assert scale[5:].tolist() == [1.0, 1.0, 1.0]
+    assert power_of_two_scale(torch.tensor(1.0), 448.0, margin=2).item() == 64.0
+
+
+def test_cast_saturates_finite_values_and_passes_non_finite_through():
+    x = torch.tensor([1000.0, -1e6, float("inf"), float("nan")])
+    out = cast_to_fp8(x, torch.tensor(1.0), "fp8_e5m2")
+    assert out[:2].tolist() == [1024.0, -57344.0]
+    assert torch.isinf(out[2]) and torch.isnan(out[3])
+
+
+def _reference_linear(x, w, b, fwd, bwd, grad):
+    """The FP8 GEMMs spelled out with torch's float8 casts and current scaling."""
+    fmax = mixprec.get_format(fwd).max
+    sx, sw = power_of_two_scale(x.abs().amax(), fmax), power_of_two_scale(w.abs().amax(), fmax)
+    xq, wq = (x * sx).to(TORCH_FP8[fwd]).float(), (w * sw).to(TORCH_FP8[fwd]).float()
+    y = xq @ wq.t() / (sx * sw) + b
+    sg = power_of_two_scale(grad.abs().amax(), mixprec.get_format(bwd).max)
+    gq = (grad * sg).to(TORCH_FP8[bwd]).float()
+    return y, gq @ wq / (sg * sw), gq.t() @ xq / (sg * sx), grad.sum(0)
+
+
+@pytest.mark.parametrize("formats", [("fp8_e4m3", "fp8_e5m2"), ("fp8_e4m3", "fp8_e4m3")])
+def test_fp8_linear_forward_and_backward_equal_the_reference(formats):
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = nn.Parameter(torch.randn(8, 32) * 0.1)
+    b = nn.Parameter(torch.randn(8))
+    grad = torch.randn(16, 8) * 1e-3
+    state = Fp8LinearState(Fp8Recipe(forward=formats[0], backward=formats[1], scaling="current"))
+    y = fp8_linear(x, w, b, state, torch.float32)
+    y.backward(grad)
+    ref_y, ref_dx, ref_dw, ref_db = _reference_linear(x.detach(), w.detach(), b.detach(), *formats, grad)
+    assert torch.equal(y, ref_y)
+    assert torch.equal(x.grad, ref_dx) and torch.equal(w.grad, ref_dw) and torch.equal(b.grad, ref_db)
+
+
+def test_delayed_scaling_uses_the_amax_history():
+    recipe = Fp8Recipe(scaling="delayed", history=2, amax="max")
+    state = Fp8LinearState(recipe)
+    scales = [state.input.scale_for(torch.tensor([value])).item() for value in (1.0, 100.0, 1.0, 1.0, 1.0)]
+    # first call: current amax (1 -> 256); then max of the previous two amaxes
+    assert scales == [256.0, 256.0, 4.0, 4.0, 256.0]
+    recent = Fp8LinearState(Fp8Recipe(scaling="delayed", amax="recent")).input
+    assert [recent.scale_for(torch.tensor([v])).item() for v in (1.0, 100.0, 1.0)] == [256.0, 256.0, 4.0]
+
+
+def test_region_swaps_the_selected_linears_and_restores_them():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    recipe = Fp8Recipe(keep=("first", "last"))
+    assert [n for n, _ in fp8_layers(model, recipe)] == ["2"]
+    assert [n for n, _ in fp8_layers(model, Fp8Recipe(keep=("2",)))] == ["0", "3"]
+    with pytest.raises(RuntimeError), fp8_region(model, recipe, torch.float32):
+        assert "forward" in vars(model[2])
+        raise RuntimeError("boom")
+    assert "forward" not in vars(model[2])
+
+
+def test_fp8_policies_train_and_checkpoint_their_scale_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "fp8")
+    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    losses = []
+    for _ in range(60):
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        mp.backward(loss)
+        mp.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    state = mp.state_dict()
+    assert set(state["fp8"]) == {"0", "2", "4"}
+    assert state["fp8"]["2"]["input"]["recorded"] == 60
+    other = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")
+    other.load_state_dict(state)
+    assert torch.equal(other.state_dict()["fp8"]["2"]["grad"]["history"], state["fp8"]["2"]["grad"]["history"])
+
+
+def test_fp8_policy_grammar_round_trips_and_explains_errors():
+    for spec in (
+        "fp8",
+        "fp8_hybrid",
+        "base=fp8,fp8_scaling=current,fp8_history=4",
+        "c=bf16,fp8=e4m3,fp8_keep=first+*.head",
+    ):
+        policy = mixprec.get_policy(spec)
+        assert mixprec.get_policy(str(policy)) == policy
+    assert mixprec.get_policy("fp8_hybrid").fp8.keep == ("first", "last")
+    assert mixprec.get_policy("fp8").fp8.backward == "fp8_e5m2"
+    with pytest.raises(ValueError, match="fp8='e5m2'; use hybrid"):
+        mixprec.get_policy("fp8=e5m2")
+    with pytest.raises(ValueError, match="add fp8=hybrid"):
+        mixprec.get_policy("c=bf16,fp8_scaling=current")
+    with pytest.raises(ValueError, match="needs the model"), mixprec.autocast("fp8"):
+        pass
