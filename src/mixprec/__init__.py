@@ -5,7 +5,10 @@ Public API; everything not re-exported here is private and may change.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from mixprec import doctor, fp8
+from mixprec.doctor import NonFiniteTracer, RangeWatch, diagnose
 from mixprec.engine import MixedPrecision, StateBytes, Stats, StepResult
+from mixprec.fp8 import Fp8Recipe
 from mixprec.master import AdamW
 from mixprec.numerics import FORMATS, ROUNDING_MODES, Format, get_format, quantize
 from mixprec.policy import (
@@ -36,10 +39,13 @@ __all__ = [
     "DynamicLossScaler",
     "FP32Ops",
     "Format",
+    "Fp8Recipe",
     "LossScaler",
     "MixedPrecision",
     "NoOpLossScaler",
+    "NonFiniteTracer",
     "Policy",
+    "RangeWatch",
     "StateBytes",
     "StaticLossScaler",
     "Stats",
@@ -52,6 +58,9 @@ __all__ = [
     "autocast",
     "cast_module",
     "device_caps",
+    "diagnose",
+    "doctor",
+    "fp8",
     "fp32_modules",
     "get_format",
     "get_policy",

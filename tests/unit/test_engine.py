@@ -230,7 +230,8 @@ def test_state_dict_round_trips_every_field():
     for seed in range(5):
         train_step(mp, model, seed, poison=float("inf") if seed in (1, 2) else None)
     state = mp.state_dict()
-    assert set(state) == {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps"}
+    assert set(state) == {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps", "fp8"}
+    assert state["fp8"] == {}  # no FP8 recipe in this policy
     assert state["counters"] == {
         "steps": 5,
         "skipped_steps": 2,

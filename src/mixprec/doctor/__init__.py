@@ -8,10 +8,10 @@ plot_histograms   the histograms against each format's range, as a PNG
 """
 
 from mixprec.doctor.advice import Diagnosis, FormatAdvice, diagnose, recommend_scale
-from mixprec.doctor.nonfinite import NonFiniteEvent, NonFiniteTracer
 from mixprec.doctor.plot import plot_histograms
 from mixprec.doctor.policy_file import read_policy_file, write_policy_file
 from mixprec.doctor.report import PHASES, DoctorReport, FormatRange, Histogram, ModuleStats
+from mixprec.doctor.trace import NonFiniteEvent, NonFiniteTracer
 from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
 
 __all__ = [

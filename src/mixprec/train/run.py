@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.doctor.nonfinite import NonFiniteEvent
+from mixprec.doctor.trace import NonFiniteEvent
 from mixprec.engine.memory import saved_activation_bytes
 from mixprec.engine.mixed_precision import needs_compensated_optimizer
 from mixprec.master.compensated import AdamW as CompensatedAdamW

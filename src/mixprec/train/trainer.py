@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mixprec.doctor.nonfinite import NonFiniteTracer
+from mixprec.doctor.trace import NonFiniteTracer
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
 from mixprec.engine.stats import Stats
 from mixprec.policy.policy import Policy
