@@ -124,3 +124,24 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
         mixprec.get_policy("c=bf16,fp8_scaling=current")
     with pytest.raises(ValueError, match="needs the model"), mixprec.autocast("fp8"):
         pass
+
+
+@pytest.mark.parametrize("spec", ["base=fp8,p=bf16", "base=fp8,p=bf16,m=bf16", "base=fp8_hybrid,fp8_scaling=current"])
+def test_fp8_with_bf16_weights_and_either_master(spec):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    policy = mixprec.get_policy(spec)
+    bf16_masters = policy.master_dtype == torch.bfloat16
+    optimizer = (mixprec.AdamW if bf16_masters else torch.optim.AdamW)(model.parameters(), lr=3e-3)
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    losses = []
+    for _ in range(40):
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        mp.backward(loss)
+        mp.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert model[2].weight.dtype == (torch.bfloat16 if "p=bf16" in spec else torch.float32)
+    assert (mp.masters is None) == (bf16_masters or "p=bf16" not in spec)

@@ -6,6 +6,8 @@ Inside ``autocast(policy, model)``:
       emulated in FP32 (see :mod:`mixprec.policy.emulation` and :func:`compute_plan`);
       with ``tf32``, FP32 matmuls may use TF32 units where the device has them;
     - ops in ``policy.fp32_ops`` run in FP32 (see :mod:`mixprec.policy.op_overrides`);
+    - on CPUs under bf16, scaled dot-product attention runs as bf16 GEMMs (see
+      :mod:`mixprec.policy.attention`), unless ``fp32_ops`` lists it;
     - modules the policy keeps in FP32 run with autocast off and FP32 inputs, except batch, layer and
       group norms, whose kernels already compute in FP32 from 16-bit inputs (FP32 parameters, output
       in the input's dtype, as cuDNN does);
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8.region import fp8_region
+from mixprec.policy.attention import GemmAttention
 from mixprec.policy.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import device_caps, device_type_of
@@ -101,6 +104,16 @@ def check_device_supports(policy: Policy, device_type: str) -> None:
         )
 
 
+def uses_gemm_attention(policy: Policy, plan: ComputePlan, device_type: str) -> bool:
+    """bf16 attention from GEMMs (mixprec.policy.attention) on CPUs, unless the policy keeps it FP32."""
+    return (
+        device_type == "cpu"
+        and plan.mode == "native"
+        and plan.dtype == torch.bfloat16
+        and "scaled_dot_product_attention" not in policy.fp32_ops
+    )
+
+
 @contextlib.contextmanager
 def tf32_matmuls(device_type: str) -> Iterator[None]:
     """Let FP32 matmuls use TF32 units where ``device_type`` has them; a no-op elsewhere."""
@@ -146,6 +159,8 @@ def autocast(
         else:
             if plan.mode == "native":
                 stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
+                if uses_gemm_attention(policy, plan, device_type):
+                    stack.enter_context(GemmAttention())
             if policy.allow_tf32:
                 stack.enter_context(tf32_matmuls(device_type))
             if policy.fp32_ops:
