@@ -1,21 +1,9 @@
 """mixprec doctor, its advice file, and tracing non-finite values in mixprec train."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-MIXPREC = str(Path(sys.executable).with_name("mixprec"))
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run(*args, cwd=REPO, timeout=300):
-    import subprocess
-
-    return subprocess.run(
-        [MIXPREC, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
-    )
+from test_train_cli import run  # the installed command, run as a user would
 
 
 def test_doctor_reports_advises_and_applies(tmp_path):

@@ -86,18 +86,28 @@ def test_region_swaps_the_selected_linears_and_restores_them():
     assert "forward" not in vars(model[2])
 
 
-def test_fp8_policies_train_and_checkpoint_their_scale_state():
+def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
-    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "fp8")
-    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def _train(mp: mixprec.MixedPrecision, steps: int) -> list[float]:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 16, generator=generator), torch.randint(0, 4, (256,), generator=generator)
     losses = []
-    for _ in range(60):
+    for _ in range(steps):
         with mp.autocast():
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(mp.model(x), y)
         mp.backward(loss)
         mp.step()
         losses.append(loss.item())
+    return losses
+
+
+def test_fp8_policies_train_and_checkpoint_their_scale_state():
+    model = _mlp()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "fp8")
+    losses = _train(mp, 60)
     assert losses[-1] < 0.7 * losses[0]
     state = mp.state_dict()
     assert set(state["fp8"]) == {"0", "2", "4"}
@@ -128,20 +138,12 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
 
 @pytest.mark.parametrize("spec", ["base=fp8,p=bf16", "base=fp8,p=bf16,m=bf16", "base=fp8_hybrid,fp8_scaling=current"])
 def test_fp8_with_bf16_weights_and_either_master(spec):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    model = _mlp()
     policy = mixprec.get_policy(spec)
     bf16_masters = policy.master_dtype == torch.bfloat16
     optimizer = (mixprec.AdamW if bf16_masters else torch.optim.AdamW)(model.parameters(), lr=3e-3)
     mp = mixprec.MixedPrecision(model, optimizer, policy)
-    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
-    losses = []
-    for _ in range(40):
-        with mp.autocast():
-            loss = nn.functional.cross_entropy(model(x), y)
-        mp.backward(loss)
-        mp.step()
-        losses.append(loss.item())
+    losses = _train(mp, 40)
     assert losses[-1] < 0.7 * losses[0]
     assert model[2].weight.dtype == (torch.bfloat16 if "p=bf16" in spec else torch.float32)
     assert (mp.masters is None) == (bf16_masters or "p=bf16" not in spec)

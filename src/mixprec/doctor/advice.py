@@ -1,12 +1,15 @@
 """``diagnose``: run a few FP32 steps with the range hooks on and say what 16 and 8 bits would do.
 
 Per format it reports the share of gradient values (activation and weight gradients) that would be
-lost, rounded to zero, without loss scaling, and the loss scale it recommends: the smallest power of
-two 2**k (k >= 0) at which at least ``keep`` of the non-zero gradient values are at or above the
-format's smallest subnormal, provided the largest gradient times 2**k still stays below the format's
-overflow threshold. Where no scale does both, the largest scale that does not overflow is given and
-``reaches_keep`` is False. It names the modules whose activations overflow each format (where the
-overflow starts, then every module it reaches), and recommends a policy with a reason for each part.
+lost, rounded to zero, without loss scaling, and the loss scale it recommends. Both count the gradients
+that a mixed-precision run computes in 16 bits, found by one extra forward and backward pass under
+mixed_fp16 (norm and embedding weights keep FP32 gradients there, so their size cannot overflow).
+The scale is the smallest power of two 2**k (k >= 0) at which
+at least ``keep`` of those non-zero gradient values are at or above the format's smallest subnormal,
+provided the largest of them times 2**k still stays below the format's overflow threshold. Where no
+scale does both, the largest scale that does not overflow is given and ``reaches_keep`` is False. It
+names the modules whose activations overflow each format (where the overflow starts, then every
+module it reaches), and recommends a policy with a reason for each part.
 
 The model is not changed: no optimizer step is taken, and its gradients are restored afterwards.
 """
@@ -25,6 +28,7 @@ from torch import nn
 from mixprec.doctor.report import DoctorReport, Histogram
 from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
 from mixprec.numerics.formats import get_format
+from mixprec.policy.nest import map_floating
 
 __all__ = ["Diagnosis", "FormatAdvice", "diagnose", "recommend_scale"]
 
@@ -45,6 +49,7 @@ class FormatAdvice:
     activations_overflow: tuple[str, ...]  # forward: every module whose outputs overflow, in order
     overflow_starts_in: tuple[str, ...]  # forward: modules whose outputs overflow although their inputs fit
     activation_grads_overflow: tuple[str, ...]  # backward, unscaled
+    scope: str  # which gradients the loss-scale figures count
 
 
 @dataclass(frozen=True)
@@ -119,17 +124,20 @@ def diagnose(
     was_training = model.training
     model.train()
     watch = RangeWatch(model, formats=names)
+    probe_batch: list[Any] = []
     try:
         with watch:
             for batch in batches:
                 if watch.steps >= steps:
                     break
+                probe_batch = probe_batch or [batch]
                 inputs, targets = batch[0], batch[1]
                 for p in model.parameters():
                     p.grad = None
                 output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
                 loss_fn(output, targets).backward()
                 watch.step()
+        scope = _sixteen_bit_gradients(model, probe_batch[0], loss_fn) if probe_batch else None
     finally:
         for p, grad in saved_grads.items():
             p.grad = grad
@@ -137,14 +145,64 @@ def diagnose(
     if watch.steps == 0:
         raise ValueError("diagnose(batches=...): received no batch; pass an iterable of (inputs, targets).")
     report = watch.report()
-    advice = {fmt: _format_advice(report, fmt, keep) for fmt in names}
+    advice = {fmt: _format_advice(report, fmt, keep, scope) for fmt in names}
     policy, loss_scale, reasons = _recommend_policy(advice, keep, bf16_supported)
     return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
 
 
-def _format_advice(report: DoctorReport, fmt: str, keep: float) -> FormatAdvice:
-    activation = report.totals("backward")
-    weight = report.totals("weight_grad")
+def _sixteen_bit_gradients(model: nn.Module, batch: Any, loss_fn: Callable) -> frozenset[tuple[str, str]] | None:
+    """Which (module, phase) gradients are 16-bit under mixed_fp16: one forward and backward in its
+    region. Activation gradients count where they arrive as fp16; a module's weight gradients where its
+    output is fp16 (its GEMM computed them in fp16), unless the weight is shared with another module.
+    Norms and embeddings keep FP32 gradients."""
+    from mixprec.policy.autocast import autocast
+
+    names = {module: name for name, module in model.named_modules()}
+    uses: dict[int, int] = {}
+    for module in names:
+        for param in module.parameters(recurse=False):
+            uses[id(param)] = uses.get(id(param), 0) + 1
+    # a tied weight (lm_head = embedding) sums its uses' gradients in FP32; its hook sees only the sum
+    shared = {module for module in names if any(uses[id(p)] > 1 for p in module.parameters(recurse=False))}
+    found: set[tuple[str, str]] = set()
+    handles = []
+
+    def on_output(module: nn.Module, args: tuple, output: Any) -> None:
+        name = names[module]
+        tensors: list[torch.Tensor] = []
+        map_floating(output, lambda t: tensors.append(t) or t)
+        for tensor in tensors:
+            trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+            if tensor.dtype == torch.float16 and trainable and module not in shared:
+                found.add((name, "weight_grad"))
+            if tensor.requires_grad:
+                tensor.register_hook(
+                    lambda g, name=name: found.add((name, "backward")) if g.dtype == torch.float16 else None
+                )
+
+    for module in names:
+        handles.append(module.register_forward_hook(on_output))
+    try:
+        inputs, targets = batch[0], batch[1]
+        with autocast("mixed_fp16", model):
+            output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+            loss = loss_fn(output, targets)
+        loss.backward()
+    except (RuntimeError, ValueError, TypeError):
+        return None  # the model cannot run under fp16 autocast here: judge every gradient
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p in model.parameters():
+            p.grad = None
+    return frozenset(found) or None
+
+
+def _format_advice(
+    report: DoctorReport, fmt: str, keep: float, scope: frozenset[tuple[str, str]] | None
+) -> FormatAdvice:
+    activation = report.totals("backward", modules=_names(scope, "backward"))
+    weight = report.totals("weight_grad", modules=_names(scope, "weight_grad"))
     parts = [t for t in (activation, weight) if t is not None]
     histogram = parts[0].histogram if parts else Histogram(0, ())
     for part in parts[1:]:
@@ -170,7 +228,12 @@ def _format_advice(report: DoctorReport, fmt: str, keep: float) -> FormatAdvice:
         activations_overflow=tuple(s.module for s in report.overflowing(fmt, "forward")),
         overflow_starts_in=tuple(report.overflow_origins(fmt)),
         activation_grads_overflow=tuple(s.module for s in report.overflowing(fmt, "backward")),
+        scope="gradients computed in 16 bits under mixed_fp16" if scope is not None else "every gradient",
     )
+
+
+def _names(scope: frozenset[tuple[str, str]] | None, phase: str) -> set[str] | None:
+    return None if scope is None else {name for name, p in scope if p == phase}
 
 
 def _pct(x: float) -> str:

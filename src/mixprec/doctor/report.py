@@ -115,10 +115,10 @@ class DoctorReport:
         ]
         return [m for m in starts if not any(_is_descendant(o, m) for o in starts)]
 
-    def totals(self, phase: str, leaves_only: bool = True) -> ModuleStats | None:
+    def totals(self, phase: str, leaves_only: bool = True, modules: set[str] | None = None) -> ModuleStats | None:
         """One phase summed over modules (by default only modules without recorded children, so no
-        value is counted twice)."""
-        records = self.phase(phase)
+        value is counted twice; ``modules`` restricts the sum to those names)."""
+        records = [s for s in self.phase(phase) if modules is None or s.module in modules]
         if leaves_only:
             names = [s.module for s in records]
             records = [s for s in records if not any(_is_descendant(n, s.module) for n in names)]
