@@ -13,7 +13,9 @@ Host syncs, all of them:
       one that takes ``found_inf`` itself (``torch.optim.Adam/AdamW/SGD(fused=True)``) on an accelerator.
       On the CPU the read is a memory load.
     - ``bool(step_result)``, ``step_scheduler()``, ``stats()`` and ``state_dict()`` read device values.
-    - ``mixprec.AdamW`` reads its step count (a CPU tensor), as ``torch.optim.AdamW`` does.
+    - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
+In a torch.distributed run step() also all-reduces the found-inf flags (max over ranks) before deciding,
+so every rank skips the same steps; that is a collective, not a host sync.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.scaling.static import NoOpLossScaler
 
 __all__ = ["MixedPrecision", "StepResult", "default_scaler", "needs_compensated_optimizer"]
+
+
+def agree_across_ranks(found_per_loss: list[torch.Tensor]) -> list[torch.Tensor]:
+    """In a torch.distributed run, every rank's found-inf flags become the maximum over ranks, so all
+    ranks skip the same steps and their loss scales never diverge (one all-reduce of a few numbers, on
+    the flags' device: gloo for CPU tensors, nccl for CUDA ones). A no-op in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return found_per_loss
+    flags = torch.stack([f.reshape(()).float() for f in found_per_loss])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [flag.reshape(f.shape).to(f.dtype) for flag, f in zip(flags.unbind(), found_per_loss, strict=True)]
 
 
 def default_scaler(policy: Policy) -> LossScaler:
@@ -284,7 +299,7 @@ class MixedPrecision:
             return self._last
         if not already_unscaled:
             self._unscale()
-        found_per_loss = self._found_per_loss or [torch.zeros(1, device=self.device)]
+        found_per_loss = agree_across_ranks(self._found_per_loss or [torch.zeros(1, device=self.device)])
         found = found_per_loss[0] if len(found_per_loss) == 1 else torch.stack(found_per_loss).amax(0)
 
         if getattr(self.optimizer, "_step_supports_amp_scaling", False) and self.device.type != "cpu":
