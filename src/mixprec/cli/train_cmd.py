@@ -106,6 +106,11 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
     )
 
 
+def run_stamp() -> str:
+    """The run folder's suffix: the time, or under torchrun its run id (the same on every rank)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+
+
 def slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in text)[:60]
 
@@ -122,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         out = args.out
     else:
         config = config_from(args, args.policy)
-        out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{time.strftime('%Y%m%d-%H%M%S')}")
+        out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{run_stamp()}")
     try:
         outcome = run_training(config, out, resume=args.resume, progress=not args.quiet)
     except TrainingInterrupted as stop:
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED
-    print(summary(outcome))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary
+        print(summary(outcome))
     return 0
 
 
@@ -144,6 +150,7 @@ def summary(outcome: RunOutcome) -> str:
         ("policy", f"{outcome.policy}" + (f"  [{outcome.policy.reason}]" if outcome.policy.reason else "")),
         ("compute", f"{outcome.compute_plan.mode}: {outcome.compute_plan.reason}"),
         ("trained", f"{result.steps} steps, {result.epochs} epochs in {result.seconds:.1f} s"),
+        *([("processes", f"{outcome.world_size}, data parallel")] if outcome.world_size > 1 else []),
         ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s"),
         ("final train loss", f"{result.train_loss:.4f}"),
         *((f"eval {k}", f"{v:.4f}") for k, v in result.eval.items()),

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_floating"]
+__all__ = ["map_floating", "map_tensors"]
 
 
 def map_floating(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -16,15 +16,20 @@ def map_floating(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
     Containers keep their types: namedtuples, and mappings such as transformers' ModelOutput.
     """
+    return map_tensors(value, lambda t: fn(t) if t.is_floating_point() else t)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in a nest of tuples, lists and mappings (types kept, as above)."""
     if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
+        return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(map_floating(v, fn) for v in value))
+        return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(map_floating(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
     if isinstance(value, Mapping):
         out = copy.copy(value)
         for key, item in value.items():
-            out[key] = map_floating(item, fn)  # type: ignore[index]
+            out[key] = map_tensors(item, fn)  # type: ignore[index]
         return out
     return value

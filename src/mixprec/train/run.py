@@ -23,6 +23,7 @@ from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.train.config import TrainConfig
+from mixprec.train.distributed import init_from_env
 from mixprec.train.report import plot_run, write_run_report
 from mixprec.train.task import TaskConfig, TaskParts, build_task
 from mixprec.train.trainer import FitResult, Trainer
@@ -43,6 +44,7 @@ class RunOutcome:
     metric: str | None
     report: Path
     nonfinite: list[NonFiniteEvent] | None = None  # with trace_nonfinite: the first inf/NaN of each skipped step
+    world_size: int = 1  # processes training data-parallel (torchrun)
 
 
 def resolve_device(spec: str) -> str:
@@ -60,7 +62,7 @@ def _cosine(total: int):
 
 def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> tuple[Trainer, TaskParts, dict]:
     """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings)."""
-    device = resolve_device(config.device)
+    device = init_from_env(resolve_device(config.device))  # under torchrun: join the process group
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
     defaults = parts.defaults
     settings = {
@@ -112,9 +114,11 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
     """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer, parts, settings = build_trainer(config, run_dir, progress)
+    main = trainer.world.is_main
     if not resume:
         trainer.check_new_run()  # before config.json is written over an existing run
-        config.save(run_dir)
+        if main:
+            config.save(run_dir)
     length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
     result = trainer.fit(**length, resume=resume)
     inputs, _ = next(iter(parts.eval_data))
@@ -122,7 +126,7 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
     with trainer.mp.autocast():
         activations = saved_activation_bytes(lambda: trainer.model(inputs), trainer.model)
     metric = parts.metric.name if parts.metric is not None else None
-    plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric)
+    plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric) if main else []
     stats = result.stats
     results = {
         "steps": result.steps,
@@ -136,18 +140,21 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         "final loss scale": stats.scale,
         "model state bytes/param": stats.bytes_per_param.total,
         "saved activations (MB, one eval batch)": activations / 2**20,
+        "processes (data parallel)": trainer.world.size,
     }
     plan = trainer.mp.compute_plan
-    report = write_run_report(
-        run_dir / "report.md",
-        title=f"mixprec run: {config.task} under {config.policy}",
-        config={**config.to_dict(), **settings, "task description": parts.description},
-        machine=machine_info(),
-        policy=str(trainer.mp.policy),
-        policy_reason=f"{trainer.mp.policy.reason}; compute {plan.mode}: {plan.reason}",
-        results=results,
-        plots=plots,
-    )
+    report = run_dir / "report.md"
+    if main:
+        write_run_report(
+            run_dir / "report.md",
+            title=f"mixprec run: {config.task} under {config.policy}",
+            config={**config.to_dict(), **settings, "task description": parts.description},
+            machine=machine_info(),
+            policy=str(trainer.mp.policy),
+            policy_reason=f"{trainer.mp.policy.reason}; compute {plan.mode}: {plan.reason}",
+            results=results,
+            plots=plots,
+        )
     return RunOutcome(
         config=config,
         run_dir=run_dir,
@@ -160,4 +167,5 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         metric=metric,
         report=report,
         nonfinite=trainer.tracer.events if trainer.tracer is not None else None,
+        world_size=trainer.world.size,
     )

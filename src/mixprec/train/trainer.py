@@ -37,6 +37,7 @@ from mixprec.engine.stats import Stats
 from mixprec.policy.policy import Policy
 from mixprec.scaling.base import LossScaler
 from mixprec.train.checkpoint import load_latest, save_checkpoint
+from mixprec.train.distributed import shard, world
 from mixprec.train.evaluate import batch_size, evaluate, to_device
 from mixprec.train.metrics_log import MetricsLog
 from mixprec.train.progress import ProgressBar
@@ -121,6 +122,12 @@ class Trainer:
                 raise ValueError(f"Trainer({name}=...) must be an integer >= 1; received {value!r}.")
         self.model = model
         self.mp = MixedPrecision(model, optimizer, policy, scaler, accumulation_steps=accumulation_steps)
+        # under torchrun: DDP for the training forward, a slice of every batch, files from rank 0 only
+        self.world = world()
+        self._train_model: nn.Module = model
+        if self.world.distributed:
+            device_ids = [self.mp.device.index] if self.mp.device.type == "cuda" else None
+            self._train_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         self.optimizer = optimizer
         self.train_data, self.eval_data = train_data, eval_data
         self.loss_fn, self.metric, self.scheduler = loss_fn, metric, scheduler
@@ -142,7 +149,7 @@ class Trainer:
         self.skipped_batches = 0  # bad input batches dropped with on_bad_batch="skip"
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.log = MetricsLog(self.out_dir)
+        self.log = MetricsLog(self.out_dir if self.world.is_main else None)
 
     @property
     def device(self) -> torch.device:
@@ -170,7 +177,7 @@ class Trainer:
         else:
             self.check_new_run()
             self._seed_everything()
-        bar = ProgressBar(total, "training", self.progress)
+        bar = ProgressBar(total, "training", self.progress and self.world.is_main)
         window = _Window(time.perf_counter())
         start = time.perf_counter()
         try:
@@ -262,12 +269,15 @@ class Trainer:
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
             if self.check_inputs and not self._inputs_ok(inputs):
                 continue
+            samples = batch_size(targets)
+            if self.world.distributed:
+                inputs, targets = shard((inputs, targets), self.world.rank, self.world.size)
             with self.mp.autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
+                loss = self.loss_fn(self._train_model(inputs), targets)
             self.mp.backward(loss)
             if self.max_grad_norm is not None and self.mp.at_update_boundary:
                 self.mp.clip_grad_norm_(self.max_grad_norm)
-            window.add(loss.detach(), batch_size(targets))
+            window.add(loss.detach(), samples)
             result = self.mp.step()
             if not result.update_step:
                 continue
@@ -402,7 +412,7 @@ class Trainer:
         self._committed = (self.epoch, self.batch_in_epoch)
 
     def save_checkpoint(self) -> Path | None:
-        if self.checkpoint_dir is None:
+        if self.checkpoint_dir is None or not self.world.is_main:  # ranks hold identical state
             return None
         return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=self.keep_checkpoints)
 
