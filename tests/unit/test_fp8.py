@@ -18,6 +18,7 @@ def test_scaled_casts_match_torch_float8_bit_for_bit(fmt):
     ours = cast_to_fp8(x, scale, fmt)
     reference = (x * scale).to(TORCH_FP8[fmt]).float()
     assert torch.equal(ours, reference)
+    assert torch.equal(ours, mixprec.quantize(x * scale, fmt))  # mixprec's own emulation agrees
     # every value as a float8 bit pattern: the emulation reproduces it exactly
     assert torch.equal(ours.to(TORCH_FP8[fmt]).view(torch.uint8), (x * scale).to(TORCH_FP8[fmt]).view(torch.uint8))
 
