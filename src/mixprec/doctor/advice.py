@@ -246,19 +246,20 @@ def _recommend_policy(
     fp16 = advice["fp16"]
     limit = get_format("fp16").max
     if fp16.overflow_starts_in or fp16.activations_overflow:
-        starts = ", ".join(fp16.overflow_starts_in or fp16.activations_overflow)
+        starts = fp16.overflow_starts_in or fp16.activations_overflow
         reasons = [
-            f"activations overflow fp16 (largest finite {limit:g}) starting in {starts}; "
+            f"activations overflow fp16 (largest finite {limit:g}) starting in {', '.join(starts)}; "
             f"{len(fp16.activations_overflow)} module(s) overflow in all",
         ]
+        # the model itself ("") cannot be named in a policy; with nothing else to name, all of it is FP32
+        names = "+".join(name for name in starts if name)
+        in_fp32 = f"base=mixed_fp16,names={names}" if names else "fp32"
         if bf16_supported:
             reasons.append("bf16 has FP32's exponent range: mixed_bf16 needs no loss scale")
-            reasons.append(
-                f"to stay in fp16 instead, keep them in FP32: base=mixed_fp16,names={'+'.join(fp16.overflow_starts_in)}"
-            )
+            reasons.append(f"to stay in fp16 instead, keep them in FP32: {in_fp32}")
             return "mixed_bf16", None, tuple(reasons)
         reasons.append("this device has no bf16: keep the overflowing modules and their consumers in FP32")
-        return f"base=mixed_fp16,names={'+'.join(fp16.overflow_starts_in)}", fp16.recommended_scale, tuple(reasons)
+        return in_fp32, fp16.recommended_scale if names else None, tuple(reasons)
     scale_text = f"2^{round(math.log2(fp16.recommended_scale))}"
     reasons = [
         f"no activation overflows fp16; without scaling {_pct(fp16.lost_without_scaling)} of non-zero gradient "
