@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from pathlib import Path
 
 from mixprec.cli.table import render_table
+from mixprec.cli.train_cmd import task_spec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -51,15 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.train.run import resolve_device
     from mixprec.train.task import TaskConfig, build_task
 
-    if args.task and args.model:
-        raise ValueError(f"give a task ({args.task!r}) or --model ({args.model!r}), not both.")
-    if not args.task and not args.model:
-        raise ValueError("name a task (digits, charlm, hf) or pass --model MODULE:FACTORY.")
+    spec = task_spec(args)
     if args.steps < 1:
         raise ValueError(f"--steps: received {args.steps}; use a positive number of batches.")
-    if args.model:
-        sys.path.insert(0, os.getcwd())
-    spec = args.model or args.task
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     parts = build_task(spec, TaskConfig(args.batch_size, args.seed, device, args.size))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mixprec.train.config import TrainConfig
+from mixprec.train.distributed import world
 from mixprec.train.task import BUILTIN_TASKS
 from mixprec.train.trainer import TrainingInterrupted
 
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary
+    if world().is_main:  # under torchrun, one summary
         print(summary(outcome))
     return 0
 

@@ -42,7 +42,8 @@ class Fp8State:
 
     def __init__(self, model: nn.Module, recipe: Fp8Recipe) -> None:
         self.recipe = recipe
-        self.layers = {name: Fp8LinearState(recipe) for name, _ in fp8_layers(model, recipe)}
+        self.modules = dict(fp8_layers(model, recipe))  # chosen once; each region swaps these
+        self.layers = {name: Fp8LinearState(recipe) for name in self.modules}
 
     def state_dict(self) -> dict:
         return {name: layer.state_dict() for name, layer in self.layers.items()}
@@ -69,7 +70,7 @@ def fp8_region(model: nn.Module, recipe: Fp8Recipe, out_dtype: torch.dtype) -> I
     state = fp8_state(model, recipe)
     swapped = []
     try:
-        for name, module in fp8_layers(model, recipe):
+        for name, module in state.modules.items():
             layer = state.layers[name]
 
             def forward(x, module=module, layer=layer):

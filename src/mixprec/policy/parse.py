@@ -65,6 +65,7 @@ _KEYS = {
 _FP8_KEYS = ("fp8_scaling", "fp8_history", "fp8_amax", "fp8_margin", "fp8_keep")
 _FP8_FORMATS = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3")}
 _LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
+_TF32 = ("tf32", "tensorfloat32")  # compute spellings that mean FP32 storage with TF32 matmuls
 
 
 def valid_policy_names() -> str:
@@ -94,10 +95,9 @@ def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) 
             f"Valid {valid_policy_names()}."
         )
     text = spec.strip()
-    name = text.lower().replace("-", "_")
+    name = _preset_name(text)
     if name == "auto":
         return resolve_auto(device)
-    name = PRESET_ALIASES.get(name, name)
     if name in PRESETS:
         return PRESETS[name]
     if "=" not in text:
@@ -135,10 +135,10 @@ def _parse_fields(text: str, spec: str) -> Policy:
         return _with_base(fields, spec)
     params = fields.get("params", "float32")
     compute = fields.get("compute", params)
-    allow_tf32 = compute.lower() in ("tf32", "tensorfloat32")
+    allow_tf32 = compute.lower() in _TF32
     if allow_tf32:
         compute = "float32"
-    lists = {key: tuple(v for v in fields.get(key, "").split("+") if v.strip()) for key in _LIST_KEYS}
+    lists = {key: _plus_list(fields.get(key, "")) for key in _LIST_KEYS}
     fp8 = _fp8_recipe(fields, None, spec)
     try:
         return Policy(
@@ -152,6 +152,17 @@ def _parse_fields(text: str, spec: str) -> Policy:
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+
+
+def _preset_name(text: str) -> str:
+    """A preset's canonical name from any accepted spelling (case, '-' for '_', aliases)."""
+    name = text.strip().lower().replace("-", "_")
+    return PRESET_ALIASES.get(name, name)
+
+
+def _plus_list(value: str) -> tuple[str, ...]:
+    """The entries of a '+'-joined list value, empty ones dropped."""
+    return tuple(v for v in value.split("+") if v.strip())
 
 
 def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp8Recipe | None:
@@ -186,7 +197,7 @@ def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp
                 raise ValueError(f"get_policy(spec={spec!r}): {key}={fields[key]!r} is not a whole number.") from None
     if "fp8_keep" in fields:
         keep = fields["fp8_keep"]
-        changes["keep"] = () if keep.lower() == "none" else tuple(k for k in keep.split("+") if k.strip())
+        changes["keep"] = () if keep.lower() == "none" else _plus_list(keep)
     try:
         return dataclasses.replace(base or Fp8Recipe(), **changes)
     except (TypeError, ValueError) as exc:
@@ -194,7 +205,7 @@ def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp
 
 
 def _with_base(fields: dict[str, str], spec: str) -> Policy:
-    name = PRESET_ALIASES.get(fields["base"].lower().replace("-", "_"), fields["base"].lower().replace("-", "_"))
+    name = _preset_name(fields["base"])
     if name not in PRESETS:
         raise ValueError(
             f"get_policy(spec={spec!r}): base={fields['base']!r} is not a preset; use one of {', '.join(PRESETS)}."
@@ -206,8 +217,8 @@ def _with_base(fields: dict[str, str], spec: str) -> Policy:
         if key == "fp8" or key in _FP8_KEYS:
             continue
         if key in _LIST_KEYS:
-            changes[key] = tuple(v for v in value.split("+") if v.strip())
-        elif key == "compute" and value.lower() in ("tf32", "tensorfloat32"):
+            changes[key] = _plus_list(value)
+        elif key == "compute" and value.lower() in _TF32:
             changes.update(compute_dtype="float32", allow_tf32=True)
         elif key != "base":
             changes[f"{'param' if key == 'params' else key}_dtype"] = value
