@@ -5,9 +5,11 @@ Backward:  dx = (q5(g * sg) @ q4(w * sw)) / (sg * sw),  dw = (q5(g * sg)^T @ q4(
            db = sum(g) (from the unquantized gradient, as FP8 GEMM libraries do)
 
 q4 / q5 are the recipe's forward and backward formats (fp8_e4m3, fp8_e5m2), s the power-of-two scales.
-Products of two FP8 values are exact in FP32 and the sums are FP32, as in an FP8 tensor-core GEMM with
-FP32 accumulation; only the order of additions may differ. The quantized input and weight are saved for
-the backward pass in FP8 storage (1 byte per value), as a real FP8 implementation saves them.
+The three products go through :func:`mixprec.fp8.gemm.fp8_matmul`: PyTorch's FP8 GEMM where the recipe's
+``gemm`` setting picks it, else its exact emulation (FP32 products of FP8 values, FP32 sums). Operands
+are held in FP8 storage (1 byte per value) and the quantized input and weight are saved that way for
+the backward pass, as a real FP8 implementation saves them. fp8_e4m3 has no infinity: an infinite input
+becomes NaN on the cast, so an overflow still reaches the loss scaler as a non-finite value.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mixprec.fp8.gemm import fp8_matmul, uses_kernel
 from mixprec.fp8.scaling import ScaleState, cast_to_fp8
 
 __all__ = ["Fp8LinearState", "fp8_linear"]
@@ -40,39 +43,43 @@ class Fp8LinearState:
             getattr(self, role).load_state_dict(state[role])
 
 
+def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    return cast_to_fp8(tensor, scale, fmt).to(_STORAGE[fmt])
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
+            recipe = state.recipe
             sx, sw = state.input.scale_for(x), state.weight.scale_for(weight)
-            xq = cast_to_fp8(x, sx, state.recipe.forward)
-            wq = cast_to_fp8(weight, sw, state.recipe.forward)
-            y = torch.matmul(xq, wq.t()) / (sx * sw)
+            xq = _to_fp8(x.reshape(-1, x.shape[-1]), sx, recipe.forward)
+            wq = _to_fp8(weight, sw, recipe.forward)
+            kernel = uses_kernel(recipe.gemm, x.device)
+            y = fp8_matmul(xq, wq.t(), sx, sw, kernel)
             if bias is not None:
                 y = y + bias.float()
-            ctx.save_for_backward(xq.to(_STORAGE[state.recipe.forward]), wq.to(_STORAGE[state.recipe.forward]), sx, sw)
-            ctx.state, ctx.has_bias = state, bias is not None
+            ctx.save_for_backward(xq, wq, sx, sw)
+            ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-            return y.to(out_dtype)
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad):
         xq, wq, sx, sw = ctx.saved_tensors
-        state = ctx.state
+        state, kernel = ctx.state, ctx.kernel
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
-            xq, wq = xq.float(), wq.float()
+            grad = grad.reshape(-1, grad.shape[-1])
             sg = state.grad.scale_for(grad)
-            gq = cast_to_fp8(grad, sg, state.recipe.backward)
+            gq = _to_fp8(grad, sg, state.recipe.backward)
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
-                grad_x = (torch.matmul(gq, wq) / (sg * sw)).to(x_dtype)
+                grad_x = fp8_matmul(gq, wq, sg, sw, kernel).reshape(ctx.x_shape).to(x_dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = (torch.matmul(gq.reshape(-1, gq.shape[-1]).t(), xq.reshape(-1, xq.shape[-1])) / (sg * sx)).to(
-                    w_dtype
-                )
+                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel).to(w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = grad.float().reshape(-1, grad.shape[-1]).sum(0).to(b_dtype)
+                grad_b = grad.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 

@@ -9,6 +9,8 @@
     margin      extra powers of two of headroom below the format's largest value
     keep        Linear layers left in the policy's compute dtype: name globs, plus "first" and "last"
                 for the first and last Linear layers the model's forward pass calls
+    gemm        "auto" (PyTorch's FP8 GEMM on CUDA devices that have it, the emulation elsewhere),
+                "scaled_mm" (the kernel wherever PyTorch has one, the CPU included) or "emulated"
 
 Scales are powers of two, so scaling is exact and the emulation equals a scaled cast bit for bit.
 """
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "SCALINGS", "Fp8Recipe"]
+__all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe"]
 
+GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 SCALINGS = ("current", "delayed")
 AMAX_REDUCTIONS = ("max", "recent")
@@ -34,6 +37,7 @@ class Fp8Recipe:
     amax: str = "max"
     margin: int = 0
     keep: tuple[str, ...] = ()
+    gemm: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
@@ -44,6 +48,8 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe(scaling=...): received {self.scaling!r}; use one of {', '.join(SCALINGS)}.")
         if self.amax not in AMAX_REDUCTIONS:
             raise ValueError(f"Fp8Recipe(amax=...): received {self.amax!r}; use one of {', '.join(AMAX_REDUCTIONS)}.")
+        if self.gemm not in GEMM_CHOICES:
+            raise ValueError(f"Fp8Recipe(gemm=...): received {self.gemm!r}; use one of {', '.join(GEMM_CHOICES)}.")
         if not isinstance(self.history, int) or isinstance(self.history, bool) or self.history < 1:
             raise ValueError(f"Fp8Recipe(history=...): received {self.history!r}; use a positive number of steps.")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:

@@ -5,13 +5,14 @@ Grammar (jmp's, extended):
     policy  := preset | dtype | field ("," field)*
     field   := key "=" value
     key     := base | params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names
-               | fp32_ops|ops | fp8 | fp8_scaling | fp8_history | fp8_amax | fp8_margin | fp8_keep
+               | fp32_ops|ops | fp8 | fp8_scaling | fp8_history | fp8_amax | fp8_margin | fp8_keep | fp8_gemm
     value   := a dtype name (f32, float32, bf16, half, ...; compute also takes tf32)
                or, for the three lists, entries joined by "+"  (fp32_ops=softmax+exp)
                or, for base, a preset name (base=mixed_fp16,names=head: the preset, then the changes)
                fp8: hybrid (e4m3 forward, e5m2 gradients) or e4m3;  fp8_scaling: current or delayed;
                fp8_history: amax history length;  fp8_amax: max or recent;  fp8_margin: 0, 1, ...;
-               fp8_keep: Linear layers kept out of FP8, "first", "last" or name globs, joined by "+", or none
+               fp8_keep: Linear layers kept out of FP8, "first", "last" or name globs, joined by "+", or none;
+               fp8_gemm: auto, scaled_mm (PyTorch's FP8 GEMM wherever it has one) or emulated
 
 Unspecified fields follow jmp: params default to float32, compute to params, output to compute,
 master to float32. A lone dtype (``"bf16"``) means that dtype everywhere. With ``base``, unspecified
@@ -61,8 +62,9 @@ _KEYS = {
     "fp8_amax": "fp8_amax",
     "fp8_margin": "fp8_margin",
     "fp8_keep": "fp8_keep",
+    "fp8_gemm": "fp8_gemm",
 }
-_FP8_KEYS = ("fp8_scaling", "fp8_history", "fp8_amax", "fp8_margin", "fp8_keep")
+_FP8_KEYS = ("fp8_scaling", "fp8_history", "fp8_amax", "fp8_margin", "fp8_keep", "fp8_gemm")
 _FP8_FORMATS = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3")}
 _LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
 _TF32 = ("tf32", "tensorfloat32")  # compute spellings that mean FP32 storage with TF32 matmuls
@@ -186,7 +188,7 @@ def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp
                 "use hybrid (e4m3 forward, e5m2 gradients), e4m3 or none."
             )
         changes["forward"], changes["backward"] = formats
-    for key in ("fp8_scaling", "fp8_amax"):
+    for key in ("fp8_scaling", "fp8_amax", "fp8_gemm"):
         if key in fields:
             changes[key.removeprefix("fp8_")] = fields[key].lower()
     for key in ("fp8_history", "fp8_margin"):

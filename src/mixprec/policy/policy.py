@@ -149,6 +149,8 @@ class Policy:
                 f"fp8_margin={recipe.margin}",
                 f"fp8_keep={'+'.join(recipe.keep) or 'none'}",
             ]
+            if recipe.gemm != "auto":
+                parts.append(f"fp8_gemm={recipe.gemm}")
         return ",".join(parts)
 
 

@@ -1,0 +1,71 @@
+"""The FP8 matrix product: PyTorch's real FP8 GEMM (``torch._scaled_mm``) or its exact emulation.
+
+Both take operands already cast to FP8 storage and the power-of-two scales they were cast with, and
+return FP32. A product of two FP8 values is exact in FP32 and both paths accumulate in FP32, so they
+agree to the order of the additions (bit for bit whenever the partial sums are exact); the tests hold
+the kernel to the emulation on every device that has it.
+
+Which path a recipe's ``gemm`` setting picks:
+    "emulated"   FP32 matmul of the FP8 values: any device, any shape
+    "scaled_mm"  the kernel wherever PyTorch has it (CUDA with compute capability 8.9 or newer, and
+                 PyTorch's CPU kernel, which is slower than FP32 there but lets a CPU check it);
+                 shapes the kernel refuses (CUDA wants dimensions divisible by 16) fall back to
+                 the emulation, so a model never fails on an odd layer
+    "auto"       the kernel on CUDA devices that have it, the emulation everywhere else
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["fp8_matmul", "scaled_mm_available", "uses_kernel"]
+
+_CUDA_ALIGNMENT = 16
+
+
+@functools.cache
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs on ``device`` (probed once per device with a tiny product)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        a = torch.ones(16, 16, device=device, dtype=torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def uses_kernel(gemm: str, device: torch.device) -> bool:
+    """Whether a recipe's ``gemm`` setting computes with the kernel on ``device``."""
+    if gemm == "emulated" or (gemm == "auto" and device.type != "cuda"):
+        return False
+    return scaled_mm_available(device)
+
+
+def fp8_matmul(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, kernel: bool
+) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` in FP32 for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N)."""
+    if kernel and _kernel_takes(a, b):
+        # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
+        # It wants ``a`` row-major and ``b`` column-major.
+        b = b if b.stride(0) == 1 else b.t().contiguous().t()
+        return torch._scaled_mm(
+            a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=torch.float32
+        )
+    return torch.matmul(a.float(), b.float()) / (a_scale * b_scale)
+
+
+def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type != "cuda":
+        return True
+    # CUDA's kernel: every dimension a multiple of 16, and no e5m2 × e5m2 product
+    if any(size % _CUDA_ALIGNMENT for size in (*a.shape, b.shape[1])):
+        return False
+    return not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)

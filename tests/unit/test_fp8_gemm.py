@@ -1,0 +1,111 @@
+"""PyTorch's real FP8 GEMM (torch._scaled_mm) held to mixprec's exact emulation, on every device that has it."""
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear, fp8_matmul, power_of_two_scale, scaled_mm_available
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _devices():
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    return [
+        pytest.param(
+            d, marks=pytest.mark.skipif(not scaled_mm_available(d), reason=f"torch._scaled_mm does not run on {d}")
+        )
+        for d in devices
+    ]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+def test_kernel_equals_emulation_bit_for_bit_when_sums_are_exact(device, dtypes):
+    # small integers: every product and partial sum is exact in FP32, so the order of additions
+    # cannot matter and the two paths must agree to the last bit
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 9, (64, 128), generator=gen).float().to(device, dtypes[0])
+    b = torch.randint(-8, 9, (128, 48), generator=gen).float().to(device, dtypes[1])
+    sa, sb = torch.tensor(4.0, device=device), torch.tensor(0.5, device=device)
+    kernel = fp8_matmul(a, b, sa, sb, kernel=True)
+    emulated = fp8_matmul(a, b, sa, sb, kernel=False)
+    assert kernel.dtype == emulated.dtype == torch.float32
+    assert torch.equal(kernel, emulated)
+    assert torch.equal(emulated, (a.double() @ b.double() / 2.0).float())  # and both are the exact product
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_kernel_agrees_with_emulation_to_the_order_of_additions(device):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(96, 256, generator=gen), torch.randn(64, 256, generator=gen) * 0.02
+    sx, sw = power_of_two_scale(x.abs().amax(), 448.0), power_of_two_scale(w.abs().amax(), 448.0)
+    xq, wq = (x * sx).to(E4M3).to(device), (w * sw).to(E4M3).to(device)
+    sx, sw = sx.to(device), sw.to(device)
+    kernel = fp8_matmul(xq, wq.t(), sx, sw, kernel=True).cpu()
+    emulated = fp8_matmul(xq, wq.t(), sx, sw, kernel=False).cpu()
+    exact = (xq.double() @ wq.double().t()).cpu() / (sx * sw).double().cpu()
+    # FP32 accumulation of K=256 exact products: each path is within K ulps of the magnitude sum
+    bound = 256 * torch.finfo(torch.float32).eps * (xq.double().abs() @ wq.double().abs().t()).cpu() / (sx * sw).cpu()
+    assert torch.all((kernel.double() - exact).abs() <= bound)
+    assert torch.all((emulated.double() - exact).abs() <= bound)
+    assert (kernel - emulated).abs().max() <= bound.max()
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 12, 64, device=device)
+    w0, b0 = torch.randn(32, 64, device=device) * 0.05, torch.randn(32, device=device)
+    grad = torch.randn(4, 12, 32, device=device) * 1e-3
+    results = {}
+    for gemm in ("scaled_mm", "emulated"):
+        state = Fp8LinearState(Fp8Recipe(scaling=scaling, gemm=gemm))
+        x, w, b = x0.clone().requires_grad_(), nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
+        for _ in range(2):  # the second call uses the delayed history
+            x.grad = w.grad = b.grad = None
+            y = fp8_linear(x, w, b, state, torch.bfloat16)
+            y.float().backward(grad)
+        results[gemm] = (y.float(), x.grad, w.grad, b.grad)
+    for kernel, emulated in zip(results["scaled_mm"], results["emulated"], strict=True):
+        assert kernel.shape == emulated.shape
+        torch.testing.assert_close(kernel, emulated, rtol=1e-5, atol=1e-6 * emulated.abs().max().item())
+    assert results["scaled_mm"][0].shape == (4, 12, 32)
+
+
+def test_auto_uses_the_kernel_on_cuda_only_and_the_choice_is_part_of_the_policy():
+    from mixprec.fp8.gemm import uses_kernel
+
+    cpu = torch.device("cpu")
+    assert not uses_kernel("auto", cpu) and not uses_kernel("emulated", cpu)
+    assert uses_kernel("scaled_mm", cpu) == scaled_mm_available(cpu)
+    policy = mixprec.get_policy("base=fp8,fp8_gemm=scaled_mm")
+    assert policy.fp8.gemm == "scaled_mm" and mixprec.get_policy(str(policy)) == policy
+    assert "fp8_gemm" not in str(mixprec.get_policy("fp8"))  # the default, auto, is not spelled out
+    with pytest.raises(ValueError, match=r"gemm=\.\.\.\): received 'cublas'; use one of auto, emulated, scaled_mm"):
+        mixprec.get_policy("base=fp8,fp8_gemm=cublas")
+
+
+@pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
+def test_a_model_trains_identically_enough_with_the_kernel():
+    losses = {}
+    for gemm in ("scaled_mm", "emulated"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), f"base=fp8,fp8_gemm={gemm}")
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(256, 16, generator=gen), torch.randint(0, 4, (256,), generator=gen)
+        history = []
+        for _ in range(40):
+            with mp.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            mp.backward(loss)
+            mp.step()
+            history.append(loss.item())
+        losses[gemm] = history
+    assert losses["scaled_mm"][-1] < 0.7 * losses["scaled_mm"][0]
+    assert max(abs(a - b) for a, b in zip(losses["scaled_mm"], losses["emulated"], strict=True)) < 1e-3
