@@ -5,7 +5,8 @@ Public API; everything not re-exported here is private and may change.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from mixprec import doctor, fp8
+from mixprec import distributed, doctor, fp8
+from mixprec.distributed import fully_shard
 from mixprec.doctor import NonFiniteTracer, RangeWatch, diagnose
 from mixprec.engine import MixedPrecision, StateBytes, Stats, StepResult
 from mixprec.fp8 import Fp8Recipe
@@ -59,9 +60,11 @@ __all__ = [
     "cast_module",
     "device_caps",
     "diagnose",
+    "distributed",
     "doctor",
     "fp8",
     "fp32_modules",
+    "fully_shard",
     "get_format",
     "get_policy",
     "quantize",

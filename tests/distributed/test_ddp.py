@@ -65,8 +65,35 @@ def _worker(rank: int, port: int, out: str) -> None:
         save_file({k: v.contiguous() for k, v in clean.module.state_dict().items()}, f"{out}/clean{rank}.safetensors")
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump({"applied": applied, "scales": scales}, f)
+        _fp32_reduction(rank, out)
     finally:
         dist.destroy_process_group()
+
+
+def _bf16_grads(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    x, y = _batches()[0]
+    share = slice(rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD)
+    nn.functional.cross_entropy(model(x[share].bfloat16()).float(), y[share]).backward()
+    module = getattr(model, "module", model)
+    return {name: p.grad for name, p in module.named_parameters()}
+
+
+def _fp32_reduction(rank: int, out: str) -> None:
+    """o2_bf16 gradients under DDP with reduce_in_fp32: the FP32 mean of the ranks' bf16 gradients,
+    rounded once to bf16 (the reference is built from each rank's own gradient, gathered)."""
+    policy = mixprec.get_policy("o2_bf16")
+    averaged = _bf16_grads(
+        mixprec.distributed.wrap_ddp(mixprec.cast_module(_model(), policy), reduce_in_fp32=True), rank
+    )
+    own = _bf16_grads(mixprec.cast_module(_model(), policy), rank)
+    reference = {}
+    for name, grad in own.items():
+        gathered = [torch.empty_like(grad, dtype=torch.float32) for _ in range(WORLD)]
+        dist.all_gather(gathered, grad.float())
+        reference[name] = (sum(gathered) / WORLD).bfloat16()
+    if rank == 0:
+        save_file({**{f"ddp.{k}": v for k, v in averaged.items()}, **{f"ref.{k}": v for k, v in reference.items()}},
+                  f"{out}/fp32_reduction.safetensors")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +130,12 @@ def test_ddp_matches_one_process_on_the_same_global_batch(ddp_run):
     for name, value in reference.state_dict().items():
         # bf16 GEMMs over half the batch round differently from one over the whole batch
         torch.testing.assert_close(distributed[name], value, rtol=2e-2, atol=2e-3)
+
+
+def test_reduce_in_fp32_averages_16_bit_gradients_in_fp32_and_rounds_once(ddp_run):
+    tensors = load_file(ddp_run / "fp32_reduction.safetensors")
+    names = [k.removeprefix("ddp.") for k in tensors if k.startswith("ddp.")]
+    assert names
+    for name in names:
+        assert tensors[f"ddp.{name}"].dtype == torch.bfloat16  # the gradients keep the parameters' dtype
+        assert torch.equal(tensors[f"ddp.{name}"], tensors[f"ref.{name}"]), name

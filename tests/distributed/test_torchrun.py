@@ -32,7 +32,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_torchrun_trains_data_parallel_and_resumes(tmp_path):
     result = _torchrun(*ARGS, "--steps", 6, "--out", tmp_path / "ddp")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert len(re.findall(r"^processes +2, data parallel$", result.stdout, re.M)) == 1  # one summary: rank 0
+    assert len(re.findall(r"^processes +2, data parallel \(DDP\)$", result.stdout, re.M)) == 1  # one summary: rank 0
     assert [p.name for p in list_checkpoints(tmp_path / "ddp" / "checkpoints")] == ["step-00000006.safetensors"]
 
     single = _run([str(BIN / "mixprec"), *ARGS, "--steps", "6", "--out", str(tmp_path / "one")])
@@ -51,3 +51,20 @@ def test_torchrun_trains_data_parallel_and_resumes(tmp_path):
     resumed = _torchrun("train", "--out", tmp_path / "ddp", "--resume", "--steps", 8, "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert list_checkpoints(tmp_path / "ddp" / "checkpoints")[-1].name == "step-00000008.safetensors"
+
+
+def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes(tmp_path):
+    args = ["train", "charlm", "--size", "tiny", "--policy", "o2_bf16", "--parallel", "fsdp", "--reduce-fp32"]
+    result = _torchrun(*args, "--quiet", "--steps", 4, "--checkpoint-every", 2, "--out", tmp_path / "fsdp")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(re.findall(r"^processes +2, data parallel \(FSDP2\)$", result.stdout, re.M)) == 1
+    names = [p.name for p in list_checkpoints(tmp_path / "fsdp" / "checkpoints")]
+    assert names == ["step-00000002.safetensors", "step-00000004.safetensors"]  # written once, by rank 0
+    state = load_checkpoint(list_checkpoints(tmp_path / "fsdp" / "checkpoints")[-1])
+    # whole tensors (gathered from the shards), FP32: under FSDP2 the sharded FP32 weights are the masters
+    embedding = state["model"]["embed.weight"]
+    assert embedding.dtype == torch.float32 and embedding.shape[0] == 256  # all 256 byte values, not a shard
+    assert state["mixed_precision"]["masters"] == []
+    resumed = _torchrun("train", "--out", tmp_path / "fsdp", "--resume", "--steps", 6, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert list_checkpoints(tmp_path / "fsdp" / "checkpoints")[-1].name == "step-00000006.safetensors"

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mixprec.distributed.ranks import world
 from mixprec.train.config import TrainConfig
-from mixprec.train.distributed import world
 from mixprec.train.task import BUILTIN_TASKS
 from mixprec.train.trainer import TrainingInterrupted
 
@@ -47,6 +47,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="name the module where each skipped step's first inf/NaN appeared",
     )
+    parser.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="under torchrun: replicate the model (DDP, default) or shard it (FSDP2)",
+    )
+    parser.add_argument("--reduce-fp32", action="store_true", help="under torchrun: reduce gradients in FP32")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -104,6 +111,8 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
         device=args.device,
         loss_scale=loss_scale,
         trace_nonfinite=args.trace_nonfinite,
+        parallel=args.parallel,
+        reduce_fp32=args.reduce_fp32,
     )
 
 
@@ -151,7 +160,11 @@ def summary(outcome: RunOutcome) -> str:
         ("policy", f"{outcome.policy}" + (f"  [{outcome.policy.reason}]" if outcome.policy.reason else "")),
         ("compute", f"{outcome.compute_plan.mode}: {outcome.compute_plan.reason}"),
         ("trained", f"{result.steps} steps, {result.epochs} epochs in {result.seconds:.1f} s"),
-        *([("processes", f"{outcome.world_size}, data parallel")] if outcome.world_size > 1 else []),
+        *(
+            [("processes", f"{outcome.world_size}, data parallel ({outcome.parallel})")]
+            if outcome.world_size > 1
+            else []
+        ),
         ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s"),
         ("final train loss", f"{result.train_loss:.4f}"),
         *((f"eval {k}", f"{v:.4f}") for k, v in result.eval.items()),

@@ -1,8 +1,10 @@
 """Activation memory: the bytes autograd saves for the backward pass of one forward.
 
 Counted with ``torch.autograd.graph.saved_tensors_hooks`` while the forward runs: every tensor saved
-for backward, each storage once, except the parameters themselves (they exist anyway). Low-precision
-copies of weights that autocast saves do count: they are memory the policy adds.
+for backward, each storage once, except the parameters themselves (they exist anyway; under FSDP2 the
+all-gathered weights are parameters during the forward, and are freed or re-gathered by FSDP2, so
+they are not counted either). Low-precision copies of weights that autocast saves do count: they are
+memory the policy adds.
 
 Example:
     >>> import torch
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mixprec.distributed.ranks import local
 from mixprec.policy.emulation import active_emulation
 
 __all__ = ["saved_activation_bytes"]
@@ -29,7 +32,7 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module
     Inside an emulated 16-bit region the region's own packing applies first, so what is counted is
     what a training step would really keep.
     """
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameters = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
     emulation = active_emulation()
 
@@ -37,7 +40,7 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module
         packed = emulation.pack(tensor) if emulation is not None else tensor
         stored = packed[1] if isinstance(packed, tuple) else packed
         storage = stored.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in parameters and not isinstance(tensor, nn.Parameter):
             storages[storage.data_ptr()] = storage.nbytes()
         return packed
 

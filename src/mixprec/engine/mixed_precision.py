@@ -15,7 +15,9 @@ Host syncs, all of them:
     - ``bool(step_result)``, ``step_scheduler()``, ``stats()`` and ``state_dict()`` read device values.
     - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
 In a torch.distributed run step() also all-reduces the found-inf flags (max over ranks) before deciding,
-so every rank skips the same steps; that is a collective, not a host sync.
+so every rank skips the same steps; that is a collective, not a host sync. With FSDP2-sharded parameters
+(:func:`mixprec.fully_shard`) each rank unscales and checks its own shards, and clip_grad_norm_ sums the
+shards' norms across ranks (one more all-reduce).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.distributed.fsdp import is_sharded, sharded_with
+from mixprec.distributed.ranks import agree_max, local, sum_across_ranks
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import OverflowLog, StepRecord
 from mixprec.engine.stats import Stats, model_state_bytes
@@ -46,19 +50,6 @@ from mixprec.scaling.static import NoOpLossScaler
 __all__ = ["MixedPrecision", "StepResult", "default_scaler", "needs_compensated_optimizer"]
 
 
-def agree_across_ranks(found_per_loss: list[torch.Tensor]) -> list[torch.Tensor]:
-    """In a torch.distributed run, every rank's found-inf flags become the maximum over ranks, so all
-    ranks skip the same steps and their loss scales never diverge (one all-reduce of a few numbers, on
-    the flags' device: gloo for CPU tensors, nccl for CUDA ones). A no-op in a single process."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return found_per_loss
-    flags = torch.stack([f.reshape(()).float() for f in found_per_loss])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [flag.reshape(f.shape).to(f.dtype) for flag, f in zip(flags.unbind(), found_per_loss, strict=True)]
-
-
 def default_scaler(policy: Policy) -> LossScaler:
     """Dynamic scaling where fp16 is involved (its range is too narrow for small gradients), else none."""
     if torch.float16 in (policy.compute_dtype, policy.param_dtype):
@@ -70,6 +61,22 @@ def needs_compensated_optimizer(policy: Policy) -> bool:
     """True when the policy keeps no FP32 copy of low-precision weights (``pure_bf16``): the optimizer
     must then compensate its rounding itself (``mixprec.AdamW``)."""
     return policy.master_dtype == policy.param_dtype != torch.float32
+
+
+def _check_sharding(model: nn.Module, policy: Policy) -> None:
+    """A sharded model must have been sharded for this policy (by mixprec.fully_shard), unless the
+    policy keeps FP32 weights, which plain FSDP2 sharding already holds."""
+    sharded_for = sharded_with(model)
+    if sharded_for is None and (policy.param_dtype != torch.float32 or policy.fp32_modules or policy.fp32_names):
+        raise ValueError(
+            f"MixedPrecision(model=...): the model was sharded with FSDP2 directly; policy {policy} changes "
+            "parameter dtypes, which FSDP2 must carry out. Shard it with mixprec.fully_shard(model, policy)."
+        )
+    if sharded_for is not None and sharded_for != str(policy):
+        raise ValueError(
+            f"MixedPrecision(policy=...): the model was sharded by mixprec.fully_shard for {sharded_for!r}, "
+            f"but MixedPrecision received {str(policy)!r}; pass the same policy to both."
+        )
 
 
 class StepResult:
@@ -140,6 +147,9 @@ class MixedPrecision:
         self.compute_plan: ComputePlan = compute_plan(self.policy, self.device.type)  # native or emulated, and why
         self.model = model
         self.optimizer = optimizer
+        self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included
+        if self.sharded:
+            _check_sharding(model, self.policy)
         self.accumulation_steps = accumulation_steps
         self.num_losses = num_losses
         self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
@@ -153,9 +163,12 @@ class MixedPrecision:
                 "keep FP32 masters."
             )
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mastered = [p for p in lowered if id(p) in in_optimizer] if self.policy.keeps_fp32_masters else []
+        # sharded o2 models need no masters: their FP32 shards are the masters, FSDP2 gathers them in 16 bits
+        keeps_masters = self.policy.keeps_fp32_masters and not self.sharded
+        mastered = [p for p in lowered if id(p) in in_optimizer] if keeps_masters else []
         self.masters = MasterWeights(optimizer, mastered) if mastered else None  # before the cast: exact values
-        cast_module(model, self.policy)
+        if not self.sharded:
+            cast_module(model, self.policy)
 
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
@@ -235,7 +248,8 @@ class MixedPrecision:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._optimizer_params() if p.grad is not None]
+        """This rank's gradients of the optimizer's parameters (the local shards of sharded ones)."""
+        return [local(p.grad) for p in self._optimizer_params() if p.grad is not None]
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
@@ -281,8 +295,16 @@ class MixedPrecision:
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]), norm_type)
+        norms = torch.stack(
+            [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(self.device) for g in grads]
+        )
+        if self.sharded:  # each rank holds a part of every gradient: combine the parts' norms over ranks
+            if norm_type == float("inf"):
+                total = sum_across_ranks(norms.amax(), op="max")
+            else:
+                total = sum_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
+        else:
+            total = torch.linalg.vector_norm(norms, norm_type)
         coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coefficient)
         return total
@@ -299,7 +321,7 @@ class MixedPrecision:
             return self._last
         if not already_unscaled:
             self._unscale()
-        found_per_loss = agree_across_ranks(self._found_per_loss or [torch.zeros(1, device=self.device)])
+        found_per_loss = agree_max(self._found_per_loss or [torch.zeros(1, device=self.device)])
         found = found_per_loss[0] if len(found_per_loss) == 1 else torch.stack(found_per_loss).amax(0)
 
         if getattr(self.optimizer, "_step_supports_amp_scaling", False) and self.device.type != "cpu":

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mixprec.distributed.ranks import local
 from mixprec.numerics.quantize import quantize
 
 __all__ = ["UPDATE_MODES", "AdamW"]
@@ -113,9 +114,9 @@ class AdamW(torch.optim.Optimizer):
         # Parameters added together share a step count; a group's steps can differ only if some
         # parameters had no gradient at some step, so compute the bias corrections per step value.
         steps = [s["step"].item() for s in states]  # host values, as torch.optim.AdamW (CPU tensors)
-        grads = [p.grad for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        params, grads = [local(p) for p in params], [local(p.grad) for p in params]  # FSDP2: this rank's shards
+        exp_avgs = [local(s["exp_avg"]) for s in states]
+        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
         torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -148,16 +149,16 @@ class AdamW(torch.optim.Optimizer):
             "maximize": False,
         }
         steps = [s["step"] for s in states]
-        grads = [p.grad for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        params, grads = [local(p) for p in params], [local(p.grad) for p in params]  # FSDP2: this rank's shards
+        exp_avgs = [local(s["exp_avg"]) for s in states]
+        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
         if update == "nearest":
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **hyper)
             return
         wide = [[t.float() for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
         weights, wide_grads, wide_avgs, wide_avg_sqs = wide
         if update == "kahan":
-            compensations = [s["kahan_comp"] for s in states]
+            compensations = [local(s["kahan_comp"]) for s in states]
             torch._foreach_add_(weights, compensations)
         torch._fused_adamw_(weights, wide_grads, wide_avgs, wide_avg_sqs, [], steps, **hyper)
         torch._foreach_copy_(exp_avgs, wide_avgs)

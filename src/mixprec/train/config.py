@@ -19,6 +19,7 @@ __all__ = ["CONFIG_FILE", "TrainConfig"]
 
 CONFIG_FILE = "config.json"
 SIZES = ("default", "tiny")
+PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class TrainConfig:
     device: str = "auto"
     loss_scale: float | None = None
     trace_nonfinite: bool = False
+    parallel: str = "ddp"  # under torchrun: "ddp" (replicas) or "fsdp" (FSDP2 shards)
+    reduce_fp32: bool = False  # under torchrun: reduce gradients in FP32
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -74,6 +77,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"config '{name}' must be >= 0; received {value}.")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"config 'parallel': received {self.parallel!r}; use one of {', '.join(PARALLEL_MODES)}.")
         if self.size not in SIZES:
             raise ValueError(f"config 'size': received {self.size!r}; use one of {', '.join(SIZES)}.")
 

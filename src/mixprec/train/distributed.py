@@ -10,7 +10,6 @@ ranks agree on every skipped step.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,29 +17,7 @@ import torch.distributed as dist
 
 from mixprec.policy.nest import map_tensors
 
-__all__ = ["World", "init_from_env", "shard", "world"]
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    size: int = 1
-    backend: str | None = None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.size > 1
-
-
-def world() -> World:
-    """This process's place in the initialized process group (rank 0 of 1 without one)."""
-    if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), dist.get_backend())
-    return World()
+__all__ = ["init_from_env", "shard"]
 
 
 def init_from_env(device: str) -> str:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mixprec.distributed.fsdp import fully_shard
+from mixprec.distributed.ranks import world
 from mixprec.doctor.trace import NonFiniteEvent
 from mixprec.engine.memory import saved_activation_bytes
 from mixprec.engine.mixed_precision import needs_compensated_optimizer
@@ -45,6 +47,7 @@ class RunOutcome:
     report: Path
     nonfinite: list[NonFiniteEvent] | None = None  # with trace_nonfinite: the first inf/NaN of each skipped step
     world_size: int = 1  # processes training data-parallel (torchrun)
+    parallel: str | None = None  # how: "DDP" (replicas) or "FSDP2" (shards); None in one process
 
 
 def resolve_device(spec: str) -> str:
@@ -77,6 +80,8 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
     else:
         settings.update({"steps": config.steps} if config.steps is not None else {"epochs": config.epochs})
     policy = get_policy(config.policy, device=device)
+    if config.parallel == "fsdp" and world().distributed:  # shard before the optimizer sees the parameters
+        fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
     optimizer_class = CompensatedAdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
     optimizer = optimizer_class(parts.model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
     total = settings.get("steps") or settings["epochs"] * (len(parts.train_data) // config.accumulation_steps)
@@ -106,6 +111,7 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
             else None
         ),
         trace_nonfinite=config.trace_nonfinite,
+        reduce_in_fp32=config.reduce_fp32,
     )
     return trainer, parts, settings
 
@@ -126,6 +132,7 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
     with trainer.mp.autocast():
         activations = saved_activation_bytes(lambda: trainer.model(inputs), trainer.model)
     metric = parts.metric.name if parts.metric is not None else None
+    parallel = ("FSDP2" if trainer.mp.sharded else "DDP") if trainer.world.distributed else None
     plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric) if main else []
     stats = result.stats
     results = {
@@ -141,6 +148,7 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         "model state bytes/param": stats.bytes_per_param.total,
         "saved activations (MB, one eval batch)": activations / 2**20,
         "processes (data parallel)": trainer.world.size,
+        **({"parallel": parallel} if parallel else {}),
     }
     plan = trainer.mp.compute_plan
     report = run_dir / "report.md"
@@ -168,4 +176,5 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         report=report,
         nonfinite=trainer.tracer.events if trainer.tracer is not None else None,
         world_size=trainer.world.size,
+        parallel=parallel,
     )

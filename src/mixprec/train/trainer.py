@@ -31,13 +31,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from mixprec.distributed.ddp import wrap_ddp
+from mixprec.distributed.ranks import agree_max, sum_across_ranks, world
+from mixprec.distributed.state import gather_state, scatter_state
 from mixprec.doctor.trace import NonFiniteTracer
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
 from mixprec.engine.stats import Stats
 from mixprec.policy.policy import Policy
 from mixprec.scaling.base import LossScaler
 from mixprec.train.checkpoint import load_latest, save_checkpoint
-from mixprec.train.distributed import shard, world
+from mixprec.train.distributed import shard
 from mixprec.train.evaluate import batch_size, evaluate, to_device
 from mixprec.train.metrics_log import MetricsLog
 from mixprec.train.progress import ProgressBar
@@ -88,6 +91,12 @@ class Trainer:
         keep_checkpoints: how many checkpoints to keep.
         progress: show a progress bar.
         check_inputs: refuse inputs holding NaN or inf; ``on_bad_batch`` says whether to "stop" or "skip".
+        trace_nonfinite: name the module and phase of each skipped step's first inf or NaN.
+        reduce_in_fp32: under torchrun with DDP, average 16-bit gradients in FP32 (for FSDP2, pass
+            ``reduce_dtype=torch.float32`` to :func:`mixprec.fully_shard`).
+
+    Under torchrun the model trains data-parallel: wrapped in DistributedDataParallel, or as it is when
+    :func:`mixprec.fully_shard` has sharded it (FSDP2); each rank takes its slice of every batch.
     """
 
     def __init__(
@@ -114,6 +123,7 @@ class Trainer:
         check_inputs: bool = True,
         on_bad_batch: str = "stop",
         trace_nonfinite: bool = False,
+        reduce_in_fp32: bool = False,
     ) -> None:
         if on_bad_batch not in BAD_BATCH_ACTIONS:
             raise ValueError(f"Trainer(on_bad_batch=...): received {on_bad_batch!r}; use 'stop' or 'skip'.")
@@ -122,12 +132,12 @@ class Trainer:
                 raise ValueError(f"Trainer({name}=...) must be an integer >= 1; received {value!r}.")
         self.model = model
         self.mp = MixedPrecision(model, optimizer, policy, scaler, accumulation_steps=accumulation_steps)
-        # under torchrun: DDP for the training forward, a slice of every batch, files from rank 0 only
+        # under torchrun: DDP (or FSDP2 shards) for the training forward, a slice of every batch, files
+        # from rank 0 only
         self.world = world()
         self._train_model: nn.Module = model
-        if self.world.distributed:
-            device_ids = [self.mp.device.index] if self.mp.device.type == "cuda" else None
-            self._train_model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if self.world.distributed and not self.mp.sharded:
+            self._train_model = wrap_ddp(model, reduce_in_fp32=reduce_in_fp32)
         self.optimizer = optimizer
         self.train_data, self.eval_data = train_data, eval_data
         self.loss_fn, self.metric, self.scheduler = loss_fn, metric, scheduler
@@ -187,6 +197,11 @@ class Trainer:
         except KeyboardInterrupt:  # a second Ctrl-C, or one raised from inside a step
             bar.close()
             self._restore_committed()
+            if self.mp.sharded and self.world.distributed:
+                # gathering shards is a collective the other ranks may never join now: keep the last
+                # periodic checkpoint rather than hang
+                logger.warning("Stopped at once: FSDP2 shards cannot be gathered; the last checkpoint stands")
+                raise TrainingInterrupted(self.step, None) from None
             raise TrainingInterrupted(self.step, self.save_checkpoint()) from None
         finally:
             bar.close()
@@ -287,6 +302,8 @@ class Trainer:
                 self.mp.step_scheduler(self.scheduler)
             self.step += 1
             self._commit()
+            if self.world.distributed:
+                self._agree_on_stop()
             window.updates += 1
             if self.step % self.log_every == 0 or self.step == total:
                 record = self._train_record(window)
@@ -302,6 +319,12 @@ class Trainer:
             return
         if self.batch_in_epoch == _length(self.train_data):  # stopped on the epoch's last batch: it is complete
             self._next_epoch()
+
+    def _agree_on_stop(self) -> None:
+        """Ctrl-C reaches each rank at its own moment: stop all of them after the same update, or the
+        ranks would wait on each other's collectives (one all-reduce of a flag per update)."""
+        flag = torch.tensor([float(self._stop_requested)], device=self.device)
+        self._stop_requested = bool(agree_max([flag])[0].item())  # host sync, once per update
 
     def _commit(self) -> None:
         """Remember where a resume would start: position, random state, buffers (after each update)."""
@@ -343,6 +366,8 @@ class Trainer:
         return False
 
     def _train_record(self, window: _Window) -> dict[str, Any]:
+        if self.world.distributed and window.loss is not None:  # every rank logs the mean over ranks
+            window.loss = sum_across_ranks(window.loss) / self.world.size
         stats = self.mp.stats()
         since = self.log.last_train_step
         record = {
@@ -380,10 +405,18 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically."""
+        """Everything needed to continue bit-identically.
+
+        With FSDP2 shards this is a collective: the full state is gathered to rank 0 (other ranks get
+        empty model and optimizer entries).
+        """
+        if self.mp.sharded:
+            model_state, optimizer_state = gather_state(self.model, self.optimizer)
+        else:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "mixed_precision": self.mp.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": _get_rng(),
@@ -398,9 +431,13 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
-            self.model.load_state_dict(state["model"])
+            if self.mp.sharded:  # every rank loads the full state and keeps its shards (a collective)
+                scatter_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            else:
+                self.model.load_state_dict(state["model"])
             self.mp.load_state_dict(state["mixed_precision"])  # after the model: masters overwrite lowered weights
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not self.mp.sharded:
+                self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state["scheduler"] is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             _set_rng(state["rng"])
@@ -412,9 +449,13 @@ class Trainer:
         self._committed = (self.epoch, self.batch_in_epoch)
 
     def save_checkpoint(self) -> Path | None:
-        if self.checkpoint_dir is None or not self.world.is_main:  # ranks hold identical state
+        """Write a checkpoint from rank 0 (DDP ranks hold identical state; FSDP2 shards are gathered first)."""
+        if self.checkpoint_dir is None or not (self.world.is_main or self.mp.sharded):
             return None
-        return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=self.keep_checkpoints)
+        state = self.state_dict()
+        if not self.world.is_main:
+            return None
+        return save_checkpoint(self.checkpoint_dir, self.step, state, keep=self.keep_checkpoints)
 
     def _resume(self) -> None:
         if self.checkpoint_dir is None:

@@ -1,0 +1,64 @@
+"""This process's place among the ranks, and the few collectives MixedPrecision needs.
+
+Every function here is a no-op in a single process. The collectives run on the tensors' own device
+(gloo for CPU tensors, nccl for CUDA ones); none of them reads a value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["World", "agree_max", "local", "sum_across_ranks", "world"]
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def world() -> World:
+    """This process's place in the initialized process group (rank 0 of 1 without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), dist.get_backend())
+    return World()
+
+
+def agree_max(flags: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's flags become their maximum over ranks (one all-reduce of a few numbers).
+
+    MixedPrecision passes its found-inf flags here, so that all ranks skip the same steps and their
+    loss scales never diverge, whether a rank's gradients are a replica (DDP) or a shard (FSDP2).
+    """
+    if not world().distributed:
+        return flags
+    stacked = torch.stack([f.reshape(()).float() for f in flags])
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    return [value.reshape(f.shape).to(f.dtype) for value, f in zip(stacked.unbind(), flags, strict=True)]
+
+
+def sum_across_ranks(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``value`` summed (or, with ``op="max"``, maximized) over ranks, out of place."""
+    if not world().distributed:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return value
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (sharing its storage), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

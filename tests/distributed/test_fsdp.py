@@ -1,0 +1,204 @@
+"""Two processes with the gloo backend on the loopback interface: FSDP2-sharded models under
+MixedPrecision (mixed, o2 with FP32 shards as masters, pure_bf16 with compensated updates) match
+single-process training, skip together, clip by the global norm, and save and resume identically."""
+
+import json
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import mixprec
+from mixprec.distributed.state import gather_state
+
+WORLD = 2
+STEPS = 6
+INJECT_AT = 2
+LR = 1e-2
+POLICIES = {  # policy -> reduce dtype
+    "mixed_bf16": None,
+    "o2_bf16": torch.float32,
+    "pure_bf16": None,
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for _ in range(12)]
+
+
+def _optimizer(model: nn.Module, policy: str) -> torch.optim.Optimizer:
+    # SGD where the policy allows it: its update is proportional to the gradient, so a wrongly averaged
+    # or missing shard shows; pure_bf16 needs mixprec.AdamW's compensated updates
+    if policy == "pure_bf16":
+        return mixprec.AdamW(model.parameters(), lr=LR)
+    return torch.optim.SGD(model.parameters(), lr=10 * LR)
+
+
+def _full_state(model: nn.Module, optimizer, sharded: bool) -> dict[str, torch.Tensor]:
+    if sharded:
+        state, _ = gather_state(model, optimizer)
+    else:
+        state = model.state_dict()
+    return {k: v.float().contiguous() for k, v in state.items()}
+
+
+def _train(policy: str, rank: int, world: int, inject: bool = False) -> dict:
+    model, sharded = _net(), world > 1
+    if sharded:
+        mixprec.fully_shard(model, policy, reduce_dtype=POLICIES[policy])
+    optimizer = _optimizer(model, policy)
+    engine = mixprec.MixedPrecision(model, optimizer, policy, mixprec.DynamicLossScaler(init_scale=2.0**10))
+    applied, scales, norms = [], [], []
+    for step, (x, y) in enumerate(_batches()[:STEPS]):
+        share = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        with engine.autocast():
+            loss = nn.functional.cross_entropy(model(x[share]), y[share])
+        engine.backward(loss)
+        if inject and step == INJECT_AT and rank == 1:  # this rank's shard alone
+            mixprec.distributed.local(model.head.weight.grad).view(-1)[0] = float("inf")
+        norms.append(engine.clip_grad_norm_(1.0).item())
+        applied.append(bool(engine.step()))
+        scales.append(engine.scalers[0].get_scale())
+    params = _full_state(model, optimizer, sharded)
+    return {"applied": applied, "scales": scales, "norms": norms, "params": params}
+
+
+def _trainer(policy: str, out: str) -> mixprec.Trainer:
+    model = mixprec.fully_shard(_net(), policy, reduce_dtype=POLICIES[policy])
+    return mixprec.Trainer(
+        model, _batches(), None, nn.functional.cross_entropy, _optimizer(model, policy), policy,
+        out_dir=out, checkpoint_every=3, progress=False, max_grad_norm=1.0,
+    )  # fmt: skip
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        summary = {}
+        for policy in POLICIES:
+            result = _train(policy, rank, WORLD)
+            save_file(result.pop("params"), f"{out}/{policy}-rank{rank}.safetensors") if rank == 0 else None
+            summary[policy] = result
+        injected = _train("o2_bf16", rank, WORLD, inject=True)
+        injected.pop("params")
+        summary["injected"] = injected
+        # save and resume: 6 steps straight, against 3 steps, a new process state, and 3 more
+        straight = _trainer("o2_bf16", f"{out}/straight")
+        straight.fit(steps=6)
+        first = _trainer("o2_bf16", f"{out}/resumed")
+        first.fit(steps=3)
+        resumed = _trainer("o2_bf16", f"{out}/resumed")
+        resumed.fit(steps=6, resume=True)
+        for name, trainer in (("straight", straight), ("resumed", resumed)):
+            state = _full_state(trainer.model, trainer.optimizer, True)
+            if rank == 0:
+                save_file(state, f"{out}/{name}.safetensors")
+        summary["resumed_at"] = first.step
+        refusals = []
+        for shard, policy in (("o2_bf16", "mixed_bf16"), (None, "o2_bf16")):
+            model = _net()
+            if shard:
+                mixprec.fully_shard(model, shard)
+            else:
+                torch.distributed.fsdp.fully_shard(model)  # FSDP2 directly: FP32 weights, no policy
+            try:
+                mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+            except ValueError as exc:
+                refusals.append(str(exc))
+        summary["refusals"] = refusals
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(summary, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    context = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 150
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the FSDP2 workers did not finish within 150 s")
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_fsdp_training_matches_one_process_on_the_same_global_batch(fsdp_run, policy):
+    out, ranks = fsdp_run
+    single = _train(policy, rank=0, world=1)
+    sharded = load_file(str(out / f"{policy}-rank0.safetensors"))
+    assert sharded.keys() == single["params"].keys()
+    for name, value in single["params"].items():
+        # the ranks' half-batch gradients are averaged where one process takes the whole batch's mean;
+        # bf16 rounds the two differently, and AdamW turns a near-zero gradient of either sign into a
+        # full step of lr: the tensors agree to 1% in norm, no element further apart than the steps allow
+        difference = (sharded[name] - value).norm() / value.norm()
+        assert difference < 1e-2, f"{policy}: {name} differs by {difference:.2%}"
+        assert (sharded[name] - value).abs().max() <= 2 * STEPS * LR, f"{policy}: {name}"
+    assert ranks[0][policy]["applied"] == [True] * STEPS
+    # the clipped norm is the global one: the shards' norms summed over ranks
+    assert ranks[0][policy]["norms"] == ranks[1][policy]["norms"]
+    torch.testing.assert_close(
+        torch.tensor(ranks[0][policy]["norms"]), torch.tensor(single["norms"]), rtol=2e-2, atol=0
+    )
+
+
+def test_an_inf_in_one_ranks_shard_makes_every_rank_skip_and_back_off(fsdp_run):
+    _, ranks = fsdp_run
+    for rank in ranks:
+        assert rank["injected"]["applied"] == [s != INJECT_AT for s in range(STEPS)]
+        assert rank["injected"]["scales"][INJECT_AT] == 2.0**9
+    assert ranks[0]["injected"]["scales"] == ranks[1]["injected"]["scales"]
+
+
+def test_mixed_precision_refuses_a_model_sharded_for_another_policy(fsdp_run):
+    _, ranks = fsdp_run
+    wrong_policy, unmapped = ranks[0]["refusals"]
+    assert "sharded by mixprec.fully_shard for 'params=bfloat16" in wrong_policy
+    assert "MixedPrecision received 'params=float32,compute=bfloat16" in wrong_policy
+    assert "pass the same policy to both" in wrong_policy
+    assert "Shard it with mixprec.fully_shard(model, policy)" in unmapped
+
+
+def test_a_sharded_run_saves_once_resumes_and_continues_identically(fsdp_run):
+    out, ranks = fsdp_run
+    assert ranks[0]["resumed_at"] == 3
+    straight, resumed = load_file(str(out / "straight.safetensors")), load_file(str(out / "resumed.safetensors"))
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    checkpoints = sorted(p.name for p in (out / "resumed" / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000003.safetensors", "step-00000006.safetensors"]  # one file per save
