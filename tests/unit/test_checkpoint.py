@@ -82,7 +82,7 @@ def test_truncated_and_corrupt_files_are_detected_and_skipped(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mixprec"):
         path, state = load_latest(tmp_path)
     assert path.name == "step-00000001.safetensors" and state["x"][0].item() == 1.0
-    assert "Skipping damaged checkpoint" in caplog.text
+    assert "Skipped a damaged checkpoint" in caplog.text and "using step-00000001.safetensors" in caplog.text
 
     flipped = bytearray(data)
     flipped[-10] ^= 0xFF  # a byte inside the tensor data
@@ -111,7 +111,8 @@ def test_a_pickle_payload_is_refused_without_running_it(tmp_path):
     path.write_bytes(pickle.dumps(Payload()))
     with pytest.raises(CheckpointError):
         load_checkpoint(path)
-    assert load_latest(tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step-00000003\.safetensors: not a readable"):
+        load_latest(tmp_path)  # the only checkpoint is damaged: said, not silently None
     assert not marker.exists()
     torch.save({"x": torch.ones(1)}, path)  # a torch.save file is refused the same way
     with pytest.raises(CheckpointError):

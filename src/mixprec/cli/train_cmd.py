@@ -39,7 +39,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=int, default=10, help="log metrics every N updates (default 10)")
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N updates (default: at the end)")
     parser.add_argument("--keep", type=int, default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)")
-    parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs")
+    parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs or loss")
     parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
     parser.add_argument("--loss-scale", type=float, help="initial dynamic loss scale (default 65536 for fp16)")
     parser.add_argument(

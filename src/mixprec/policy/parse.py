@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from mixprec.fp8.recipe import Fp8Recipe
+from mixprec.policy.hardware import device_type_of
 from mixprec.policy.policy import Policy
 from mixprec.policy.presets import PRESET_ALIASES, PRESETS, resolve_auto
 
@@ -89,6 +90,8 @@ def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) 
         ValueError: an unknown preset, key or dtype, a repeated key or a malformed part; the message
             names the part and lists the valid choices.
     """
+    if device is not None:
+        device_type_of(device)  # a bad device is refused whatever the spec, not only for auto
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
@@ -262,4 +265,6 @@ def parse_policy_list(text: str, *, device: str | torch.device | None = None) ->
                 keys.add(key)
         if group:
             specs.append(",".join(group))
+    if not specs:
+        raise ValueError(f"--policies needs at least one policy; received {text!r}. Example: fp32,mixed_bf16.")
     return [(spec, get_policy(spec, device=device)) for spec in specs]

@@ -10,7 +10,8 @@ A process killed at any moment leaves either the previous set of checkpoints or 
 half-written file under a checkpoint's name.
 
 Reading: the header must parse, every tensor must be present and match its checksum; otherwise a
-``CheckpointError`` says what is wrong, and ``load_latest`` falls back to the previous checkpoint.
+``CheckpointError`` says what is wrong, and ``load_latest`` falls back to the previous checkpoint (or,
+when none verifies, says why for each).
 """
 
 from __future__ import annotations
@@ -121,10 +122,23 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, skipping (and reporting) damaged ones; None if there is none."""
+    """The newest checkpoint that verifies, skipping damaged ones (reported when an older one is used).
+
+    Returns None when there is no checkpoint file at all.
+
+    Raises:
+        CheckpointError: there are checkpoint files, and every one is damaged; the message lists why.
+    """
+    problems = []
     for path in reversed(list_checkpoints(directory)):
         try:
-            return path, load_checkpoint(path)
+            found = path, load_checkpoint(path)
         except CheckpointError as exc:
-            logger.warning("Skipping damaged checkpoint: %s; trying the previous one", exc)
+            problems.append(str(exc))
+            continue
+        for problem in problems:
+            logger.warning("Skipped a damaged checkpoint: %s; using %s", problem, path.name)
+        return found
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
     return None

@@ -52,7 +52,7 @@ def export_run(run_dir: str | Path, dtype: str, repeats: int = 5) -> ExportResul
     config = TrainConfig.load(run_dir)
     found = load_latest(run_dir / "checkpoints")
     if found is None:
-        raise ValueError(f"{run_dir} has no usable checkpoint to export; train it first (mixprec train).")
+        raise ValueError(f"{run_dir} has no checkpoint to export; train it first (mixprec train).")
     trainer, parts, _ = build_trainer(config, None, progress=False)
     trainer.load_state_dict(found[1])
     weights = trainer.mp.fp32_state_dict()

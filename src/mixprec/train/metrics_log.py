@@ -38,13 +38,19 @@ class MetricsLog:
         self.records: list[dict[str, Any]] = read_metrics(self.run_dir) if self.run_dir else []
         self.last_train_step = self._last_train_step()
         self._writer = None
-        if self.run_dir is not None and tensorboard:
+        self._tensorboard = tensorboard and self.run_dir is not None  # opened at the first record
+
+    def _open_writer(self):
+        """TensorBoard's writer, created with the first record (so a run that fails before training
+        leaves no event file), or None without the optional 'tensorboard' extra."""
+        if self._writer is None and self._tensorboard:
+            self._tensorboard = False
             try:
                 from torch.utils.tensorboard import SummaryWriter  # the optional 'tensorboard' extra
             except ImportError:
-                pass
-            else:
-                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+                return None
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        return self._writer
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (resuming from a checkpoint taken there); rewrites the file atomically."""
@@ -66,10 +72,11 @@ class MetricsLog:
         if self.run_dir is not None:
             with open(self.run_dir / FILE, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
-        if self._writer is not None:
+        writer = self._open_writer()
+        if writer is not None:
             for key, value in record.items():
                 if key not in ("kind", "step", "epoch", "skipped_at") and isinstance(value, (int, float)):
-                    self._writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+                    writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
     def close(self) -> None:
         if self._writer is not None:

@@ -8,6 +8,7 @@ over :func:`run_training`.
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,14 +118,23 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
 
 
 def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, progress: bool = True) -> RunOutcome:
-    """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer, parts, settings = build_trainer(config, run_dir, progress)
+    """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there).
+
+    A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
+    """
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trainer, parts, settings = build_trainer(config, run_dir, progress)
+        if not resume:
+            trainer.check_new_run()  # before config.json is written over an existing run
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     main = trainer.world.is_main
-    if not resume:
-        trainer.check_new_run()  # before config.json is written over an existing run
-        if main:
-            config.save(run_dir)
+    if not resume and main:
+        config.save(run_dir)
     length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
     result = trainer.fit(**length, resume=resume)
     inputs, _ = next(iter(parts.eval_data))

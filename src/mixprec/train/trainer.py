@@ -90,7 +90,9 @@ class Trainer:
         eval_every, log_every, checkpoint_every: in update steps (eval and checkpoint also at the end).
         keep_checkpoints: how many checkpoints to keep.
         progress: show a progress bar.
-        check_inputs: refuse inputs holding NaN or inf; ``on_bad_batch`` says whether to "stop" or "skip".
+        check_inputs: refuse batches whose inputs hold NaN or inf, or whose loss does (the forward pass
+            made one: the first module to produce it is named); ``on_bad_batch`` says whether to
+            "stop" with that message or "skip" the batch (counted in ``skipped_batches``).
         trace_nonfinite: name the module and phase of each skipped step's first inf or NaN.
         reduce_in_fp32: under torchrun with DDP, average 16-bit gradients in FP32 (for FSDP2, pass
             ``reduce_dtype=torch.float32`` to :func:`mixprec.fully_shard`).
@@ -289,6 +291,8 @@ class Trainer:
                 inputs, targets = shard((inputs, targets), self.world.rank, self.world.size)
             with self.mp.autocast():
                 loss = self.loss_fn(self._train_model(inputs), targets)
+            if self.check_inputs and not self._loss_ok(loss, inputs, targets):
+                continue
             self.mp.backward(loss)
             if self.max_grad_norm is not None and self.mp.at_update_boundary:
                 self.mp.clip_grad_norm_(self.max_grad_norm)
@@ -364,6 +368,42 @@ class Trainer:
         self.skipped_batches += 1
         logger.warning("Skipping %s: NaN or inf in its inputs (%d bad batches so far)", where, self.skipped_batches)
         return False
+
+    def _loss_ok(self, loss: torch.Tensor, inputs: Any, targets: Any) -> bool:
+        """A non-finite loss from finite inputs: the forward pass (or the loss) made an inf or NaN.
+        Never train on it: stop naming the module where it first appeared, or drop the batch.
+
+        One host sync per micro-batch (free on the CPU; on accelerators the step's skip decision
+        syncs anyway). Under torchrun the ranks agree, so that all of them drop the same batch.
+        """
+        bad = (~torch.isfinite(loss.detach())).any().reshape(1).float()
+        if self.world.distributed:
+            bad = agree_max([bad])[0]
+        if not bad.item():
+            return True
+        where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
+        origin = self._nonfinite_origin(inputs, targets)
+        if self.on_bad_batch == "stop":
+            raise ValueError(
+                f"{where}: {origin}; refusing to train on it. Fix the model or the data, or pass "
+                "on_bad_batch='skip' (CLI: --skip-bad-batches) to drop such batches."
+            )
+        self.skipped_batches += 1
+        logger.warning("Skipping %s: %s (%d bad batches so far)", where, origin, self.skipped_batches)
+        return False
+
+    def _nonfinite_origin(self, inputs: Any, targets: Any) -> str:
+        """Run the batch's forward again under a NonFiniteTracer (random state kept) and say where
+        the first inf or NaN appeared."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with NonFiniteTracer(self.model) as tracer, torch.random.fork_rng(devices=devices), torch.no_grad():
+            with self.mp.autocast():
+                loss = self.loss_fn(self.model(inputs), targets)
+            event = tracer.check(step=self.step + 1)
+        if event is not None:
+            return f"the forward pass produced {event.kind} first in module '{event.module}' ({event.tensor})"
+        kind = "nan" if bool(torch.isnan(loss).any()) else "inf"
+        return f"the loss function produced {kind} from finite model outputs"
 
     def _train_record(self, window: _Window) -> dict[str, Any]:
         if self.world.distributed and window.loss is not None:  # every rank logs the mean over ranks
@@ -462,7 +502,7 @@ class Trainer:
             raise ValueError("resume=True needs out_dir: the run folder that holds the checkpoints.")
         found = load_latest(self.checkpoint_dir)
         if found is None:
-            raise ValueError(f"no usable checkpoint in {self.checkpoint_dir}; nothing to resume.")
+            raise ValueError(f"no checkpoint in {self.checkpoint_dir}; nothing to resume.")
         path, state = found
         self.load_state_dict(state)
         self.log.truncate_after(self.step)

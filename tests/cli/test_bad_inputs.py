@@ -1,0 +1,249 @@
+"""Bad input, table-driven, across the API and the CLI: one clear message that names the problem, a
+non-zero exit and no traceback from the CLI, and no partial output left behind."""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import mixprec
+from mixprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mixprec.train.task import TaskConfig, build_task
+
+MIXPREC = Path(sys.executable).with_name("mixprec")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def _engine(policy="mixed_bf16", **kwargs) -> mixprec.MixedPrecision:
+    model = _model()
+    return mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
+
+
+def _trainer(**kwargs) -> mixprec.Trainer:
+    model = _model()
+    batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return mixprec.Trainer(
+        model, batches, None, nn.functional.cross_entropy, optimizer, "fp32", progress=False, **kwargs
+    )
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+class _Payload:
+    """Unpickling this runs a shell command that creates a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _pickle_checkpoint(tmp: Path) -> Path:
+    return _write(tmp / "step-00000001.safetensors", pickle.dumps(_Payload(tmp / "executed")))
+
+
+# (id, callable taking the temporary folder, exception type, phrases the message must hold)
+API_CASES = [
+    ("format name", lambda t: mixprec.get_format("fp17"), ValueError, ["'fp17'"]),
+    ("quantize format", lambda t: mixprec.quantize(torch.ones(2), "fp17"), ValueError, ["'fp17'"]),
+    (
+        "quantize rounding",
+        lambda t: mixprec.quantize(torch.ones(2), "fp16", rounding="banker"),
+        ValueError,
+        ["'banker'", "nearest"],
+    ),
+    ("quantize non-tensor", lambda t: mixprec.quantize([1.0], "fp16"), TypeError, ["list"]),
+    ("policy name", lambda t: mixprec.get_policy("mixed_fp8"), ValueError, ["unknown policy", "mixed_bf16"]),
+    ("policy key", lambda t: mixprec.get_policy("p=bf16,q=1"), ValueError, ["unknown key 'q'"]),
+    ("policy dtype", lambda t: mixprec.get_policy("p=int8"), ValueError, ["int8"]),
+    ("policy base", lambda t: mixprec.get_policy("base=nope"), ValueError, ["base='nope'", "is not a preset"]),
+    ("policy fp8 history", lambda t: mixprec.get_policy("base=fp8,fp8_history=0"), ValueError, ["history"]),
+    ("policy fp8 gemm", lambda t: mixprec.get_policy("base=fp8,fp8_gemm=cublas"), ValueError, ["'cublas'"]),
+    ("policy device", lambda t: mixprec.get_policy("mixed_bf16", device="gpu0"), ValueError, ["'gpu0'"]),
+    (
+        "engine model",
+        lambda t: mixprec.MixedPrecision("model", torch.optim.SGD([nn.Parameter(torch.ones(1))])),
+        TypeError,
+        ["model=", "str"],
+    ),
+    ("engine optimizer", lambda t: mixprec.MixedPrecision(_model(), "sgd"), TypeError, ["optimizer=", "str"]),
+    ("engine accumulation", lambda t: _engine(accumulation_steps=0), ValueError, ["accumulation_steps", "0"]),
+    ("engine pure without AdamW", lambda t: _engine("pure_bf16"), ValueError, ["mixprec.AdamW"]),
+    (
+        "engine repeated scaler",
+        lambda t: _engine(num_losses=2, scaler=[mixprec.NoOpLossScaler()] * 2),
+        ValueError,
+        ["its own scaler"],
+    ),
+    ("backward shape", lambda t: _engine().backward(torch.ones(3)), ValueError, ["one-element loss", "(3,)"]),
+    ("backward loss id", lambda t: _engine().backward(torch.ones(()), loss_id=2), ValueError, ["loss_id", "2"]),
+    ("scheduler before step", lambda t: _engine().step_scheduler(None), RuntimeError, ["before any step()"]),
+    (
+        "state from another policy",
+        lambda t: _engine("fp32").load_state_dict(_engine("mixed_bf16").state_dict()),
+        ValueError,
+        ["saved under policy", "same policy"],
+    ),
+    ("state keys", lambda t: _engine().load_state_dict({"scale": 1}), ValueError, ["expected keys", "state_dict()"]),
+    ("scaler init", lambda t: mixprec.DynamicLossScaler(init_scale=-1.0), ValueError, ["init_scale", "-1"]),
+    ("scaler growth", lambda t: mixprec.DynamicLossScaler(growth_factor=0.5), ValueError, ["growth_factor", "0.5"]),
+    ("scaler hysteresis", lambda t: mixprec.DynamicLossScaler(hysteresis=0), ValueError, ["hysteresis", "0"]),
+    ("AdamW lr", lambda t: mixprec.AdamW(_model().parameters(), lr=-1.0), ValueError, ["lr", "-1"]),
+    ("AdamW update", lambda t: mixprec.AdamW(_model().parameters(), update="round"), ValueError, ["'round'", "kahan"]),
+    ("FP8 scaling", lambda t: mixprec.Fp8Recipe(scaling="lazy"), ValueError, ["scaling", "'lazy'"]),
+    (
+        "cast a non-module",
+        lambda t: mixprec.cast_module("model", mixprec.get_policy("o2_bf16")),
+        TypeError,
+        ["nn.Module", "str"],
+    ),
+    (
+        "fully_shard dtype",
+        lambda t: mixprec.fully_shard(_model(), "o2_bf16", reduce_dtype=torch.int8),
+        ValueError,
+        ["reduce_dtype", "int8"],
+    ),
+    (
+        "config batch size",
+        lambda t: mixprec.TrainConfig(task="digits", batch_size=0),
+        ValueError,
+        ["'batch_size'", "0"],
+    ),
+    ("config type", lambda t: mixprec.TrainConfig(task="digits", steps="ten"), ValueError, ["'steps'", "'ten'"]),
+    (
+        "config parallel",
+        lambda t: mixprec.TrainConfig(task="digits", parallel="zero3"),
+        ValueError,
+        ["'parallel'", "'zero3'", "fsdp"],
+    ),
+    ("task name", lambda t: build_task("digitz", TaskConfig(8, 0, "cpu", "tiny")), ValueError, ["'digitz'", "digits"]),
+    ("trainer bad-batch action", lambda t: _trainer(on_bad_batch="ignore"), ValueError, ["'ignore'", "'skip'"]),
+    ("fit steps", lambda t: _trainer().fit(steps=0), ValueError, ["steps", "0"]),
+    ("fit both lengths", lambda t: _trainer().fit(epochs=1, steps=1), ValueError, ["exactly one of"]),
+    ("checkpoint missing", lambda t: load_checkpoint(t / "none.safetensors"), CheckpointError, ["no such checkpoint"]),
+    (
+        "checkpoint truncated",
+        lambda t: load_checkpoint(_write(t / "c.safetensors", b"\x10\x00\x00")),
+        CheckpointError,
+        ["truncated or corrupt"],
+    ),
+    (
+        "checkpoint foreign",
+        lambda t: (save_file({"w": torch.ones(2)}, str(t / "f.safetensors")), load_checkpoint(t / "f.safetensors")),
+        CheckpointError,
+        ["not a mixprec checkpoint"],
+    ),
+    ("checkpoint pickle", lambda t: load_checkpoint(_pickle_checkpoint(t)), CheckpointError, ["truncated or corrupt"]),
+]
+
+
+@pytest.mark.parametrize(("case", "call", "error", "phrases"), API_CASES, ids=[c[0] for c in API_CASES])
+def test_the_api_names_the_problem(tmp_path, case, call, error, phrases):
+    with pytest.raises(error) as raised:
+        call(tmp_path)
+    message = str(raised.value)
+    for phrase in phrases:
+        assert phrase in message, f"{case}: {phrase!r} not in {message!r}"
+    assert not (tmp_path / "executed").exists()  # nothing from a file was ever run
+
+
+def _other_model_run(tmp: Path) -> Path:
+    """A run folder whose checkpoint holds another model's weights (digits under its own config)."""
+    run = tmp / "other"
+    save_checkpoint(run / "checkpoints", 1, {"model": {"w": torch.ones(3)}, "optimizer": {}})
+    mixprec.TrainConfig(task="digits", size="tiny", policy="fp32").save(run)
+    return run
+
+
+def _policy_file(tmp: Path, text: str) -> Path:
+    return _write(tmp / "policy.json", text.encode())
+
+
+# (id, arguments, with "{tmp}" for the temporary folder, phrases the one line must hold)
+CLI_CASES = [
+    ("train steps", ["train", "digits", "--steps", "0", "--out", "{tmp}/run"], ["'steps' must be >= 1"]),
+    ("train lr", ["train", "digits", "--lr", "-1", "--out", "{tmp}/run"], ["'lr' must be >= 0"]),
+    ("train policy key", ["train", "digits", "--policy", "p=bf16,q=1", "--out", "{tmp}/run"], ["unknown key 'q'"]),
+    ("train device", ["train", "digits", "--device", "cuda", "--out", "{tmp}/run"], ["no CUDA device"]),
+    ("train parallel", ["train", "digits", "--parallel", "zero3"], ["invalid choice: 'zero3'"]),
+    ("train loss scale", ["train", "digits", "--loss-scale", "-4", "--out", "{tmp}/run"], ["loss_scale", "-4"]),
+    (
+        "train accumulation",
+        ["train", "digits", "--accumulation-steps", "0", "--out", "{tmp}/run"],
+        ["'accumulation_steps' must be >= 1"],
+    ),
+    (
+        "train missing policy file",
+        ["train", "digits", "--policy", "{tmp}/none.json", "--out", "{tmp}/run"],
+        ["none.json"],
+    ),
+    (
+        "train corrupt policy file",
+        ["train", "digits", "--policy", "{policy_file}", "--out", "{tmp}/run"],
+        ["policy.json"],
+    ),
+    (
+        "resume another model",
+        ["train", "--out", "{other_run}", "--resume", "--steps", "2"],
+        ["does not fit this model"],
+    ),
+    (
+        "resume corrupt checkpoint",
+        ["train", "--out", "{corrupt_run}", "--resume", "--steps", "2"],
+        ["no usable checkpoint"],
+    ),
+    ("export no run", ["export", "{tmp}/none"], ["is not a mixprec run folder"]),
+    ("doctor task", ["doctor", "digitz", "--out", "{tmp}/run"], ["'digitz'"]),
+    ("doctor steps", ["doctor", "digits", "--steps", "0", "--out", "{tmp}/run"], ["steps", "0"]),
+    ("compare empty", ["compare", "digits", "--policies", ",", "--out", "{tmp}/run"], ["--policies"]),
+    ("bench suite", ["bench", "--suite", "nope", "--out", "{tmp}/run"], ["'nope'"]),
+]
+
+
+def _argument(value: str, tmp: Path) -> str:
+    if value == "{other_run}":
+        return str(_other_model_run(tmp))
+    if value == "{corrupt_run}":
+        run = _other_model_run(tmp)
+        checkpoint = run / "checkpoints" / "step-00000001.safetensors"
+        checkpoint.write_bytes(checkpoint.read_bytes()[:100])  # truncated
+        return str(run)
+    if value == "{policy_file}":
+        return str(_policy_file(tmp, '{"policy": '))
+    return value.replace("{tmp}", str(tmp))
+
+
+@pytest.mark.parametrize(("case", "args", "phrases"), CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_the_cli_prints_one_line_exits_2_and_leaves_nothing(tmp_path, case, args, phrases):
+    argv = [_argument(a, tmp_path) for a in args]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    result = subprocess.run(
+        [str(MIXPREC), *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
+    )  # fmt: skip
+    assert result.returncode == 2, (case, result.stdout[-500:], result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    for phrase in phrases:
+        assert phrase in lines[0], f"{case}: {phrase!r} not in {lines[0]!r}"
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert after == before, f"{case}: left behind {sorted(set(after) - set(before))}"
+
+
+def test_the_table_is_at_least_forty_inputs():
+    assert len(API_CASES) + len(CLI_CASES) >= 40

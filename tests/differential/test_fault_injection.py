@@ -1,0 +1,91 @@
+"""Fault injection: inf and NaN gradients at random steps, in random layers, under every fp16 policy.
+
+Every injected step must be skipped with the weights, the master weights and the optimizer state
+bit-identical before and after it; the statistics must count each kind; and the run, given as many
+applied updates as the clean FP32 run, must end at the FP32 run's loss.
+"""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+APPLIED = 200  # updates every run applies
+RATE = 0.15  # chance of an injected fault per step
+
+
+def _data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4096 + 512, 16, generator=generator)
+    noisy = x + 0.7 * torch.randn(x.shape, generator=generator)  # labels from noisy inputs: a loss floor
+    y = (noisy[:, :4].sum(1) > 0).long() + (noisy[:, 4:8].sum(1) > 0).long()
+    return x, y
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 3))
+
+
+def _snapshot(engine: mixprec.MixedPrecision) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in engine.model.parameters()]
+    if engine.masters is not None:
+        tensors += [m.clone() for m in engine.masters.state()]
+    for state in engine.optimizer.state.values():
+        tensors += [v.clone() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
+def _run(policy: str, inject: bool, seed: int = 0):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # max_scale keeps the scale below where these gradients overflow on their own, so that every skip
+    # is an injected one; a short growth interval lets the scale recover from the injected back-offs
+    scaler = mixprec.DynamicLossScaler(init_scale=2.0**10, growth_interval=4, max_scale=2.0**12)
+    engine = mixprec.MixedPrecision(model, optimizer, policy, scaler if "fp16" in policy else None)
+    x, y = _data()
+    rng = random.Random(seed)
+    layers = [p for p in model.parameters()]
+    injected = {"inf": 0, "nan": 0}
+    applied = step = 0
+    while applied < APPLIED:
+        batch = slice(64 * (applied % 64), 64 * (applied % 64 + 1))  # a skipped step's batch comes again
+        with engine.autocast():
+            loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        engine.backward(loss)
+        kind = rng.choice(["inf", "nan"]) if inject and rng.random() < RATE else None
+        if kind is not None:
+            grad = rng.choice(layers).grad
+            grad.view(-1)[rng.randrange(grad.numel())] = float(kind)
+            injected[kind] += 1
+            before = _snapshot(engine)
+        result = engine.step()
+        if kind is not None:
+            assert not result, f"step {step}: an injected {kind} was applied"
+            after = _snapshot(engine)
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), f"step {step} changed state"
+        else:
+            assert result, f"step {step}: a clean step was skipped"
+            applied += 1
+        step += 1
+    with torch.no_grad(), engine.autocast():  # on 512 held-out samples
+        final = nn.functional.cross_entropy(model(x[4096:]), y[4096:]).item()
+    return engine.stats(), injected, final
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16"])
+def test_injected_faults_are_skipped_without_a_trace_and_counted(policy):
+    stats, injected, final = _run(policy, inject=True)
+    faults = injected["inf"] + injected["nan"]
+    assert faults >= 20 and injected["inf"] and injected["nan"]
+    assert stats.skipped_steps == faults and stats.applied_steps == APPLIED
+    assert (stats.inf_steps, stats.nan_steps) == (injected["inf"], injected["nan"])
+    _, _, reference = _run("fp32", inject=False)
+    _, _, clean = _run(policy, inject=False)
+    # the faults cost nothing: the faulted run ends where the clean run of its policy ends (the only
+    # difference is the loss scale the faults lowered), and both within 1% of FP32's held-out loss
+    assert final == pytest.approx(clean, rel=1e-4)
+    assert final == pytest.approx(reference, rel=0.01)
