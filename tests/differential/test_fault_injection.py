@@ -89,3 +89,39 @@ def test_injected_faults_are_skipped_without_a_trace_and_counted(policy):
     # difference is the loss scale the faults lowered), and both within 1% of FP32's held-out loss
     assert final == pytest.approx(clean, rel=1e-4)
     assert final == pytest.approx(reference, rel=0.01)
+
+
+class _ExplodingGradient(torch.autograd.Function):
+    """Identity forward; a backward whose gradient is infinite at every loss scale."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class _Exploding(nn.Module):
+    def forward(self, x):
+        return _ExplodingGradient.apply(x)
+
+
+def test_a_model_that_overflows_at_every_scale_reaches_the_floor_safely(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _Exploding(), nn.GELU(), nn.Linear(32, 3))
+    initial = [p.detach().clone() for p in model.parameters()]
+    x, y = _data()
+    batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 640, 64)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = mixprec.Trainer(model, batches, None, nn.functional.cross_entropy, optimizer, "mixed_fp16", progress=False)
+    result = trainer.fit(steps=40)  # returns: a bounded number of attempts, every one skipped
+    stats = result.stats
+    assert result.steps == 40 and stats.skipped_steps == 40 and stats.applied_steps == 0
+    assert stats.inf_steps + stats.nan_steps == 40
+    # the dynamic scaler halves from 2**16 on every overflow and stops at its floor instead of reaching 0
+    assert 0 < stats.scale < 1 and trainer.mp.scalers[0].is_floor(stats.scale)
+    assert "does not come from loss scaling" in stats.diagnosis and "mixprec doctor" in stats.diagnosis
+    assert all(torch.equal(a, b) for a, b in zip(initial, model.parameters(), strict=True))
+    assert not optimizer.state  # the optimizer never stepped: no moments were created

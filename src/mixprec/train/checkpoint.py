@@ -5,7 +5,8 @@ Layout of ``step-00001200.safetensors``: the tensors of the nested training stat
 together, the step, and a SHA-256 of every tensor's bytes.
 
 Writing: serialize in memory, write to a hidden temporary file in the same folder, fsync it, rename
-it over the final name (atomic on POSIX), fsync the folder; then delete all but the newest ``keep``.
+it over the final name (atomic on POSIX), fsync the folder; then delete all but the newest ``keep``,
+and any temporary file a killed writer left (one process writes a run's checkpoints).
 A process killed at any moment leaves either the previous set of checkpoints or the new one, never a
 half-written file under a checkpoint's name.
 
@@ -79,6 +80,9 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     _fsync_directory(directory)
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
+    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # left by a writer that was killed
+        if stale != temporary:
+            stale.unlink(missing_ok=True)
     return final
 
 
