@@ -115,7 +115,9 @@ def test_a_model_that_overflows_at_every_scale_reaches_the_floor_safely(caplog):
     x, y = _data()
     batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 640, 64)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = mixprec.Trainer(model, batches, None, nn.functional.cross_entropy, optimizer, "mixed_fp16", progress=False)
+    trainer = mixprec.Trainer(
+        model, batches, None, nn.functional.cross_entropy, optimizer, "mixed_fp16", progress=False
+    )
     result = trainer.fit(steps=40)  # returns: a bounded number of attempts, every one skipped
     stats = result.stats
     assert result.steps == 40 and stats.skipped_steps == 40 and stats.applied_steps == 0
