@@ -2,13 +2,10 @@
 MixedPrecision skips the same steps on every rank and matches single-process training."""
 
 import json
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -18,12 +15,6 @@ import mixprec
 WORLD = 2
 STEPS = 6
 INJECT_AT = 2  # rank 1 alone sees an inf gradient at this step
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -97,15 +88,9 @@ def _fp32_reduction(rank: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
+def ddp_run(tmp_path_factory, run_gloo_workers):
     out = tmp_path_factory.mktemp("ddp")
-    context = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2-process gloo run did not finish in 120 s")
+    run_gloo_workers(_worker, out, seconds=120)
     return out
 
 

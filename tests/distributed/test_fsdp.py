@@ -3,13 +3,10 @@ MixedPrecision (mixed, o2 with FP32 shards as masters, pure_bf16 with compensate
 single-process training, skip together, clip by the global norm, and save and resume identically."""
 
 import json
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -137,22 +134,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
+def fsdp_run(tmp_path_factory, run_gloo_workers):
     out = tmp_path_factory.mktemp("fsdp")
-    context = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 150
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the FSDP2 workers did not finish within 150 s")
+    run_gloo_workers(_worker, out, seconds=150)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
