@@ -68,3 +68,9 @@ def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes(tmp_path):
     resumed = _torchrun("train", "--out", tmp_path / "fsdp", "--resume", "--steps", 6, "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert list_checkpoints(tmp_path / "fsdp" / "checkpoints")[-1].name == "step-00000006.safetensors"
+    # one process cannot resume a sharded run (it says how to), but it can export its weights
+    alone = _run([str(BIN / "mixprec"), "train", "--out", str(tmp_path / "fsdp"), "--resume", "--steps", "8"])
+    assert alone.returncode == 2 and "comes from an FSDP2 run" in alone.stderr, alone.stderr[-2000:]
+    exported = _run([str(BIN / "mixprec"), "export", str(tmp_path / "fsdp"), "--dtype", "bf16"])
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "fsdp" / "export" / "model-bf16.safetensors").is_file()

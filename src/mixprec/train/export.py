@@ -54,8 +54,14 @@ def export_run(run_dir: str | Path, dtype: str, repeats: int = 5) -> ExportResul
     if found is None:
         raise ValueError(f"{run_dir} has no checkpoint to export; train it first (mixprec train).")
     trainer, parts, _ = build_trainer(config, None, progress=False)
-    trainer.load_state_dict(found[1])
-    weights = trainer.mp.fp32_state_dict()
+    state = found[1]
+    if state.get("sharded"):
+        # an FSDP2 run's checkpoint holds whole tensors gathered from the shards: the exact FP32 weights
+        # under mixed and o2 policies (the shards were the masters), the bf16 ones under pure_bf16
+        weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    else:
+        trainer.load_state_dict(state)
+        weights = trainer.mp.fp32_state_dict()
 
     reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)
     fp32_model = reference.model

@@ -455,6 +455,7 @@ class Trainer:
         else:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
+            "sharded": self.mp.sharded,  # FSDP2: whole tensors gathered from the shards, optimizer keyed by name
             "model": model_state,
             "optimizer": optimizer_state,
             "mixed_precision": self.mp.state_dict(),
@@ -470,6 +471,12 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if bool(state.get("sharded", False)) != self.mp.sharded:
+            saved, here = ("an FSDP2", "without FSDP2") if state.get("sharded") else ("a non-sharded", "under FSDP2")
+            raise ValueError(
+                f"the checkpoint comes from {saved} run and this one runs {here}; resume it the way it was "
+                "trained (mixprec train --parallel fsdp under torchrun, or without), with the same world size."
+            )
         try:
             if self.mp.sharded:  # every rank loads the full state and keeps its shards (a collective)
                 scatter_state(self.model, self.optimizer, state["model"], state["optimizer"])
