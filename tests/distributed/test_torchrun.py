@@ -74,3 +74,28 @@ def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes(tmp_path):
     exported = _run([str(BIN / "mixprec"), "export", str(tmp_path / "fsdp"), "--dtype", "bf16"])
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "fsdp" / "export" / "model-bf16.safetensors").is_file()
+
+
+def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_update(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "interrupted"
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "mixprec", *ARGS]
+    command += ["--steps", "1000000", "--log-every", "1", "--out", str(out)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+    _, stderr = process.communicate(timeout=120)
+    stopped = re.findall(r"mixprec train: interrupted at step (\d+); checkpoint saved", stderr)
+    assert len(stopped) == 1, stderr[-3000:]  # rank 0 saved and said so, once
+    step = int(stopped[0])
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{step:08d}.safetensors"]
+    resumed = _torchrun("train", "--out", out, "--resume", "--steps", step + 2, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert list_checkpoints(out / "checkpoints")[-1].name == f"step-{step + 2:08d}.safetensors"
