@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree_max", "local", "sum_across_ranks", "world"]
+__all__ = ["World", "agree_max", "local", "reduce_across_ranks", "world"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ def agree_max(flags: list[torch.Tensor]) -> list[torch.Tensor]:
     return [value.reshape(f.shape).to(f.dtype) for value, f in zip(stacked.unbind(), flags, strict=True)]
 
 
-def sum_across_ranks(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``value`` summed (or, with ``op="max"``, maximized) over ranks, out of place."""
+def reduce_across_ranks(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``value`` summed over ranks (or, with ``op="max"``, their maximum), out of place."""
     if not world().distributed:
         return value
     value = value.clone()

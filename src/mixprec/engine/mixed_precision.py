@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed.fsdp import is_sharded, sharded_with
-from mixprec.distributed.ranks import agree_max, local, sum_across_ranks
+from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import OverflowLog, StepRecord
 from mixprec.engine.stats import Stats, model_state_bytes
@@ -300,9 +300,9 @@ class MixedPrecision:
         )
         if self.sharded:  # each rank holds a part of every gradient: combine the parts' norms over ranks
             if norm_type == float("inf"):
-                total = sum_across_ranks(norms.amax(), op="max")
+                total = reduce_across_ranks(norms.amax(), op="max")
             else:
-                total = sum_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
+                total = reduce_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
         else:
             total = torch.linalg.vector_norm(norms, norm_type)
         coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)

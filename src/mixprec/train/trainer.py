@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed.ddp import wrap_ddp
-from mixprec.distributed.ranks import agree_max, sum_across_ranks, world
+from mixprec.distributed.ranks import agree_max, reduce_across_ranks, world
 from mixprec.distributed.state import gather_state, scatter_state
 from mixprec.doctor.trace import NonFiniteTracer
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
@@ -407,7 +407,7 @@ class Trainer:
 
     def _train_record(self, window: _Window) -> dict[str, Any]:
         if self.world.distributed and window.loss is not None:  # every rank logs the mean over ranks
-            window.loss = sum_across_ranks(window.loss) / self.world.size
+            window.loss = reduce_across_ranks(window.loss) / self.world.size
         stats = self.mp.stats()
         since = self.log.last_train_step
         record = {
