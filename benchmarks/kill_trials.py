@@ -3,9 +3,10 @@
     python benchmarks/kill_trials.py [--trials 30] [--steps 30] [--task digits] [--policy mixed_fp16]
 
 One uninterrupted reference run checkpoints after every update. Each trial starts the same run and kills
-it (SIGKILL: no handler runs): even trials after a random delay drawn over the reference run's duration;
-odd trials aim at checkpoint writes, killing the moment a temporary checkpoint file appears (after a
-random number of writes). Then it resumes it with
+it (SIGKILL: no handler runs) after a random number of checkpoints: even trials during training, a
+random 0-50 ms after that checkpoint appeared; odd trials inside the next checkpoint write, the moment
+its temporary file appears. Progress, not a clock, picks the moment, so a slow machine does not move
+the kills past the end of the run. Then it resumes it with
 `--resume` from whatever the kill left, and compares the final checkpoint with the reference's: model,
 optimizer, scaler, master weights, random state and position must be bit-identical. A kill that left a
 temporary checkpoint file behind was inside a checkpoint write. Kills before the first checkpoint leave
@@ -51,6 +52,15 @@ def _writing(directory: Path) -> bool:
         return any(".tmp-" in entry.name for entry in os.scandir(directory))
     except FileNotFoundError:
         return False
+
+
+def _wait_for_checkpoints(process: subprocess.Popen, directory: Path, count: int) -> None:
+    """Return once ``count`` checkpoints have been written (or the run has ended)."""
+    while process.poll() is None:
+        written = list_checkpoints(directory)
+        if written and int(written[-1].stem.split("-")[1]) >= count:
+            return
+        time.sleep(0.001)
 
 
 def _wait_for_write(process: subprocess.Popen, directory: Path, writes: int) -> None:
@@ -103,10 +113,12 @@ def main() -> int:
             directory = out / "checkpoints"
             began = time.perf_counter()
             process = subprocess.Popen(_train(out, args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            writes = rng.randrange(1, args.steps)
             if trial % 2 == 0:
-                time.sleep(rng.uniform(0.2 * duration, 1.1 * duration))
+                _wait_for_checkpoints(process, directory, writes)
+                time.sleep(rng.uniform(0.0, 0.05))
             else:
-                _wait_for_write(process, directory, rng.randrange(1, args.steps))
+                _wait_for_write(process, directory, writes)
             delay = time.perf_counter() - began
             finished = process.poll() is not None
             process.send_signal(signal.SIGKILL)
