@@ -1,12 +1,12 @@
 """A longer soak than the tests: inf and NaN gradients injected at random steps into random layers of
 a real task, under every fp16 policy, through `mixprec.Trainer`.
 
-    python benchmarks/fault_soak.py [--task charlm] [--size tiny] [--steps 1500] [--rate 0.02]
+    python benchmarks/fault_soak.py [--task charlm] [--size tiny] [--steps 1500] [--rate 0.01]
                                     [--policies mixed_fp16,o2_fp16] [--seed 0]
 
 For each policy: a clean run and a faulted run of the same length (a fault: one element of one
 parameter's gradient set to inf or NaN, after it is accumulated, at a random ``rate`` of steps), and
-one FP32 run. The dynamic scaler grows every ``--growth-interval`` clean steps (default 100): with the
+one FP32 run. The dynamic scaler grows every ``--growth-interval`` clean steps (default 50): with the
 usual 2000, a fault rate above 1 in 2000 ratchets the scale down for good, which is the scaler's
 design, not what this soak measures.
 
@@ -106,10 +106,10 @@ def main() -> int:
     parser.add_argument("--task", default="charlm")
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--rate", type=float, default=0.02)
+    parser.add_argument("--rate", type=float, default=0.01)
     parser.add_argument("--policies", default="mixed_fp16,o2_fp16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--growth-interval", type=int, default=100)
+    parser.add_argument("--growth-interval", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fault_soak.json"))
     args = parser.parse_args()
 

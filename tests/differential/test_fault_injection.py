@@ -118,12 +118,13 @@ def test_a_model_that_overflows_at_every_scale_reaches_the_floor_safely(caplog):
     trainer = mixprec.Trainer(
         model, batches, None, nn.functional.cross_entropy, optimizer, "mixed_fp16", progress=False
     )
-    result = trainer.fit(steps=40)  # returns: a bounded number of attempts, every one skipped
+    result = trainer.fit(steps=60)  # returns: a bounded number of attempts, every one skipped
     stats = result.stats
-    assert result.steps == 40 and stats.skipped_steps == 40 and stats.applied_steps == 0
-    assert stats.inf_steps + stats.nan_steps == 40
-    # the dynamic scaler halves from 2**16 on every overflow and stops at its floor instead of reaching 0
-    assert 0 < stats.scale < 1 and trainer.mp.scalers[0].is_floor(stats.scale)
+    assert result.steps == 60 and stats.skipped_steps == 60 and stats.applied_steps == 0
+    assert stats.inf_steps + stats.nan_steps == 60
+    # the dynamic scaler halves from 2**16 on every overflow, 40 times, and stops at its hard floor 2**-24
+    # (GradScaler would reach 0 after about 166, from where no growth could bring it back)
+    assert stats.scale == 2.0**-24 and trainer.mp.scalers[0].is_floor(stats.scale)
     assert "does not come from loss scaling" in stats.diagnosis and "mixprec doctor" in stats.diagnosis
     assert all(torch.equal(a, b) for a, b in zip(initial, model.parameters(), strict=True))
     assert not optimizer.state  # the optimizer never stepped: no moments were created

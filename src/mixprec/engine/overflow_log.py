@@ -109,12 +109,13 @@ class OverflowLog:
 
     def _diagnose(self, scale: float) -> str:
         return (
-            f"Gradients still overflow at loss scale {scale}, where it backs off no further: the overflow does "
-            f"not come from loss scaling ({self.nan_steps} of {self.skipped_steps} skipped steps so far had NaN, "
-            f"{self.inf_steps} had inf). Likely causes: NaN or inf in the inputs or produced by the forward pass "
-            "(log, sqrt or division of bad values, exploding activations); weights trained in bf16 that exceed "
-            "fp16's range (max 65504). Training continues safely with these steps skipped. Remedies: use a bf16 "
-            "policy (mixed_bf16), or run `mixprec doctor` to find the first layer that produces a non-finite value."
+            f"Gradients still overflow at loss scale {scale}, where backing off further cannot cure them: the "
+            f"overflow does not come from loss scaling ({self.nan_steps} of {self.skipped_steps} skipped steps "
+            f"so far had NaN, {self.inf_steps} had inf). Likely causes: NaN or inf in the inputs or produced by "
+            "the forward pass (log, sqrt or division of bad values, exploding activations); weights trained in "
+            "bf16 that exceed fp16's range (max 65504). Training continues safely with these steps skipped. "
+            "Remedies: use a bf16 policy (mixed_bf16), or run `mixprec doctor` to find the first layer that "
+            "produces a non-finite value."
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Per step, given ``found_inf``:
                ``max_scale``, never to inf) and the hysteresis budget refills
 
 With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` every decision and every value equals
-``torch.amp.GradScaler``'s: the products are computed in fp64 and rounded to fp32, as its kernel does.
+``torch.amp.GradScaler``'s down to ``LOWEST_SCALE`` (2**-24), where GradScaler goes on halving to 0:
+the products are computed in fp64 and rounded to fp32, as its kernel does.
 
 Example:
     >>> import torch
@@ -27,7 +28,9 @@ import torch
 
 from mixprec.scaling.base import LossScaler, check_state_type, positive_number
 
-__all__ = ["DynamicLossScaler"]
+LOWEST_SCALE = 2.0**-24  # the scale never backs off below this: below ~2**-149 it would become 0 for good
+
+__all__ = ["LOWEST_SCALE", "DynamicLossScaler"]
 
 
 class DynamicLossScaler(LossScaler):
@@ -39,7 +42,9 @@ class DynamicLossScaler(LossScaler):
         backoff_factor: multiplier on overflow (between 0 and 1).
         growth_interval: consecutive clean steps before growing.
         hysteresis: overflows absorbed before backing off (1: back off on every overflow).
-        min_scale: floor; at it, overflowing steps are still skipped but the scale stays (None: no floor).
+        min_scale: floor; at it, overflowing steps are still skipped but the scale stays (None: only the
+            hard floor 2**-24, which keeps a collapsing scale from underflowing to 0, where no growth
+            could ever bring it back; GradScaler has no floor at all).
         max_scale: ceiling for growth (None: grow while finite).
     """
 
@@ -89,8 +94,7 @@ class DynamicLossScaler(LossScaler):
 
         # fp64 products rounded to fp32: bit-identical to GradScaler's update kernel.
         backed = (scale.double() * self.backoff_factor).float()
-        if self.min_scale is not None:
-            backed = backed.clamp(min=self.min_scale)
+        backed = backed.clamp(min=self.min_scale if self.min_scale is not None else LOWEST_SCALE)
         grown = (scale.double() * self.growth_factor).float()
         grown = torch.where(torch.isfinite(grown), grown, scale)
         if self.max_scale is not None:
