@@ -45,18 +45,23 @@ def _train(model, rank: int, world: int, inject: bool) -> tuple[list[bool], list
     return applied, scales
 
 
+def _scenarios(rank: int, out: str) -> None:
+    model = DistributedDataParallel(_model())
+    applied, scales = _train(model, rank, WORLD, inject=True)
+    clean = DistributedDataParallel(_model())
+    _train(clean, rank, WORLD, inject=False)
+    save_file({k: v.contiguous() for k, v in model.module.state_dict().items()}, f"{out}/rank{rank}.safetensors")
+    save_file({k: v.contiguous() for k, v in clean.module.state_dict().items()}, f"{out}/clean{rank}.safetensors")
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"applied": applied, "scales": scales}, f)
+    _fp32_reduction(rank, out)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = DistributedDataParallel(_model())
-        applied, scales = _train(model, rank, WORLD, inject=True)
-        clean = DistributedDataParallel(_model())
-        _train(clean, rank, WORLD, inject=False)
-        save_file({k: v.contiguous() for k, v in model.module.state_dict().items()}, f"{out}/rank{rank}.safetensors")
-        save_file({k: v.contiguous() for k, v in clean.module.state_dict().items()}, f"{out}/clean{rank}.safetensors")
-        with open(f"{out}/rank{rank}.json", "w") as f:
-            json.dump({"applied": applied, "scales": scales}, f)
-        _fp32_reduction(rank, out)
+        _scenarios(rank, out)  # returns with every DDP object freed: freeing one after the group is gone can hang
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

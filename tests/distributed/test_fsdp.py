@@ -93,43 +93,48 @@ def _trainer(policy: str, out: str) -> mixprec.Trainer:
     )  # fmt: skip
 
 
+def _scenarios(rank: int, out: str) -> None:
+    summary = {}
+    for policy in POLICIES:
+        result = _train(policy, rank, WORLD)
+        save_file(result.pop("params"), f"{out}/{policy}-rank{rank}.safetensors") if rank == 0 else None
+        summary[policy] = result
+    injected = _train("o2_bf16", rank, WORLD, inject=True)
+    injected.pop("params")
+    summary["injected"] = injected
+    # save and resume: 6 steps straight, against 3 steps, a new process state, and 3 more
+    straight = _trainer("o2_bf16", f"{out}/straight")
+    straight.fit(steps=6)
+    first = _trainer("o2_bf16", f"{out}/resumed")
+    first.fit(steps=3)
+    resumed = _trainer("o2_bf16", f"{out}/resumed")
+    resumed.fit(steps=6, resume=True)
+    for name, trainer in (("straight", straight), ("resumed", resumed)):
+        state = _full_state(trainer.model, trainer.optimizer, True)
+        if rank == 0:
+            save_file(state, f"{out}/{name}.safetensors")
+    summary["resumed_at"] = first.step
+    refusals = []
+    for shard, policy in (("o2_bf16", "mixed_bf16"), (None, "o2_bf16")):
+        model = _net()
+        if shard:
+            mixprec.fully_shard(model, shard)
+        else:
+            torch.distributed.fsdp.fully_shard(model)  # FSDP2 directly: FP32 weights, no policy
+        try:
+            mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+        except ValueError as exc:
+            refusals.append(str(exc))
+    summary["refusals"] = refusals
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(summary, f)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        summary = {}
-        for policy in POLICIES:
-            result = _train(policy, rank, WORLD)
-            save_file(result.pop("params"), f"{out}/{policy}-rank{rank}.safetensors") if rank == 0 else None
-            summary[policy] = result
-        injected = _train("o2_bf16", rank, WORLD, inject=True)
-        injected.pop("params")
-        summary["injected"] = injected
-        # save and resume: 6 steps straight, against 3 steps, a new process state, and 3 more
-        straight = _trainer("o2_bf16", f"{out}/straight")
-        straight.fit(steps=6)
-        first = _trainer("o2_bf16", f"{out}/resumed")
-        first.fit(steps=3)
-        resumed = _trainer("o2_bf16", f"{out}/resumed")
-        resumed.fit(steps=6, resume=True)
-        for name, trainer in (("straight", straight), ("resumed", resumed)):
-            state = _full_state(trainer.model, trainer.optimizer, True)
-            if rank == 0:
-                save_file(state, f"{out}/{name}.safetensors")
-        summary["resumed_at"] = first.step
-        refusals = []
-        for shard, policy in (("o2_bf16", "mixed_bf16"), (None, "o2_bf16")):
-            model = _net()
-            if shard:
-                mixprec.fully_shard(model, shard)
-            else:
-                torch.distributed.fsdp.fully_shard(model)  # FSDP2 directly: FP32 weights, no policy
-            try:
-                mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
-            except ValueError as exc:
-                refusals.append(str(exc))
-        summary["refusals"] = refusals
-        with open(f"{out}/rank{rank}.json", "w") as f:
-            json.dump(summary, f)
+        _scenarios(rank, out)  # returns with every sharded model freed: freeing one after the group is gone can hang
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
