@@ -71,6 +71,8 @@ def fully_shard(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fully_shard(model=...) needs an nn.Module; received {type(model).__name__}.")
+    if isinstance(units, str):
+        raise TypeError(f"fully_shard(units=...) takes a list of name globs; received the string {units!r}.")
     if is_sharded(model):
         raise ValueError("fully_shard(model=...): the model is already sharded; shard it once.")
     if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -97,8 +99,6 @@ def fully_shard(
 
 def _units(model: nn.Module, globs: Iterable[str] | None) -> list[nn.Module]:
     if globs is not None:
-        if isinstance(globs, str):
-            raise TypeError(f"fully_shard(units=...) takes a list of name globs; received the string {globs!r}.")
         globs = list(globs)
         chosen = [m for name, m in model.named_modules() if name and any(fnmatch.fnmatchcase(name, g) for g in globs)]
         if globs and not chosen:
