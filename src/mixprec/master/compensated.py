@@ -114,9 +114,7 @@ class AdamW(torch.optim.Optimizer):
         # Parameters added together share a step count; a group's steps can differ only if some
         # parameters had no gradient at some step, so compute the bias corrections per step value.
         steps = [s["step"].item() for s in states]  # host values, as torch.optim.AdamW (CPU tensors)
-        params, grads = [local(p) for p in params], [local(p.grad) for p in params]  # FSDP2: this rank's shards
-        exp_avgs = [local(s["exp_avg"]) for s in states]
-        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
+        params, grads, exp_avgs, exp_avg_sqs = _shards(params, states)
         torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -149,9 +147,7 @@ class AdamW(torch.optim.Optimizer):
             "maximize": False,
         }
         steps = [s["step"] for s in states]
-        params, grads = [local(p) for p in params], [local(p.grad) for p in params]  # FSDP2: this rank's shards
-        exp_avgs = [local(s["exp_avg"]) for s in states]
-        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
+        params, grads, exp_avgs, exp_avg_sqs = _shards(params, states)
         if update == "nearest":
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **hyper)
             return
@@ -170,6 +166,16 @@ class AdamW(torch.optim.Optimizer):
         else:
             for param, target in zip(params, weights, strict=True):
                 param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
+
+
+def _shards(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[list[torch.Tensor], ...]:
+    """Parameters, gradients and both moments as this rank's tensors (an FSDP2 DTensor's local shard)."""
+    return (
+        [local(p) for p in params],
+        [local(p.grad) for p in params],
+        [local(s["exp_avg"]) for s in states],
+        [local(s["exp_avg_sq"]) for s in states],
+    )
 
 
 # Elements widened to FP32 at once by the compensated modes: 4 tensors x 4 bytes x 2**22 = 64 MiB.

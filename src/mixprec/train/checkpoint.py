@@ -80,9 +80,8 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     _fsync_directory(directory)
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
-    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # left by a writer that was killed
-        if stale != temporary:
-            stale.unlink(missing_ok=True)
+    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # ours is renamed by now: a killed writer's
+        stale.unlink(missing_ok=True)
     return final
 
 

@@ -164,7 +164,7 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
     report = run_dir / "report.md"
     if main:
         write_run_report(
-            run_dir / "report.md",
+            report,
             title=f"mixprec run: {config.task} under {config.policy}",
             config={**config.to_dict(), **settings, "task description": parts.description},
             machine=machine_info(),
