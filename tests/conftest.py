@@ -1,5 +1,13 @@
+import json
+import os
+import tempfile
+
 import pytest
 import torch
+
+# The kernel probe's per-machine cache: one fresh folder per test session (CLI subprocesses inherit it),
+# so the suite measures this machine once and never reads or writes the user's own cache.
+os.environ["MIXPREC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mixprec-test-cache-")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -8,3 +16,20 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def device(request) -> str:
     """Every device this machine has: CPU always, CUDA where present."""
     return request.param
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """Seed the kernel probe's cache with given choices, as if this machine had measured them:
+    ``kernel_cache(torch.bfloat16, attention="gemm")`` (families not named: native)."""
+    from mixprec.policy.kernels import FAMILIES, machine_key
+
+    def seed(dtype: torch.dtype, **choices: str) -> None:
+        folder = tmp_path / f"kernel-cache-{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        entry = {"choices": {family: choices.get(family, "native") for family in FAMILIES}, "timings_ms": {}}
+        entries = {machine_key(dtype): entry}
+        (folder / "kernels.json").write_text(json.dumps({"version": 1, "entries": entries}))
+        monkeypatch.setenv("MIXPREC_CACHE_DIR", str(folder))
+
+    return seed

@@ -72,7 +72,8 @@ class _Attend(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout)
 
 
-def test_bf16_policies_on_cpu_route_attention_to_the_gemm_path():
+def test_bf16_policies_on_cpu_route_attention_to_the_gemm_path_where_it_measured_fastest(kernel_cache):
+    kernel_cache(torch.bfloat16, attention="gemm")
     torch.manual_seed(0)
     model, x = _Attend(), torch.randn(2, 12, 16)
     with mixprec.autocast("mixed_bf16", model):
@@ -88,7 +89,19 @@ def test_bf16_policies_on_cpu_route_attention_to_the_gemm_path():
     torch.testing.assert_close(fp32, routed, rtol=0.05, atol=0.05)
 
 
-def test_dropout_falls_back_to_pytorch():
+def test_attention_runs_pytorchs_kernel_where_it_measured_fastest(kernel_cache):
+    kernel_cache(torch.bfloat16, attention="native")
+    torch.manual_seed(0)
+    model, x = _Attend(), torch.randn(2, 12, 16)
+    with mixprec.autocast("mixed_bf16", model):
+        out = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert torch.equal(out, ref.float())
+
+
+def test_dropout_falls_back_to_pytorch(kernel_cache):
+    kernel_cache(torch.bfloat16, attention="gemm")
     torch.manual_seed(0)
     model, x = _Attend(dropout=0.5), torch.randn(2, 12, 16)
     with mixprec.autocast("mixed_bf16", model):
@@ -98,3 +111,15 @@ def test_dropout_falls_back_to_pytorch():
         torch.manual_seed(1)
         ref = model(x)
     assert torch.equal(out, ref.float())
+
+
+def test_the_causal_mask_is_built_once_and_survives_inference_mode():
+    q = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():  # the first use of this shape: inside inference mode
+        gemm_attention(q, q, q, is_causal=True)
+    leaf = q.clone().requires_grad_()
+    out = gemm_attention(leaf, leaf, leaf, is_causal=True)  # the cached mask is saved for backward
+    out.float().sum().backward()
+    assert leaf.grad is not None
+    expected = F.scaled_dot_product_attention(leaf.double(), leaf.double(), leaf.double(), is_causal=True)
+    torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)

@@ -15,13 +15,12 @@ def half_values(t):
     return t.to(FP16).float()
 
 
-def test_cpu_without_fp16_units_gets_the_emulated_plan_with_a_reason():
-    plan = compute_plan(mixprec.get_policy("mixed_fp16"), "cpu")
-    if mixprec.device_caps("cpu").fast_fp16:
-        pytest.skip("this CPU has fp16 units: fp16 runs natively")
+def test_the_emulated_plan_says_what_it_does():
+    plan = compute_plan(mixprec.get_policy("base=mixed_fp16,kernels=emulated"), "cpu")
     assert plan.mode == "emulated" and plan.dtype == FP16
-    assert "fp16 emulated in FP32" in plan.reason and "tensor cores" in plan.reason
-    assert compute_plan(mixprec.get_policy("mixed_bf16"), "cpu").mode == "native"
+    assert "float16 emulated in FP32" in plan.reason and "tensor cores" in plan.reason
+    assert "policy kernels=emulated" in plan.reason
+    assert compute_plan(mixprec.get_policy("base=mixed_bf16,kernels=native"), "cpu").mode == "native"
     assert compute_plan(mixprec.get_policy("fp32"), "cpu").mode == "fp32"
 
 

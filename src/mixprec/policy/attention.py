@@ -19,6 +19,7 @@ attention and a float mask that needs a gradient fall back to PyTorch's kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -29,11 +30,19 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["GemmAttention", "gemm_attention"]
 
 
+@functools.lru_cache(maxsize=8)
+def _causal_bias(length: int, source: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask as an additive bias, top-left aligned as torch's (query i sees keys 0..i).
+    Built once per shape rather than in every layer at every step; read only (never modified in place)."""
+    with torch.inference_mode(False):  # built under inference mode it could never be saved for a backward
+        keep = torch.ones(length, source, dtype=torch.bool, device=device).tril_()
+        return torch.zeros(length, source, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+
+
 def _mask_bias(attn_mask: torch.Tensor | None, is_causal: bool, length: int, source: int, like: torch.Tensor):
     """The additive bf16 mask (-inf where a query may not look), or None."""
-    if is_causal:  # top-left aligned, as torch: query i sees keys 0..i
-        keep = torch.ones(length, source, dtype=torch.bool, device=like.device).tril_()
-        return torch.zeros(length, source, dtype=like.dtype, device=like.device).masked_fill_(~keep, float("-inf"))
+    if is_causal:
+        return _causal_bias(length, source, like.device, like.dtype)
     if attn_mask is None:
         return None
     if attn_mask.dtype == torch.bool:

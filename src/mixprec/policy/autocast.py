@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from mixprec.policy.attention import GemmAttention
 from mixprec.policy.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import device_caps, device_type_of
+from mixprec.policy.kernels import KernelPlan, kernel_plan
 from mixprec.policy.nest import map_floating
 from mixprec.policy.op_overrides import FP32Ops
 from mixprec.policy.parse import get_policy
@@ -51,15 +53,28 @@ __all__ = ["ComputePlan", "autocast", "check_device_supports", "compute_plan", "
 
 @dataclass(frozen=True)
 class ComputePlan:
-    """How a policy's compute dtype runs on a device: "fp32", "native" (torch.autocast) or "emulated"."""
+    """How a policy's compute dtype runs on a device.
+
+    ``mode``: "fp32", "native" (torch.autocast), "emulated" (FP32 arithmetic with 16-bit rounding) or
+    "hybrid" (torch.autocast, with the op families in ``kernels`` that measured slower natively emulated).
+    ``kernels``: on CPUs, the kernel chosen for each op family and the timings behind the choice.
+    """
 
     mode: str
     dtype: torch.dtype
     reason: str
+    kernels: KernelPlan | None = None
+
+    def kernel(self, family: str) -> str:
+        """The kernel of one op family ("native", "emulated", "gemm"); without a kernel plan, the mode's."""
+        if self.kernels is not None:
+            return self.kernels.kernel(family)
+        return "emulated" if self.mode == "emulated" else "native"
 
 
 def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
-    """Native 16-bit compute where the device has it; fp16 emulated in FP32 on CPUs without fp16 units.
+    """16-bit compute on CPUs as the per-machine timing probe chose it (:mod:`mixprec.policy.kernels`), each
+    op family native or emulated; native on GPUs unless the policy says ``kernels=emulated``.
     FP8 Linear layers are always emulated exactly (FP8-rounded operands, FP32 arithmetic)."""
     plan = _compute_plan(policy, device_type)
     if policy.fp8 is None:
@@ -69,22 +84,29 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
         f"Linear layers in FP8 emulated with FP32 arithmetic ({recipe.forward} inputs and weights, {recipe.backward} "
         f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
     )
-    return ComputePlan(plan.mode, plan.dtype, f"{plan.reason}; {note}")
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
+
+
+_EMULATION_NOTE = "GEMM inputs and outputs rounded to the 16-bit format, FP32 accumulation, as on tensor cores"
 
 
 def _compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     caps = device_caps(device_type)
-    if policy.compute_dtype == torch.float32:
+    dtype = policy.compute_dtype
+    if dtype == torch.float32:
         return ComputePlan("fp32", torch.float32, caps.tf32_note if policy.allow_tf32 else "FP32 compute")
-    if policy.compute_dtype == torch.float16 and device_type == "cpu" and not caps.fast_fp16:
-        return ComputePlan(
-            "emulated",
-            torch.float16,
-            f"fp16 emulated in FP32 ({caps.fp16_note}): GEMM inputs and outputs rounded to fp16, FP32 accumulation, "
-            "as on tensor cores",
+    name = DTYPE_NAMES[dtype]
+    if device_type == "cpu":
+        kernels = kernel_plan(dtype, kernels=policy.kernels)
+        mode = kernels.mode
+        why = {"native": "torch.autocast", "emulated": f"{name} emulated in FP32: {_EMULATION_NOTE}"}.get(
+            mode, f"torch.autocast, the families marked emulated in FP32 ({_EMULATION_NOTE})"
         )
-    note = caps.fp16_note if policy.compute_dtype == torch.float16 else caps.bf16_note
-    return ComputePlan("native", policy.compute_dtype, f"{note}; torch.autocast")
+        return ComputePlan(mode, dtype, f"{why}; {kernels.describe()}", kernels)
+    if policy.kernels == "emulated":
+        return ComputePlan("emulated", dtype, f"{name} emulated in FP32 (policy kernels=emulated): {_EMULATION_NOTE}")
+    note = caps.fp16_note if dtype == torch.float16 else caps.bf16_note
+    return ComputePlan("native", dtype, f"{note}; torch.autocast")
 
 
 def check_device_supports(policy: Policy, device_type: str) -> None:
@@ -104,14 +126,9 @@ def check_device_supports(policy: Policy, device_type: str) -> None:
         )
 
 
-def uses_gemm_attention(policy: Policy, plan: ComputePlan, device_type: str) -> bool:
-    """bf16 attention from GEMMs (mixprec.policy.attention) on CPUs, unless the policy keeps it FP32."""
-    return (
-        device_type == "cpu"
-        and plan.mode == "native"
-        and plan.dtype == torch.bfloat16
-        and "scaled_dot_product_attention" not in policy.fp32_ops
-    )
+def uses_gemm_attention(policy: Policy, plan: ComputePlan) -> bool:
+    """bf16 attention from GEMMs (mixprec.policy.attention) where the probe chose it, unless kept in FP32."""
+    return plan.kernel("attention") == "gemm" and "scaled_dot_product_attention" not in policy.fp32_ops
 
 
 @contextlib.contextmanager
@@ -157,15 +174,21 @@ def autocast(
             emulation = stack.enter_context(EmulatedAutocast(plan.dtype, policy.fp32_ops))
             fp32_region = emulation.suspend
         else:
-            if plan.mode == "native":
+            fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
+            if plan.mode in ("native", "hybrid"):
                 stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
-                if uses_gemm_attention(policy, plan, device_type):
+                if uses_gemm_attention(policy, plan):
                     stack.enter_context(GemmAttention())
+            if plan.mode == "hybrid":
+                only = plan.kernels.emulated_ops
+                emulation = stack.enter_context(
+                    EmulatedAutocast(plan.dtype, policy.fp32_ops, only=only, device_type=device_type)
+                )
+                fp32_region = functools.partial(_fp32_in_hybrid, emulation, device_type)
             if policy.allow_tf32:
                 stack.enter_context(tf32_matmuls(device_type))
             if policy.fp32_ops:
                 stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
-            fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
         if policy.fp8 is not None:
             if model is None:
                 raise ValueError(
@@ -211,6 +234,13 @@ def _model_hooks(
             open_regions.pop()[1].__exit__(None, None, None)
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def _fp32_in_hybrid(emulation: EmulatedAutocast, device_type: str) -> Iterator[None]:
+    """An FP32 module inside a hybrid region: neither autocast nor the emulation touches its ops."""
+    with emulation.suspend(), torch.autocast(device_type, enabled=False):
+        yield
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -129,10 +129,22 @@ _SAME_DTYPE_FP32_OPS = frozenset({"batch_norm", "instance_norm"})
 class EmulatedAutocast(TorchFunctionMode):
     """Autocast to ``dtype`` (fp16 or bf16) computed in FP32 with the 16-bit format's rounding."""
 
-    def __init__(self, dtype: torch.dtype, fp32_ops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        fp32_ops: tuple[str, ...] = (),
+        *,
+        only: frozenset[str] | None = None,
+        device_type: str = "cpu",
+    ) -> None:
+        """``only``: emulate just these ops, inside a ``torch.autocast(device_type)`` region that runs
+        the rest natively (a hybrid plan, see :mod:`mixprec.policy.kernels`); the policy's FP32 ops
+        are then left to :class:`~mixprec.policy.op_overrides.FP32Ops`. None: emulate the whole region."""
         super().__init__()
         self.dtype = dtype
         self._user_fp32 = frozenset(n for op in fp32_ops for n in (op, f"__{op}__", f"__r{op}__"))
+        self._only = None if only is None else frozenset(only) - self._user_fp32
+        self._device_type = device_type
         self._weights: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, source, rounded)
         # storage of an FP32 copy -> (the copy, its 16-bit source); layouts match (both preserve strides)
         self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -178,16 +190,24 @@ class EmulatedAutocast(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
+        if self._only is not None:
+            if self._suspended or name not in self._only:
+                return func(*args, **kwargs)  # torch.autocast's native kernels
+            with torch.autocast(self._device_type, enabled=False):
+                return self._emulate(func, name, args, kwargs)
         if self._suspended or name in self._user_fp32:
             if name in self._user_fp32:  # the policy's own FP32 ops win over autocast's lists
                 args, kwargs = map_floating((args, kwargs), self._widened)
             return func(*args, **kwargs)
-        if name in LOWER_PRECISION_OPS:
-            args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
-            return map_floating(func(*args, **kwargs), self._to_low)
         if name in FP32_OPS:
             args, kwargs = map_floating((args, kwargs), self._widened)
             return func(*args, **kwargs)
+        return self._emulate(func, name, args, kwargs)
+
+    def _emulate(self, func, name: str | None, args: tuple, kwargs: dict) -> Any:
+        if name in LOWER_PRECISION_OPS:
+            args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
+            return map_floating(func(*args, **kwargs), self._to_low)
         if name in _SAME_DTYPE_FP32_OPS and args and isinstance(args[0], torch.Tensor):
             dtype = args[0].dtype
             args, kwargs = map_floating((args, kwargs), self._widened)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceCaps", "device_caps", "device_type_of", "machine_info"]
+__all__ = ["DeviceCaps", "cpu_isa", "cpu_model", "device_caps", "device_type_of", "machine_info"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,33 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 9R14", "Intel(R) Xeon(R) Platinum 8488C"), else the architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_ISA_SHOWN = {"avx2": "AVX2", "avx512f": "AVX512", "avx512_bf16": "AVX512-BF16", "avx512_fp16": "AVX512-FP16",
+              "amx_bf16": "AMX-BF16", "amx_fp16": "AMX-FP16"}  # fmt: skip
+
+
+def cpu_isa() -> str:
+    """The vector and matrix extensions that matter for 16-bit speed, as listed by the CPU ("-" if none)."""
+    flags = _cpu_flags()
+    return " ".join(shown for flag, shown in _ISA_SHOWN.items() if flag in flags) or "-"
+
+
 def _cpu_caps() -> DeviceCaps:
     flags = _cpu_flags()
     fast_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
     fast_fp16 = bool(flags & {"avx512_fp16", "amx_fp16"})
-    name = platform.processor() or platform.machine()
+    name = cpu_model()
     bf16_note = (
         "bf16: CPU has " + ("AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16")
         if fast_bf16
@@ -83,7 +105,7 @@ def _cpu_caps() -> DeviceCaps:
     fp16_note = (
         "fp16: CPU has " + ("AMX-FP16" if "amx_fp16" in flags else "AVX512-FP16")
         if fast_fp16
-        else "fp16: CPU has no AVX512-FP16/AMX-FP16 units; fp16 matmuls fall back to slow reference kernels"
+        else "fp16: CPU has no AVX512-FP16/AMX-FP16 units; fp16 runs in reference kernels"
     )
     return DeviceCaps(
         device_type="cpu",
@@ -130,6 +152,7 @@ def machine_info() -> dict[str, object]:
     cpu = device_caps("cpu")
     return {
         "cpu": cpu.description,
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "bf16": cpu.bf16_note,

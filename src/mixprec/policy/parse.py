@@ -5,10 +5,11 @@ Grammar (jmp's, extended):
     policy  := preset | dtype | field ("," field)*
     field   := key "=" value
     key     := base | params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names
-               | fp32_ops|ops | fp8 | fp8_scaling | fp8_history | fp8_amax | fp8_margin | fp8_keep | fp8_gemm
+               | fp32_ops|ops | kernels | fp8 | fp8_scaling | fp8_history | fp8_amax | fp8_margin | fp8_keep | fp8_gemm
     value   := a dtype name (f32, float32, bf16, half, ...; compute also takes tf32)
                or, for the three lists, entries joined by "+"  (fp32_ops=softmax+exp)
                or, for base, a preset name (base=mixed_fp16,names=head: the preset, then the changes)
+               kernels: auto (timed per machine), native or emulated
                fp8: hybrid (e4m3 forward, e5m2 gradients) or e4m3;  fp8_scaling: current or delayed;
                fp8_history: amax history length;  fp8_amax: max or recent;  fp8_margin: 0, 1, ...;
                fp8_keep: Linear layers kept out of FP8, "first", "last" or name globs, joined by "+", or none;
@@ -57,6 +58,7 @@ _KEYS = {
     "names": "fp32_names",
     "fp32_ops": "fp32_ops",
     "ops": "fp32_ops",
+    "kernels": "kernels",
     "fp8": "fp8",
     "fp8_scaling": "fp8_scaling",
     "fp8_history": "fp8_history",
@@ -153,6 +155,7 @@ def _parse_fields(text: str, spec: str) -> Policy:
             master_dtype=fields.get("master", "float32"),
             allow_tf32=allow_tf32,
             fp8=fp8,
+            kernels=fields.get("kernels", "auto").lower(),
             **lists,
         )
     except (TypeError, ValueError) as exc:
@@ -223,6 +226,8 @@ def _with_base(fields: dict[str, str], spec: str) -> Policy:
             continue
         if key in _LIST_KEYS:
             changes[key] = _plus_list(value)
+        elif key == "kernels":
+            changes["kernels"] = value.lower()
         elif key == "compute" and value.lower() in _TF32:
             changes.update(compute_dtype="float32", allow_tf32=True)
         elif key != "base":

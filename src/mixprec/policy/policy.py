@@ -11,6 +11,8 @@ A policy names four dtypes and three exception lists:
     fp32_names    module name globs kept and computed in FP32 (``*.lm_head``)
     fp32_ops      torch ops computed in FP32 inside the low-precision region (``softmax``, ``exp``)
     fp8           an FP8 recipe (:class:`mixprec.fp8.Fp8Recipe`): Linear layers compute in FP8
+    kernels       ``auto`` (measured per machine, see :mod:`mixprec.policy.kernels`), ``native``
+                  (PyTorch's 16-bit kernels) or ``emulated`` (FP32 arithmetic, 16-bit rounding)
 
 ``str(policy)`` is the policy in the grammar of :func:`mixprec.get_policy`, and parses back to an
 equal policy.
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.numerics.formats import get_format
+from mixprec.policy.kernels import KERNEL_SETTINGS
 
 __all__ = ["DTYPE_NAMES", "NORM", "Policy"]
 
@@ -67,6 +70,7 @@ class Policy:
     fp32_names: tuple[str, ...] = ()
     fp32_ops: tuple[str, ...] = ()
     fp8: Fp8Recipe | None = None
+    kernels: str = "auto"
     reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +90,11 @@ class Policy:
         object.__setattr__(self, "fp32_modules", _check_list(self.fp32_modules, "fp32_modules", _check_class))
         object.__setattr__(self, "fp32_names", _check_list(self.fp32_names, "fp32_names", _check_glob))
         object.__setattr__(self, "fp32_ops", _check_list(self.fp32_ops, "fp32_ops", _check_op))
+        if self.kernels not in KERNEL_SETTINGS:
+            raise ValueError(
+                f"Policy(kernels=...): received {self.kernels!r}; use one of {', '.join(KERNEL_SETTINGS)} "
+                "(auto: chosen by timing on this machine)."
+            )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
             raise TypeError(f"Policy(fp8=...) takes a mixprec.fp8.Fp8Recipe or None; received {self.fp8!r}.")
 
@@ -139,6 +148,8 @@ class Policy:
             values = getattr(self, key)
             if values:
                 parts.append(f"{key}={'+'.join(values)}")
+        if self.kernels != "auto":
+            parts.append(f"kernels={self.kernels}")
         if self.fp8 is not None:
             recipe = self.fp8
             parts += [
