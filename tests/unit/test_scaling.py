@@ -31,6 +31,15 @@ def test_one_protocol(scaler, device):
     scaler.update(found)
 
 
+def test_noop_checks_without_touching_the_gradients():
+    grads = [torch.tensor([1e-40, 3.0]), torch.tensor([float("inf"), 1.0], dtype=torch.bfloat16)]
+    before = [g.clone() for g in grads]
+    assert mixprec.NoOpLossScaler().unscale_(grads).tolist() == [1.0]  # the inf is found
+    assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))  # subnormals and all, unchanged
+    assert mixprec.NoOpLossScaler().unscale_(grads[:1]).tolist() == [0.0]
+    assert mixprec.NoOpLossScaler().unscale_([]).tolist() == [0.0]
+
+
 def test_noop_returns_the_loss_itself():
     loss = torch.tensor(3.0, requires_grad=True)
     assert mixprec.NoOpLossScaler().scale(loss) is loss

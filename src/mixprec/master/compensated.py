@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mixprec.distributed.ranks import local
+from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw
 from mixprec.numerics.quantize import quantize
 
 __all__ = ["UPDATE_MODES", "AdamW"]
@@ -43,6 +44,8 @@ class AdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults).
         update: ``"kahan"``, ``"stochastic"`` or ``"nearest"``; see the module docstring.
         generator: random source for stochastic updates.
+        single_pass: for ``kahan`` on CPUs, run the step as one compiled kernel per parameter
+            (:mod:`mixprec.master.single_pass`); None (default): where a C++ compiler is present.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         update: str = "kahan",
         generator: torch.Generator | None = None,
+        single_pass: bool | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"AdamW(lr=...) must be >= 0; received {lr!r}.")
@@ -66,7 +70,10 @@ class AdamW(torch.optim.Optimizer):
                 f"AdamW(update=...): received {update!r}; use one of {', '.join(map(repr, UPDATE_MODES))}."
             )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "update": update})
+        if single_pass not in (None, True, False):
+            raise TypeError(f"AdamW(single_pass=...) takes True, False or None; received {single_pass!r}.")
         self._generator = generator
+        self._single_pass = single_pass
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -151,6 +158,8 @@ class AdamW(torch.optim.Optimizer):
         if update == "nearest":
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **hyper)
             return
+        if update == "kahan" and self._run_single_pass(params, grads, exp_avgs, exp_avg_sqs, states, group):
+            return
         wide = [[t.float() for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
         weights, wide_grads, wide_avgs, wide_avg_sqs = wide
         if update == "kahan":
@@ -166,6 +175,20 @@ class AdamW(torch.optim.Optimizer):
         else:
             for param, target in zip(params, weights, strict=True):
                 param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
+
+    def _run_single_pass(self, params, grads, exp_avgs, exp_avg_sqs, states, group) -> bool:
+        """The Kahan step in one compiled pass per parameter, on CPUs; False where it cannot run."""
+        if self._single_pass is False or any(p.device.type != "cpu" for p in params):
+            return False
+        kernel = kahan_adamw_kernel()
+        if kernel is None:
+            if self._single_pass:
+                raise RuntimeError("AdamW(single_pass=True): the compiled kernel is unavailable on this machine.")
+            return False
+        compensations = [local(s["kahan_comp"]) for s in states]
+        steps = [s["step"].item() for s in states]  # CPU tensors: a memory read
+        tensors = (params, compensations, grads, exp_avgs, exp_avg_sqs)
+        return run_kahan_adamw(kernel, tensors, steps, group)
 
 
 def _shards(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[list[torch.Tensor], ...]:
