@@ -29,7 +29,8 @@ def summary(stdout):
 def test_train_writes_a_complete_run(tmp_path):
     result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("training") and "46/46" in result.stdout.splitlines()[0]  # the progress bar
+    progress = [line for line in result.stdout.splitlines() if line.startswith("training ")]
+    assert progress and progress[-1].startswith("training 46/46 (100%)")  # without a terminal: plain lines
     lines = summary(result.stdout)
     assert lines["trained"].startswith("46 steps, 2 epochs")
     assert float(lines["eval accuracy"]) > 0.9
@@ -58,20 +59,26 @@ def test_resume_from_the_cli_is_bit_identical(tmp_path):
     resumed = run("train", "--out", stopped, "--resume", "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert summary(resumed.stdout)["trained"].startswith("20 steps")
+    assert summary(resumed.stdout)["resumed"].startswith("from step 10; --steps/--epochs count the whole run")
     final = "checkpoints/step-00000020.safetensors"
     assert_same_weights(load_checkpoint(tmp_path / "straight" / final), load_checkpoint(stopped / final))
 
 
 def test_compare_prints_one_table_and_a_report(tmp_path):
     result = run(
-        "compare", "digits", "--size", "tiny", "--policies", "fp32,mixed_bf16,pure_bf16", "--out", tmp_path, "--quiet"
-    )
+        "compare", "digits", "--size", "tiny", "--steps", "12", "--policies", "fp32,mixed_bf16,pure_bf16", "--out",
+        tmp_path, "--quiet",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
     assert {"fp32", "mixed_bf16", "pure_bf16"} <= rows.keys()
-    assert rows["fp32"][2] == "1.00x"  # speed relative to itself
-    assert rows["pure_bf16"][6] == "10.0"  # bytes/param of model state
-    assert float(rows["mixed_bf16"][4].rstrip("x")) < 1.0  # fewer activation bytes than FP32
+    assert rows["fp32"][1] == "fp32" and rows["mixed_bf16"][1] in ("native", "hybrid", "emulated")  # compute plan
+    assert rows["fp32"][3] == "1.00x"  # speed relative to itself
+    assert rows["pure_bf16"][7] == "10.0"  # bytes/param of model state
+    assert float(rows["mixed_bf16"][5].rstrip("x")) < 1.0  # fewer activation bytes than FP32
+    assert rows["fp32"][2].endswith("*") and "timed over fewer than 30 steps (fp32 12," in result.stdout  # says so
+    plans = result.stdout[result.stdout.index("compute plans") :]
+    assert "  mixed_bf16: " in plans and "bf16 kernels [" in plans  # each plan with its kernels and figures
     for name in ("report.md", "compare_loss.png", "compare_scale.png"):
         assert (tmp_path / name).is_file()
     assert "| mixed_bf16 |" in (tmp_path / "report.md").read_text()

@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         models, seeds = [m for m in models if m in ("mlp", "cnn")] or ["mlp"], seeds[:1]
     args.out.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    print(f"{machine['cpu']}, {machine['torch_threads']} threads, ISA: {machine['isa']}; torch {machine['torch']}")
     for suite in chosen:
         print(f"== {suite}", flush=True)
         if suite == "step":
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             records = suites.gemm_suite((256, 512) if args.quick else (512, 1024, 2048), repeats)
             print(_gemm_table(records))
         path = args.out / f"bench_{suite}.json"
-        path.write_text(json.dumps({"machine": machine_info(), "quick": args.quick, "records": records}, indent=2))
+        path.write_text(json.dumps({"machine": machine, "quick": args.quick, "records": records}, indent=2))
         print(f"wrote {path}\n", flush=True)
     return 0
 
@@ -78,13 +80,19 @@ def _ratio(value: float | None) -> str:
 
 
 def step_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["model", "mode", "ms/step", "spread", "time vs fp32", "vs same torch loop"]
+    headers = ["model", "mode", "ms/step", "spread", "CPU ms", "time vs fp32", "CPU vs fp32", "vs torch loop",
+               "CPU vs torch loop"]  # fmt: skip
     rows = [
-        [r["model"], r["mode"], f"{r['median_ms']:.1f}", f"{r['spread_ms']:.1f}", _ratio(r["vs_fp32"]),
-         _ratio(r["overhead_vs_torch"])]
+        [r["model"], r["mode"], f"{r['median_ms']:.1f}", f"{r['spread_ms']:.1f}", _ms(r.get("cpu_ms")),
+         _ratio(r["vs_fp32"]), _ratio(r.get("cpu_vs_fp32")), _ratio(r["overhead_vs_torch"]),
+         _ratio(r.get("cpu_vs_torch"))]
         for r in records
     ]  # fmt: skip
     return headers, rows
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def memory_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -118,7 +126,7 @@ def gemm_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def _step_table(records: list[dict]) -> str:
-    return render_table(*step_rows(records), "llrrrr")
+    return render_table(*step_rows(records), "llrrrrrrr")
 
 
 def _memory_table(records: list[dict]) -> str:

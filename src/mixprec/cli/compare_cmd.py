@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mixprec.cli.table import render_table
-from mixprec.cli.train_cmd import add_run_arguments, config_from, slug
+from mixprec.cli.train_cmd import FEW_TIMED_STEPS, add_run_arguments, config_from, slug
 from mixprec.policy.hardware import machine_info
 from mixprec.policy.parse import parse_policy_list
 
@@ -47,6 +47,13 @@ def run(args: argparse.Namespace) -> int:
     headers, rows = table(outcomes)
     print()
     print(render_table(headers, rows))
+    few = [o for o in outcomes if o.result.timed_steps < FEW_TIMED_STEPS]
+    if few:
+        steps = ", ".join(f"{o.config.policy} {o.result.timed_steps}" for o in few)
+        print(f"* ms/step timed over fewer than {FEW_TIMED_STEPS} steps ({steps}): indicative only.")
+    print("compute plans (how each policy's 16-bit ops run on this machine, and why):")
+    for o in outcomes:
+        print(f"  {o.config.policy}: {o.compute_plan.mode}: {o.compute_plan.reason}")
     notes = [f"{o.config.policy}: {o.policy}" + (f" [{o.policy.reason}]" if o.policy.reason else "") for o in outcomes]
     metric = outcomes[0].metric
     plots = plot_compare({o.config.policy: o.result.history for o in outcomes}, out, f"{base.task}", metric)
@@ -70,6 +77,7 @@ def table(outcomes: list[RunOutcome]) -> tuple[list[str], list[list[str]]]:
     metric = outcomes[0].metric
     headers = [
         "policy",
+        "compute",
         "ms/step",
         f"speed vs {reference.config.policy}",
         "activations MB",
@@ -88,7 +96,8 @@ def table(outcomes: list[RunOutcome]) -> tuple[list[str], list[list[str]]]:
         rows.append(
             [
                 o.config.policy,
-                f"{o.result.ms_per_step:.1f}",
+                o.compute_plan.mode,
+                f"{o.result.ms_per_step:.1f}" + ("*" if o.result.timed_steps < FEW_TIMED_STEPS else ""),
                 f"{reference.result.ms_per_step / o.result.ms_per_step:.2f}x",
                 f"{o.activation_bytes / 2**20:.2f}",
                 f"{o.activation_bytes / reference.activation_bytes:.2f}x",

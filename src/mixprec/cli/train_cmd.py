@@ -152,6 +152,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+FEW_TIMED_STEPS = 30  # below this, a step time is mostly warm-up and noise
+
+
+def few_steps_note(result) -> str:
+    """A warning to print beside a timing measured over too few steps to mean much ('' otherwise)."""
+    if result.timed_steps >= FEW_TIMED_STEPS:
+        return ""
+    return f" (timed over {result.timed_steps} steps only: indicative; train longer for a figure to rely on)"
+
+
 def summary(outcome: RunOutcome) -> str:
     """The one-screen summary printed at the end of a run."""
     result, stats = outcome.result, outcome.result.stats
@@ -161,11 +171,16 @@ def summary(outcome: RunOutcome) -> str:
         ("compute", f"{outcome.compute_plan.mode}: {outcome.compute_plan.reason}"),
         ("trained", f"{result.steps} steps, {result.epochs} epochs in {result.seconds:.1f} s"),
         *(
+            [("resumed", f"from step {result.resumed_from}; --steps/--epochs count the whole run, not what is added")]
+            if result.resumed_from is not None
+            else []
+        ),
+        *(
             [("processes", f"{outcome.world_size}, data parallel ({outcome.parallel})")]
             if outcome.world_size > 1
             else []
         ),
-        ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s"),
+        ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s{few_steps_note(result)}"),
         ("final train loss", f"{result.train_loss:.4f}"),
         *((f"eval {k}", f"{v:.4f}") for k, v in result.eval.items()),
         (

@@ -73,6 +73,8 @@ class FitResult:
     stats: Stats
     history: list[dict[str, Any]]
     run_dir: Path | None
+    resumed_from: int | None = None  # the step this fit() continued from, when it resumed
+    timed_steps: int = 0  # the updates behind ms_per_step (this fit() only)
 
 
 class Trainer:
@@ -189,6 +191,7 @@ class Trainer:
         else:
             self.check_new_run()
             self._seed_everything()
+        first_step = self.step
         bar = ProgressBar(total, "training", self.progress and self.world.is_main)
         window = _Window(time.perf_counter())
         start = time.perf_counter()
@@ -226,6 +229,8 @@ class Trainer:
             stats=self.mp.stats(),
             history=list(self.log.records),
             run_dir=self.out_dir,
+            resumed_from=first_step if resume else None,
+            timed_steps=self.step - first_step if timed else 0,
         )
 
     def _total_steps(self, epochs: int | None, steps: int | None) -> int:
