@@ -31,7 +31,7 @@ def test_one_protocol(scaler, device):
     scaler.update(found)
 
 
-def test_noop_checks_without_touching_the_gradients():
+def test_noop_checks_without_changing_the_gradients():
     grads = [torch.tensor([1e-40, 3.0]), torch.tensor([float("inf"), 1.0], dtype=torch.bfloat16)]
     before = [g.clone() for g in grads]
     assert mixprec.NoOpLossScaler().unscale_(grads).tolist() == [1.0]  # the inf is found

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["any_nonfinite", "nonfinite_kinds", "unscale_and_check_"]
+__all__ = ["nonfinite_kinds", "unscale_and_check_"]
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -47,16 +47,6 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor)
         if found_here is not found:
             found += found_here.to(found.device, non_blocking=True)
     return found.clamp_(max=1.0)
-
-
-def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A 1-element fp32 tensor on ``device``, 1.0 if any element is inf or NaN: ``unscale_and_check_`` at
-    scale 1 without its write, one read-only max-magnitude pass per group. No host sync."""
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    for group in _groups(tensors).values():
-        amax = torch.stack(torch._foreach_norm(group, float("inf")))  # inf if any inf, NaN if any NaN
-        found = torch.maximum(found, (~amax.isfinite()).any().float().to(device, non_blocking=True))
-    return found
 
 
 def nonfinite_kinds(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,18 +1,15 @@
 """Scalers whose scale never changes: none at all, or a fixed factor.
 
-Both still check for inf/NaN in ``unscale_`` (NoOp reads the gradients once, having nothing to divide;
-Static runs the fused unscale-and-check), so a step whose gradients hold inf or NaN is skipped under any
-scaler: bf16 and FP32 runs are protected too.
+Both still run the fused finite check in ``unscale_``, so a step whose gradients hold inf or NaN is
+skipped under any scaler: bf16 and FP32 runs are protected too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mixprec.numerics.finite import any_nonfinite
 from mixprec.scaling.base import LossScaler, check_state_type, positive_number
 
 __all__ = ["NoOpLossScaler", "StaticLossScaler"]
@@ -32,10 +29,6 @@ class NoOpLossScaler(LossScaler):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         super().scale(loss)  # validates and places the scale; the loss itself is returned unchanged
         return loss
-
-    def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Nothing to divide at scale 1: only the check for inf/NaN, reading each gradient once."""
-        return any_nonfinite(grads, grads[0].device if grads else torch.device("cpu"))
 
     def update(self, found_inf: torch.Tensor) -> None:
         pass
