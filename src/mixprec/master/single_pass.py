@@ -74,7 +74,12 @@ def _compiled_kernel():
         return None
     # emulate_precision_casts: keep the float -> bf16 -> float round trip that measures what rounding lost
     # (Inductor would otherwise fold it away and the compensation would always be 0).
-    return torch.compile(_kahan_adamw_, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    return torch.compile(
+        _kahan_adamw_,
+        dynamic=True,
+        fullgraph=True,
+        options={"emulate_precision_casts": True, "cpp.dynamic_threads": True},
+    )
 
 
 def run_kahan_adamw(kernel, tensors: tuple[list[torch.Tensor], ...], step_values: list[float], group: dict) -> bool:
