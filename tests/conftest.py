@@ -21,15 +21,18 @@ def device(request) -> str:
 @pytest.fixture
 def kernel_cache(tmp_path, monkeypatch):
     """Seed the kernel probe's cache with given choices, as if this machine had measured them:
-    ``kernel_cache(torch.bfloat16, attention="gemm")`` (families not named: native)."""
-    from mixprec.policy.kernels import FAMILIES, machine_key
+    ``kernel_cache(torch.bfloat16, attention="gemm")`` (families not named: native); one cache per test,
+    each call adding its dtype's entry."""
+    from mixprec.policy.kernels import CACHE_VERSION, FAMILIES, machine_key
 
-    def seed(dtype: torch.dtype, **choices: str) -> None:
-        folder = tmp_path / f"kernel-cache-{len(list(tmp_path.iterdir()))}"
-        folder.mkdir()
-        entry = {"choices": {family: choices.get(family, "native") for family in FAMILIES}, "timings_ms": {}}
-        entries = {machine_key(dtype): entry}
-        (folder / "kernels.json").write_text(json.dumps({"version": 1, "entries": entries}))
-        monkeypatch.setenv("MIXPREC_CACHE_DIR", str(folder))
+    folder = tmp_path / "kernel-cache"
+    folder.mkdir()
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(folder))
+    entries = {}
+
+    def seed(dtype: torch.dtype, timings_ms: dict | None = None, **choices: str) -> None:
+        chosen = {family: choices.get(family, "native") for family in FAMILIES}
+        entries[machine_key(dtype)] = {"choices": chosen, "timings_ms": timings_ms or {}}
+        (folder / "kernels.json").write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}))
 
     return seed

@@ -10,7 +10,7 @@ from torch import nn
 import mixprec
 from mixprec.policy.autocast import compute_plan
 from mixprec.policy.emulation import EmulatedAutocast
-from mixprec.policy.kernels import FAMILIES, kernel_plan
+from mixprec.policy.kernels import CACHE_VERSION, FAMILIES, kernel_plan
 
 FP16, BF16 = torch.float16, torch.bfloat16
 
@@ -91,7 +91,7 @@ def test_a_damaged_cache_is_measured_again(tmp_path):
     (tmp_path / "kernels.json").write_text('{"version": 1, "entries": {"x": [')
     timer = FakeTimer({"native": 5.0, "emulated": 1.0})
     assert kernel_plan(FP16, timer=timer, cache_dir=tmp_path).source == "measured"
-    assert json.loads((tmp_path / "kernels.json").read_text())["version"] == 1  # and rewritten whole
+    assert json.loads((tmp_path / "kernels.json").read_text())["version"] == CACHE_VERSION  # and rewritten whole
 
 
 def test_the_environment_overrides_the_measurement(monkeypatch):
@@ -161,3 +161,24 @@ def test_a_hybrid_region_keeps_fp32_modules_and_ops_in_fp32(kernel_cache):
         assert model.head(torch.randn(2, 144)).dtype == torch.float32  # the policy's FP32 op wins
     with EmulatedAutocast(FP16, only=frozenset({"linear"})), torch.autocast("cpu", dtype=FP16):
         assert torch.relu(torch.randn(3).half()).dtype == FP16  # untouched ops: autocast's own rules
+
+
+def test_the_fp32_reference_is_timed_but_never_chosen():
+    timer = FakeTimer({"fp32": 0.5, "native": 2.0, "emulated": 1.0})
+    plan = kernel_plan(FP16, timer=timer)
+    assert plan.choices["matmul"] == "emulated" and plan.timings_ms["matmul"]["fp32"] == 0.5
+    assert plan.matmul_speedup() == 0.5
+    assert ("conv", "fp32") not in timer.calls  # matmuls only
+
+
+@pytest.mark.parametrize(
+    ("bf16_ms", "fp16_ms", "expected"),
+    [(1.0, 4.0, BF16), (3.9, 1.0, FP16), (3.9, 3.9, torch.float32), (3.9, 50.0, torch.float32)],
+)
+def test_auto_on_a_cpu_follows_the_measured_matmul_speed(kernel_cache, bf16_ms, fp16_ms, expected):
+    kernel_cache(BF16, timings_ms={"matmul": {"native": bf16_ms, "emulated": 9.0, "fp32": 4.0}})
+    fp16_kernel = "native" if fp16_ms < 4.5 else "emulated"  # the faster of native and emulated (4.5 ms)
+    kernel_cache(FP16, timings_ms={"matmul": {"native": fp16_ms, "emulated": 4.5, "fp32": 4.0}}, matmul=fp16_kernel)
+    policy = mixprec.get_policy("auto", device="cpu")
+    assert policy.compute_dtype == expected
+    assert policy.reason.startswith("auto on CPU") and "measured" in policy.reason

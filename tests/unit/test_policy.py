@@ -50,12 +50,10 @@ def test_tf32_preset():
 
 
 def test_auto_chooses_with_a_reason():
-    policy = mixprec.get_policy("auto", device="cpu")
-    caps = mixprec.device_caps("cpu")
-    expected = BF16 if caps.fast_bf16 else (F16 if caps.fast_fp16 else F32)
-    assert policy.compute_dtype == expected
-    assert policy.reason.startswith("auto on CPU")
-    assert ("AVX512-BF16" in policy.reason or "AMX-BF16" in policy.reason) == caps.fast_bf16
+    policy = mixprec.get_policy("auto", device="cpu")  # measured on this machine (cached per machine)
+    assert policy.reason.startswith("auto on CPU") and "measured" in policy.reason
+    tag = {BF16: "bf16 matmuls measured", F16: "fp16 matmuls measured", F32: "fp32: no 16-bit matmul"}
+    assert tag[policy.compute_dtype] in policy.reason
 
 
 @pytest.mark.parametrize(

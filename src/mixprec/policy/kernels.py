@@ -7,7 +7,7 @@ dtype is resolved on a CPU, a short probe (well under a second) times forward + 
 family under every candidate and keeps the fastest:
 
     for family in (matmul, conv, attention):
-        for candidate in (native, emulated[, gemm for bf16 attention]):
+        for candidate in (native, emulated[, gemm for bf16 attention][, fp32 for matmul: the reference]):
             warm up once; time fwd+bwd up to 3 times, interleaved; drop a candidate 3x slower than the best
         choice[family] = the candidate with the smallest time
 
@@ -47,7 +47,7 @@ from mixprec.policy.attention import GemmAttention
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.hardware import cpu_model
 
-__all__ = ["FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan"]
+__all__ = ["CACHE_VERSION", "FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan", "machine_key"]
 
 FAMILIES = ("matmul", "conv", "attention")
 # The ops of each family, by the names they have at the Python level (as the emulation sees them).
@@ -65,7 +65,7 @@ FAMILY_OPS: dict[str, frozenset[str]] = {
 KERNEL_SETTINGS = ("auto", "native", "emulated")  # the policy key ``kernels=``
 _ENV_VALUES = {"native": "native", "emulate": "emulated", "emulated": "emulated", "auto": "auto"}
 _DTYPE_TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_CACHE_VERSION = 1
+CACHE_VERSION = 2  # the layout of kernels.json; another version is measured again
 _SLOWER_TO_DROP = 3.0  # a candidate this many times slower than the best after one run is not re-timed
 
 Timer = Callable[[str, str], float]  # (family, candidate) -> milliseconds for one forward + backward
@@ -94,6 +94,13 @@ class KernelPlan:
         """``native``, ``emulated`` (every family) or ``hybrid`` (some of each)."""
         kinds = {"emulated" if k == "emulated" else "native" for k in self.choices.values()}
         return kinds.pop() if len(kinds) == 1 else "hybrid"
+
+    def matmul_speedup(self) -> float | None:
+        """FP32 matmul time over the chosen 16-bit kernel's (forward + backward), when measured: how much
+        faster this dtype runs GEMMs here (what ``auto`` decides by)."""
+        figures = self.timings_ms.get("matmul", {})
+        chosen = figures.get(self.choices["matmul"])
+        return figures["fp32"] / chosen if chosen and "fp32" in figures else None
 
     def describe(self) -> str:
         """One line: each family's kernel and, when measured, the milliseconds of every candidate."""
@@ -152,20 +159,26 @@ def _candidates(dtype: torch.dtype, family: str) -> tuple[str, ...]:
     return ("native", "emulated")
 
 
+def _timed(family: str) -> tuple[str, ...]:
+    """Also timed, never chosen: plain FP32 matmuls, the reference ``auto`` compares 16-bit speed with."""
+    return ("fp32",) if family == "matmul" else ()
+
+
 def _measure(dtype: torch.dtype, timer: Timer) -> KernelPlan:
     choices: dict[str, str] = {}
     timings: dict[str, dict[str, float]] = {}
     for family in FAMILIES:
         candidates = _candidates(dtype, family)
-        for candidate in candidates:  # warm-up: first calls build kernels and caches
+        timed = candidates + _timed(family)
+        for candidate in timed:  # warm-up: first calls build kernels and caches
             timer(family, candidate)
-        best = {c: timer(family, c) for c in candidates}
+        best = {c: timer(family, c) for c in timed}
         for _ in range(2):
             fastest = min(best.values())
-            for candidate in [c for c in candidates if best[c] <= _SLOWER_TO_DROP * fastest]:
+            for candidate in [c for c in timed if best[c] <= _SLOWER_TO_DROP * fastest]:
                 best[candidate] = min(best[candidate], timer(family, candidate))
         choices[family] = min(candidates, key=lambda c: best[c])
-        timings[family] = {c: round(best[c], 3) for c in candidates}
+        timings[family] = {c: round(best[c], 3) for c in timed}
     return KernelPlan(dtype, choices, timings, "measured")
 
 
@@ -217,7 +230,7 @@ def _read_cache(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION or not isinstance(data.get("entries"), dict):
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
         return {}
     return data["entries"]
 
@@ -227,7 +240,7 @@ def _write_cache(path: Path, entries: dict) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as tmp:
-            json.dump({"version": _CACHE_VERSION, "entries": entries}, tmp, indent=1)
+            json.dump({"version": CACHE_VERSION, "entries": entries}, tmp, indent=1)
         os.replace(tmp.name, path)
 
 
@@ -267,7 +280,9 @@ def _probe_timer(dtype: torch.dtype) -> Timer:
 def _region(dtype: torch.dtype, candidate: str):
     # Whatever region the caller is in (inference mode, no_grad, an outer autocast), time the op as training runs it.
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
-        if candidate == "emulated":
+        if candidate == "fp32":
+            yield
+        elif candidate == "emulated":
             with EmulatedAutocast(dtype):
                 yield
         elif candidate == "gemm":

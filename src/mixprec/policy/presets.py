@@ -10,6 +10,7 @@ import torch
 
 from mixprec.fp8.recipe import Fp8Recipe
 from mixprec.policy.hardware import device_caps, device_type_of
+from mixprec.policy.kernels import kernel_plan
 from mixprec.policy.policy import NORM, Policy
 
 __all__ = ["PRESETS", "PRESET_ALIASES", "resolve_auto"]
@@ -78,12 +79,16 @@ PRESET_ALIASES: dict[str, str] = {
 def resolve_auto(device: str | torch.device | None = None) -> Policy:
     """The best mixed policy for ``device``: bf16 where it is fast, else fp16, with the reason.
 
-    On a CPU without fast 16-bit units neither would beat FP32, so ``auto`` stays FP32 and says why.
+    On a CPU "fast" is measured (:mod:`mixprec.policy.kernels`): a 16-bit dtype is chosen when its
+    matmuls, forward and backward, run at least 1.25x faster than FP32 on this machine; where neither
+    does, ``auto`` stays FP32 and says why. On GPUs: bf16 where there are bf16 tensor cores, else fp16.
     """
     caps = device_caps(device_type_of(device))
-    if caps.fast_bf16:
+    if caps.device_type == "cpu":
+        base, note = _measured_cpu_choice(caps)
+    elif caps.fast_bf16:
         base, note = PRESETS["mixed_bf16"], caps.bf16_note
-    elif caps.fast_fp16 or (caps.device_type != "cpu" and caps.supports_fp16):
+    elif caps.supports_fp16:
         base, note = PRESETS["mixed_fp16"], caps.fp16_note
     else:
         base, note = PRESETS["fp32"], f"fp32: no fast 16-bit units ({caps.bf16_note}; {caps.fp16_note})"
@@ -93,3 +98,24 @@ def resolve_auto(device: str | torch.device | None = None) -> Policy:
         output_dtype=base.output_dtype,
         reason=f"auto on {caps.description}: {note}",
     )
+
+
+_AUTO_MIN_SPEEDUP = 1.25  # a 16-bit policy must buy at least this much matmul speed to be worth its numerics
+
+
+def _measured_cpu_choice(caps) -> tuple[Policy, str]:
+    measured = []
+    for name, dtype, fast, note in (
+        ("mixed_bf16", BF16, caps.fast_bf16, caps.bf16_note),
+        ("mixed_fp16", F16, caps.fast_fp16, caps.fp16_note),
+    ):
+        speedup = kernel_plan(dtype).matmul_speedup()
+        tag = name.removeprefix("mixed_")
+        if speedup is None and fast:  # kernels fixed by MIXPREC_*_CPU: no figures, the flags decide
+            return PRESETS[name], f"{note} (not measured: kernels set by the environment)"
+        if speedup is not None and speedup >= _AUTO_MIN_SPEEDUP:
+            return PRESETS[name], f"{tag} matmuls measured {speedup:.2f}x faster than FP32 here"
+        if speedup is not None:
+            measured.append(f"{tag} {speedup:.2f}x")
+    shown = ", ".join(measured) or "no figures"
+    return PRESETS["fp32"], f"fp32: no 16-bit matmul measured {_AUTO_MIN_SPEEDUP}x faster than FP32 ({shown})"
