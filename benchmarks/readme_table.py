@@ -19,8 +19,9 @@ def main() -> None:
     if step:
         machine = step["machine"]
         print(
-            f"Step time (forward + backward + AdamW), median of interleaved repeats; {machine['cpu']}, "
-            f"torch {machine['torch']}, {machine['torch_threads']} threads:\n"
+            f"Step time (forward + backward + AdamW), median of interleaved repeats, wall and CPU time; "
+            f"{machine['cpu']} ({machine.get('isa', 'ISA not recorded')}), torch {machine['torch']}, "
+            f"{machine['torch_threads']} threads:\n"
         )
         print(markdown_table(*step_rows(step["records"])), "\n")
     memory = load("memory")
