@@ -14,23 +14,13 @@ from pathlib import Path
 import torch
 
 from mixprec import AdamW, MixedPrecision
-from mixprec.bench.suites import MODELS
+from mixprec.bench.suites import MODELS, mixprec_step
 from mixprec.bench.timing import interleaved
 from mixprec.policy.hardware import machine_info
 
 
 def training_step(bench, single_pass: bool):
-    torch.manual_seed(0)
-    model, (x, y) = bench.build(), bench.batch()
-    mp = MixedPrecision(model, AdamW(model.parameters(), lr=1e-4, single_pass=single_pass), "pure_bf16")
-
-    def step() -> None:
-        with mp.autocast():
-            loss = bench.loss(model(x), y)
-        mp.backward(loss)
-        mp.step()
-
-    return step, mp
+    return mixprec_step(bench, "pure_bf16", lambda model: AdamW(model.parameters(), lr=1e-4, single_pass=single_pass))
 
 
 def optimizer_only(mp: MixedPrecision):

@@ -34,6 +34,48 @@ def test_version_and_help():
         assert command in helped.stdout
 
 
+_NO_TORCH = """
+import sys
+from mixprec.cli.main import main
+for argv in {argvs!r}:
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_help_and_usage_errors_answer_without_importing_torch():
+    argvs = [["--help"], ["train", "--help"], ["compare", "--bogus"], ["train", "digits", "--size", "huge"]]
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-500:]
+    assert "invalid choice: 'huge'" in result.stderr and "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_the_help_lists_exactly_the_built_in_tasks():
+    from mixprec.cli.train_cmd import TASK_NAMES
+    from mixprec.train.task import BUILTIN_TASKS
+
+    assert tuple(BUILTIN_TASKS) == TASK_NAMES
+    assert f"a built-in task ({', '.join(BUILTIN_TASKS)})" in " ".join(run("train", "--help").stdout.split())
+
+
+def test_import_mixprec_loads_names_on_first_use():
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, mixprec; print('torch' in sys.modules); print(mixprec.Policy.__name__)"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    assert result.stdout.split() == ["False", "Policy"]
+    assert set(mixprec.__all__) <= set(dir(mixprec))
+    for name in mixprec.__all__:
+        assert getattr(mixprec, name) is not None
+    with pytest.raises(AttributeError, match="module 'mixprec' has no attribute 'Trainerr'"):
+        mixprec.Trainerr  # noqa: B018
+
+
 def test_python_dash_m():
     result = subprocess.run([sys.executable, "-m", "mixprec", "--version"], capture_output=True, text=True, check=True)
     assert result.stdout.startswith("mixprec ")

@@ -30,7 +30,7 @@ from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.policy.emulation import EmulatedAutocast
 from mixprec.policy.parse import get_policy
 
-__all__ = ["MODELS", "accuracy_suite", "gemm_suite", "memory_suite", "step_suite"]
+__all__ = ["MODELS", "accuracy_suite", "gemm_suite", "memory_suite", "mixprec_step", "step_suite"]
 
 _LIMIT = "torch bf16 + fp32 masters"  # the hand-written loop o2_bf16 and pure_bf16 are held to
 
@@ -149,9 +149,12 @@ def _master_limit_step(bench: BenchModel) -> Callable[[], None]:
     return step
 
 
-def _mixprec_step(bench: BenchModel, policy: str) -> tuple[Callable[[], None], MixedPrecision]:
+def mixprec_step(
+    bench: BenchModel, policy: str, optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+) -> tuple[Callable[[], None], MixedPrecision]:
+    """One MixedPrecision training step of ``bench`` under ``policy`` (AdamW, or ``optimizer(model)``)."""
     model, (x, y) = _fresh(bench), bench.batch()
-    mp = MixedPrecision(model, _optimizer(model, policy), policy)
+    mp = MixedPrecision(model, optimizer(model) if optimizer else _optimizer(model, policy), policy)
 
     def step() -> None:
         with mp.autocast():
@@ -174,7 +177,7 @@ def step_suite(models: list[str], policies: list[str], repeats: int = 7) -> list
         }
         plans = {}
         for policy in policies:
-            steps[policy], mp = _mixprec_step(bench, policy)
+            steps[policy], mp = mixprec_step(bench, policy)
             plans[policy] = f"{mp.compute_plan.mode}: {mp.compute_plan.reason}"
         timings = interleaved(steps, repeats=repeats)
         reference = timings["torch fp32"]
@@ -200,7 +203,7 @@ def step_suite(models: list[str], policies: list[str], repeats: int = 7) -> list
 
 def _peak_rss_child(model: str, policy: str, queue) -> None:
     bench = MODELS[model]()
-    step, _ = _mixprec_step(bench, policy)
+    step, _ = mixprec_step(bench, policy)
     for _ in range(2):
         step()
     queue.put(_high_water_rss())
@@ -238,7 +241,7 @@ def memory_suite(models: list[str], policies: list[str], rss: bool = True) -> li
         x, _ = bench.batch()
         rows = {}
         for policy in ["fp32", *[p for p in policies if p != "fp32"]]:
-            step, mp = _mixprec_step(bench, policy)
+            step, mp = mixprec_step(bench, policy)
             step()
             with mp.autocast():
                 activations = saved_activation_bytes(lambda: mp.model(x), mp.model)  # noqa: B023 (runs now)

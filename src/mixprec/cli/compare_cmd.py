@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 
 from mixprec.cli.table import render_table
 from mixprec.cli.train_cmd import FEW_TIMED_STEPS, add_run_arguments, config_from, slug
-from mixprec.policy.hardware import machine_info
-from mixprec.policy.parse import parse_policy_list
 
 if TYPE_CHECKING:
     from mixprec.train.run import RunOutcome
@@ -33,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.policy.hardware import machine_info
+    from mixprec.policy.parse import parse_policy_list
     from mixprec.train.report import plot_compare, write_compare_report  # the 'train' extra
     from mixprec.train.run import run_training
 

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import argparse
 import time
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING
 
 from mixprec.cli.formats_cmd import formats_table
 from mixprec.cli.table import render_table
-from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
-from mixprec.master.compensated import AdamW
-from mixprec.numerics.formats import FORMATS
-from mixprec.policy.parse import parse_policy_list
-from mixprec.policy.policy import Policy
+
+if TYPE_CHECKING:  # torch is imported when the command runs, so that --help answers at once
+    import torch
+    from torch import nn
+
+    from mixprec.policy.policy import Policy
 
 _FEATURES, _CLASSES, _HIDDEN, _SAMPLES, _BATCH = 64, 10, 1024, 24576, 256
 
@@ -41,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(_SAMPLES, _FEATURES, generator=gen)
     teacher = torch.randn(_FEATURES, _CLASSES, generator=gen)
@@ -49,6 +49,9 @@ def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _model(seed: int) -> nn.Module:
+    import torch
+    from torch import nn
+
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(_FEATURES, _HIDDEN),
@@ -62,6 +65,12 @@ def _model(seed: int) -> nn.Module:
 
 def train_once(policy: Policy, steps: int, seed: int) -> dict:
     """Train under ``policy`` with MixedPrecision; returns losses, accuracy, time per step and stats."""
+    import torch
+    import torch.nn.functional as F
+
+    from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
+    from mixprec.master.compensated import AdamW
+
     x, y = _data(seed)
     split = _SAMPLES * 7 // 8
     train_x, train_y, test_x, test_y = x[:split], y[:split], x[split:], y[split:]
@@ -91,6 +100,11 @@ def train_once(policy: Policy, steps: int, seed: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mixprec.numerics.formats import FORMATS
+    from mixprec.policy.parse import parse_policy_list
+
     if args.steps < 10:
         raise ValueError(f"--steps must be at least 10; received {args.steps}.")
     pairs = parse_policy_list(args.policies)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from mixprec.cli.table import render_table
-from mixprec.numerics.formats import FORMATS, Format, get_format
-from mixprec.numerics.quantize import quantize
+
+if TYPE_CHECKING:  # torch is imported when the command runs, so that --help answers at once
+    from mixprec.numerics.formats import Format
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.numerics.formats import FORMATS, get_format
+
     formats = (
         [get_format(name, argument="--format") for name in args.formats] if args.formats else list(FORMATS.values())
     )
@@ -110,6 +112,10 @@ def _number(value: float) -> str:
 
 
 def represent(value: float, fmt: Format) -> dict:
+    import torch
+
+    from mixprec.numerics.quantize import quantize
+
     """What ``fmt`` stores for ``value``: the stored number and what happened to it."""
     stored = quantize(torch.tensor([value], dtype=torch.float64), fmt).item()
     if math.isnan(value):

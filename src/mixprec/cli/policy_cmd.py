@@ -6,11 +6,6 @@ import argparse
 import json
 
 from mixprec.cli.table import render_table
-from mixprec.policy.autocast import check_device_supports, compute_plan
-from mixprec.policy.hardware import device_caps, device_type_of
-from mixprec.policy.parse import get_policy
-from mixprec.policy.policy import DTYPE_NAMES
-from mixprec.policy.presets import PRESETS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.policy.autocast import check_device_supports, compute_plan
+    from mixprec.policy.hardware import device_caps, device_type_of
+    from mixprec.policy.parse import get_policy
+    from mixprec.policy.policy import DTYPE_NAMES
+    from mixprec.policy.presets import PRESETS
+
     device_type = device_type_of(args.device)
     if args.spec is None:
         rows = [[name, str(policy), policy.reason] for name, policy in PRESETS.items()]

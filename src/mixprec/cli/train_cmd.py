@@ -9,20 +9,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mixprec.distributed.ranks import world
-from mixprec.train.config import TrainConfig
-from mixprec.train.task import BUILTIN_TASKS
-from mixprec.train.trainer import TrainingInterrupted
-
 if TYPE_CHECKING:
+    from mixprec.train.config import TrainConfig
     from mixprec.train.run import RunOutcome
 
 INTERRUPTED = 130
+# The built-in tasks' names, for --help without importing torch (mixprec.train.task.BUILTIN_TASKS; a
+# test holds the two equal).
+TASK_NAMES = ("digits", "charlm", "hf")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by train and compare; each maps to a TrainConfig field."""
-    parser.add_argument("task", nargs="?", help=f"a built-in task ({', '.join(BUILTIN_TASKS)})")
+    parser.add_argument("task", nargs="?", help=f"a built-in task ({', '.join(TASK_NAMES)})")
     parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, help="passes over the training data (default: the task's)")
@@ -80,11 +79,13 @@ def task_spec(args: argparse.Namespace) -> str:
         sys.path.insert(0, os.getcwd())  # so that --model finds modules next to where the command runs
         return args.model
     if not args.task:
-        raise ValueError(f"name a task ({', '.join(BUILTIN_TASKS)}) or pass --model MODULE:FACTORY.")
+        raise ValueError(f"name a task ({', '.join(TASK_NAMES)}) or pass --model MODULE:FACTORY.")
     return args.task
 
 
 def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
+    from mixprec.train.config import TrainConfig
+
     loss_scale = args.loss_scale
     if policy.endswith(".json"):  # the doctor's advice: a policy and the loss scale it recommends
         from mixprec.doctor.policy_file import read_policy_file
@@ -126,7 +127,10 @@ def slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.distributed.ranks import world
+    from mixprec.train.config import TrainConfig
     from mixprec.train.run import run_training  # needs the 'train' extra (plots)
+    from mixprec.train.trainer import TrainingInterrupted
 
     if args.resume:
         if args.out is None:

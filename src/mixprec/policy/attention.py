@@ -19,8 +19,10 @@ attention and a float mask that needs a gradient fall back to PyTorch's kernel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,11 +63,23 @@ def _probabilities(q_scaled, k, bias, post_scale):
     return torch.softmax(logits, -1)  # FP32 inside, bf16 out
 
 
+def _split_scale(scale: float) -> tuple[float, float]:
+    """(pre, post): a power-of-two scale is folded into q exactly; any other multiplies the bf16 logits."""
+    return (scale, 1.0) if math.frexp(scale)[0] == 0.5 else (1.0, scale)
+
+
+@contextlib.contextmanager
+def _plain() -> Iterator[None]:
+    """Inside the kernels: no torch function modes (this one included) and no autocast."""
+    with torch._C.DisableTorchFunction(), torch.autocast("cpu", enabled=False):
+        yield
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q, k, v, bias, scale: float):
-        pre, post = (scale, 1.0) if math.frexp(scale)[0] == 0.5 else (1.0, scale)  # power of two: exact in q
-        with torch._C.DisableTorchFunction(), torch.autocast("cpu", enabled=False):
+        pre, post = _split_scale(scale)
+        with _plain():
             q_scaled = q * pre if pre != 1.0 else q
             out = torch.matmul(_probabilities(q_scaled, k, bias, post), v)
         ctx.save_for_backward(q, k, v, bias)
@@ -75,7 +89,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out):
         q, k, v, bias = ctx.saved_tensors
-        with torch._C.DisableTorchFunction(), torch.autocast("cpu", enabled=False):
+        with _plain():
             grad_out = grad_out.to(q.dtype)
             q_scaled = q * ctx.pre if ctx.pre != 1.0 else q
             probs = _probabilities(q_scaled, k, bias, ctx.post)
