@@ -310,6 +310,34 @@ def test_several_losses_have_their_own_scalers():
     assert mp.stats().scales == (2.0**10, 2.0**3)
 
 
+def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch):
+    model = make_model()
+    scalers = [mixprec.DynamicLossScaler(), mixprec.DynamicLossScaler()]
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scalers, num_losses=2)
+    reads = []  # host reads of any tensor but the scales (the CPU snapshot of those is a free memory load)
+    for method in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, method)
+
+        def counting(tensor, *args, _original=original, _method=method):
+            if all(tensor.data_ptr() != s.scale_tensor.data_ptr() for s in scalers if s.scale_tensor is not None):
+                reads.append(_method)
+            return _original(tensor, *args)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    for overflow in (1.0, float("inf")):
+        x, y = batch(0)
+        with mp.autocast():
+            out = model(x)
+            mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+            mp.backward(out.pow(2).mean() * overflow, loss_id=1)
+        reads.clear()
+        applied = mp.step()
+        # one read decides the skip and tells which loss overflowed; an overflowing step's inf-or-NaN
+        # statistics are read on the CPU only (elsewhere they wait on the device until stats())
+        assert reads == ["tolist"] if overflow == 1.0 else reads.count("tolist") == 1, reads
+        assert bool(applied) == (overflow == 1.0)
+
+
 def test_scaler_list_must_match_num_losses():
     model = make_model()
     scaler = mixprec.DynamicLossScaler()

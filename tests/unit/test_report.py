@@ -68,7 +68,9 @@ def test_plot_run_survives_inf_and_negative_losses(tmp_path):
     history = synthetic_history()
     history[3]["loss"] = math.inf
     history[5]["loss"] = -1.0  # not all positive: linear y axis
-    for path in plot_run(history, tmp_path, "odd losses", "accuracy"):
+    written = plot_run(history, tmp_path, "odd losses", "accuracy")
+    assert [p.name for p in written] == ["loss.png", "metric.png", "scale.png"]  # none silently dropped
+    for path in written:
         assert_png(path)
 
 

@@ -148,3 +148,16 @@ def test_bad_arguments(kwargs, message):
 def test_scale_needs_a_tensor():
     with pytest.raises(TypeError, match=r"needs a torch\.Tensor; received float"):
         mixprec.StaticLossScaler(2.0).scale(1.0)
+
+
+def test_repr_shows_the_configuration_without_reading_the_device(monkeypatch):
+    dynamic, static = mixprec.DynamicLossScaler(init_scale=8.0), mixprec.StaticLossScaler(128.0)
+    for scaler in (dynamic, static):
+        scaler.scale(torch.tensor(1.0))  # places the scale on the device
+
+    def no_read(tensor):
+        raise AssertionError("__repr__ read a device value: a host sync on GPUs")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_read)
+    assert repr(dynamic).startswith("DynamicLossScaler(init_scale=8.0, growth_factor=2.0")
+    assert repr(static) == "StaticLossScaler(scale=128.0)"

@@ -9,9 +9,9 @@
         mp.step()                          # unscale, check, update or skip, adjust the scale, zero grads
 
 Host syncs, all of them:
-    - step() reads the found-inf flag once (``.item()``) to decide the skip, unless the optimizer is a fused
-      one that takes ``found_inf`` itself (``torch.optim.Adam/AdamW/SGD(fused=True)``) on an accelerator.
-      On the CPU the read is a memory load.
+    - step() reads the found-inf flags once (every loss's in one ``.tolist()``) to decide the skip, unless
+      the optimizer is a fused one that takes ``found_inf`` itself (``torch.optim.Adam/AdamW/SGD(fused=True)``)
+      on an accelerator. On the CPU the read is a memory load.
     - ``bool(step_result)``, ``step_scheduler()``, ``stats()`` and ``state_dict()`` read device values.
     - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
 In a torch.distributed run step() also all-reduces the found-inf flags (max over ranks) before deciding,
@@ -335,7 +335,9 @@ class MixedPrecision:
             if self.masters is not None:
                 self.masters.copy_to_model()  # unchanged masters on a skipped step: the same values
         else:
-            found_host = bool(found.item())  # host sync: decides the skip (free on the CPU)
+            # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
+            per_loss_host = [flag != 0 for flag in torch.cat(found_per_loss).tolist()]
+            found_host = any(per_loss_host)
             if not found_host:
                 self.optimizer.step()
                 if self.masters is not None:
@@ -352,7 +354,7 @@ class MixedPrecision:
             has_nan=kinds[1],
             scales_before=scales_before,
             scales_after=[self._scale_snapshot(s) for s in self.scalers],
-            found_per_loss=[f.clone() if found_host is None else bool(f.item()) for f in found_per_loss],
+            found_per_loss=[f.clone() for f in found_per_loss] if found_host is None else per_loss_host,
         )
         self._log.add(record)
         self._zero_grad()

@@ -169,8 +169,9 @@ class DynamicLossScaler(LossScaler):
             self._hysteresis_left.fill_(self._hysteresis_left_init)
 
     def __repr__(self) -> str:
+        # The configuration, not the live scale: reading that would wait for the device (get_scale() does).
         return (
-            f"DynamicLossScaler(scale={self.get_scale()}, growth_factor={self.growth_factor}, "
+            f"DynamicLossScaler(init_scale={self._init_scale}, growth_factor={self.growth_factor}, "
             f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
         )

@@ -69,4 +69,4 @@ class StaticLossScaler(LossScaler):
         self._load_scale(positive_number(state["scale"], "StaticLossScaler state 'scale'"))
 
     def __repr__(self) -> str:
-        return f"StaticLossScaler(scale={self.get_scale()})"
+        return f"StaticLossScaler(scale={self._init_scale})"  # a static scale never moves: no device read
