@@ -8,11 +8,11 @@ Reading parses JSON only (no code runs) and checks every key.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
 
+from mixprec.checks import positive_number
 from mixprec.doctor.advice import Diagnosis
 from mixprec.policy.parse import get_policy
 
@@ -59,8 +59,4 @@ def read_policy_file(path: str | Path) -> tuple[str, float | None]:
         )
     get_policy(data["policy"])  # raises with the reason when invalid
     scale = data.get("loss_scale")
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
-    ):
-        raise ValueError(f"--policy {path}: loss_scale must be a positive number or null; received {scale!r}.")
-    return data["policy"], None if scale is None else float(scale)
+    return data["policy"], None if scale is None else positive_number(scale, f"--policy {path}: loss_scale")

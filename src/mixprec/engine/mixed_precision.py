@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.checks import whole_number
 from mixprec.distributed.fsdp import is_sharded, sharded_with
 from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
 from mixprec.engine.call_order import CallOrder
@@ -138,8 +139,7 @@ class MixedPrecision:
                 f"MixedPrecision(optimizer=...) needs a torch.optim.Optimizer; received {type(optimizer).__name__}."
             )
         for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MixedPrecision({name}=...) must be an integer >= 1; received {value!r}.")
+            whole_number(value, f"MixedPrecision({name}=...)")
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device(device_type_of(None))
         self.policy = get_policy(policy, device=self.device)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from mixprec.checks import whole_number
+
 __all__ = ["OverflowLog", "StepRecord"]
 
 logger = logging.getLogger("mixprec")
@@ -133,9 +135,7 @@ class OverflowLog:
         self._pending = []
         for key in ("steps", "skipped_steps", "inf_steps", "nan_steps"):
             value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"MixedPrecision state: counter {key!r} must be an integer >= 0; received {value!r}.")
-            setattr(self, key, value)
+            setattr(self, key, whole_number(value, f"MixedPrecision state: counter {key!r}", minimum=0))
         self.recent_overflow_steps.clear()
         self.recent_overflow_steps.extend(int(s) for s in state["recent_overflow_steps"])
         self.diagnosis = state["diagnosis"]

@@ -12,7 +12,6 @@ device as a 1-element fp32 tensor; only ``get_scale()`` and ``state_dict()`` rea
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 
 from mixprec.numerics.finite import unscale_and_check_
 
-__all__ = ["LossScaler", "check_state_type", "positive_number"]
+__all__ = ["LossScaler", "check_state_type"]
 
 
 class LossScaler(ABC):
@@ -103,14 +102,6 @@ class LossScaler(ABC):
         self._init_scale = float(scale)
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
-
-
-def positive_number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{what} must be a positive finite number; received {value!r} (of type {type(value).__name__})."
-        )
-    return float(value)
 
 
 def check_state_type(scaler: LossScaler, state: dict[str, Any], expected: str) -> None:

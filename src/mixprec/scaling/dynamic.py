@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from mixprec.scaling.base import LossScaler, check_state_type, positive_number
+from mixprec.checks import positive_number, whole_number
+from mixprec.scaling.base import LossScaler, check_state_type
 
 LOWEST_SCALE = 2.0**-24  # the scale never backs off below this: below ~2**-149 it would become 0 for good
 
@@ -66,8 +67,8 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"{name}(growth_factor=...) must be > 1; received {growth_factor!r}.")
         if self.backoff_factor >= 1.0:
             raise ValueError(f"{name}(backoff_factor=...) must be < 1; received {backoff_factor!r}.")
-        self.growth_interval = _positive_int(growth_interval, f"{name}(growth_interval=...)")
-        self.hysteresis = _positive_int(hysteresis, f"{name}(hysteresis=...)")
+        self.growth_interval = whole_number(growth_interval, f"{name}(growth_interval=...)")
+        self.hysteresis = whole_number(hysteresis, f"{name}(hysteresis=...)")
         self.min_scale = None if min_scale is None else positive_number(min_scale, f"{name}(min_scale=...)")
         self.max_scale = None if max_scale is None else positive_number(max_scale, f"{name}(max_scale=...)")
         if self.min_scale is not None and self.min_scale > self._init_scale:
@@ -162,8 +163,8 @@ class DynamicLossScaler(LossScaler):
         for field in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"):
             setattr(self, field, getattr(restored, field))
         self._load_scale(state["scale"])
-        self._growth_tracker_init = _non_negative_int(state["growth_tracker"], "state 'growth_tracker'")
-        self._hysteresis_left_init = _non_negative_int(state["hysteresis_left"], "state 'hysteresis_left'")
+        self._growth_tracker_init = whole_number(state["growth_tracker"], f"{_LOAD} 'growth_tracker'", minimum=0)
+        self._hysteresis_left_init = whole_number(state["hysteresis_left"], f"{_LOAD} 'hysteresis_left'", minimum=0)
         if self._growth_tracker is not None and self._hysteresis_left is not None:
             self._growth_tracker.fill_(self._growth_tracker_init)
             self._hysteresis_left.fill_(self._hysteresis_left_init)
@@ -177,17 +178,8 @@ class DynamicLossScaler(LossScaler):
         )
 
 
+_LOAD = "DynamicLossScaler.load_state_dict: state"
+
+
 def _read(tracker: torch.Tensor | None, before_first_use: int) -> int:
     return int(tracker.item()) if tracker is not None else before_first_use
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive integer; received {value!r} (of type {type(value).__name__}).")
-    return value
-
-
-def _non_negative_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"DynamicLossScaler.load_state_dict: {what} must be an integer >= 0; received {value!r}.")
-    return value

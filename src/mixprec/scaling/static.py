@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from mixprec.scaling.base import LossScaler, check_state_type, positive_number
+from mixprec.checks import positive_number
+from mixprec.scaling.base import LossScaler, check_state_type
 
 __all__ = ["NoOpLossScaler", "StaticLossScaler"]
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mixprec.checks import whole_number
 from mixprec.distributed.ddp import wrap_ddp
 from mixprec.distributed.ranks import agree_max, reduce_across_ranks, world
 from mixprec.distributed.state import gather_state, scatter_state
@@ -132,8 +133,7 @@ class Trainer:
         if on_bad_batch not in BAD_BATCH_ACTIONS:
             raise ValueError(f"Trainer(on_bad_batch=...): received {on_bad_batch!r}; use 'stop' or 'skip'.")
         for name, value in (("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Trainer({name}=...) must be an integer >= 1; received {value!r}.")
+            whole_number(value, f"Trainer({name}=...)")
         self.model = model
         self.mp = MixedPrecision(model, optimizer, policy, scaler, accumulation_steps=accumulation_steps)
         # under torchrun: DDP (or FSDP2 shards) for the training forward, a slice of every batch, files
@@ -237,8 +237,7 @@ class Trainer:
         if (epochs is None) == (steps is None):
             raise ValueError(f"fit() takes exactly one of epochs= or steps=; received epochs={epochs}, steps={steps}.")
         value, name = (epochs, "epochs") if epochs is not None else (steps, "steps")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"fit({name}=...) must be an integer >= 1; received {value!r}.")
+        whole_number(value, f"fit({name}=...)")
         if steps is not None:
             return steps
         try:

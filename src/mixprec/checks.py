@@ -1,0 +1,37 @@
+"""Argument checks shared by every layer: one wording for "a whole number >= N" and "a positive number".
+
+Each names the argument, echoes what was received and its type, as every mixprec error does.
+
+Example:
+    >>> whole_number(3, "Trainer(log_every=...)")
+    3
+    >>> whole_number(0, "Trainer(log_every=...)")
+    Traceback (most recent call last):
+    ...
+    ValueError: Trainer(log_every=...) must be an integer >= 1; received 0 (of type int).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["positive_number", "whole_number"]
+
+
+def whole_number(value: Any, what: str, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``; else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"{what} must be an integer >= {minimum}; received {value!r} (of type {type(value).__name__})."
+        )
+    return value
+
+
+def positive_number(value: Any, what: str) -> float:
+    """``value`` as a float if it is a finite number above 0 (not a bool); else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{what} must be a positive finite number; received {value!r} (of type {type(value).__name__})."
+        )
+    return float(value)
