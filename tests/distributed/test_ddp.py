@@ -1,6 +1,7 @@
 """Two processes with the gloo backend on the loopback interface: DistributedDataParallel under
 MixedPrecision skips the same steps on every rank and matches single-process training."""
 
+import gc
 import json
 
 import pytest
@@ -61,6 +62,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         _scenarios(rank, out)  # returns with every DDP object freed: freeing one after the group is gone can hang
+        gc.collect()  # a DDP/FSDP object caught in a reference cycle goes now, while the group is alive
         dist.barrier()
     finally:
         dist.destroy_process_group()

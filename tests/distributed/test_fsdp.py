@@ -2,6 +2,7 @@
 MixedPrecision (mixed, o2 with FP32 shards as masters, pure_bf16 with compensated updates) match
 single-process training, skip together, clip by the global norm, and save and resume identically."""
 
+import gc
 import json
 
 import pytest
@@ -134,6 +135,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         _scenarios(rank, out)  # returns with every sharded model freed: freeing one after the group is gone can hang
+        gc.collect()  # a DDP/FSDP object caught in a reference cycle goes now, while the group is alive
         dist.barrier()
     finally:
         dist.destroy_process_group()
