@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mixprec.fp8.recipe import Fp8Recipe
-from mixprec.policy.hardware import device_caps, device_type_of
+from mixprec.policy.hardware import DeviceCaps, device_caps, device_type_of
 from mixprec.policy.kernels import kernel_plan
 from mixprec.policy.policy import NORM, Policy
 
@@ -103,7 +103,7 @@ def resolve_auto(device: str | torch.device | None = None) -> Policy:
 _AUTO_MIN_SPEEDUP = 1.25  # a 16-bit policy must buy at least this much matmul speed to be worth its numerics
 
 
-def _measured_cpu_choice(caps) -> tuple[Policy, str]:
+def _measured_cpu_choice(caps: DeviceCaps) -> tuple[Policy, str]:
     measured = []
     for name, dtype, fast, note in (
         ("mixed_bf16", BF16, caps.fast_bf16, caps.bf16_note),
