@@ -1,4 +1,4 @@
-"""The 'accuracy' benchmark suite (see mixprec.bench.suites); same as `mixprec bench --suite accuracy`.
+"""The 'accuracy' benchmark suite (see mixprec.app.bench.suites); same as `mixprec bench --suite accuracy`.
 
     python benchmarks/bench_accuracy.py [--models mlp,cnn,gpt] [--policies ...] [--repeats 7] [--quick]
 
@@ -7,6 +7,6 @@ Results go to benchmarks/results/bench_accuracy.json with the machine and the co
 
 import sys
 
-from mixprec.cli.main import main
+from mixprec.app.cli.main import main
 
 sys.exit(main(["bench", "--suite", "accuracy", *sys.argv[1:]]))

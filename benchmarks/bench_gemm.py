@@ -1,4 +1,4 @@
-"""The 'gemm' benchmark suite (see mixprec.bench.suites); same as `mixprec bench --suite gemm`.
+"""The 'gemm' benchmark suite (see mixprec.app.bench.suites); same as `mixprec bench --suite gemm`.
 
     python benchmarks/bench_gemm.py [--models mlp,cnn,gpt] [--policies ...] [--repeats 7] [--quick]
 
@@ -7,6 +7,6 @@ Results go to benchmarks/results/bench_gemm.json with the machine and the comman
 
 import sys
 
-from mixprec.cli.main import main
+from mixprec.app.cli.main import main
 
 sys.exit(main(["bench", "--suite", "gemm", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""The 'memory' benchmark suite (see mixprec.bench.suites); same as `mixprec bench --suite memory`.
+"""The 'memory' benchmark suite (see mixprec.app.bench.suites); same as `mixprec bench --suite memory`.
 
     python benchmarks/bench_memory.py [--models mlp,cnn,gpt] [--policies ...] [--repeats 7] [--quick]
 
@@ -7,6 +7,6 @@ Results go to benchmarks/results/bench_memory.json with the machine and the comm
 
 import sys
 
-from mixprec.cli.main import main
+from mixprec.app.cli.main import main
 
 sys.exit(main(["bench", "--suite", "memory", *sys.argv[1:]]))

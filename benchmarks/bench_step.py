@@ -1,4 +1,4 @@
-"""The 'step' benchmark suite (see mixprec.bench.suites); same as `mixprec bench --suite step`.
+"""The 'step' benchmark suite (see mixprec.app.bench.suites); same as `mixprec bench --suite step`.
 
     python benchmarks/bench_step.py [--models mlp,cnn,gpt] [--policies ...] [--repeats 7] [--quick]
 
@@ -7,6 +7,6 @@ Results go to benchmarks/results/bench_step.json with the machine and the comman
 
 import sys
 
-from mixprec.cli.main import main
+from mixprec.app.cli.main import main
 
 sys.exit(main(["bench", "--suite", "step", *sys.argv[1:]]))

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
+from mixprec.app.config import TrainConfig
+from mixprec.app.machine import machine_info
+from mixprec.app.run import build_trainer
+from mixprec.app.task import TaskConfig, build_task
 from mixprec.doctor import diagnose
-from mixprec.policy.hardware import machine_info
-from mixprec.train.config import TrainConfig
-from mixprec.train.run import build_trainer
-from mixprec.train.task import TaskConfig, build_task
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """A longer soak than the tests: inf and NaN gradients injected at random steps into random layers of
-a real task, under every fp16 policy, through `mixprec.Trainer`.
+a real task, under every fp16 policy, through `mixprec.app.Trainer`.
 
     python benchmarks/fault_soak.py [--task charlm] [--size tiny] [--steps 1500] [--rate 0.01]
                                     [--policies mixed_fp16,o2_fp16] [--seed 0]
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from mixprec.policy.hardware import machine_info
+from mixprec.app.config import TrainConfig
+from mixprec.app.machine import machine_info
+from mixprec.app.run import build_trainer
 from mixprec.scaling.dynamic import DynamicLossScaler
-from mixprec.train.config import TrainConfig
-from mixprec.train.run import build_trainer
 
 
 class Injector:

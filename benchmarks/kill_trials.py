@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from mixprec.policy.hardware import machine_info
-from mixprec.train.checkpoint import list_checkpoints, load_checkpoint
-from mixprec.train.serialize import flatten
+from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
+from mixprec.app.machine import machine_info
+from mixprec.app.serialize import flatten
 
 MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 

@@ -1,5 +1,5 @@
 """The machine a benchmark ran on, recorded next to its results."""
 
-from mixprec.policy.hardware import machine_info as machine
+from mixprec.app.machine import machine_info as machine
 
 __all__ = ["machine"]

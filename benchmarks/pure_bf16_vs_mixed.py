@@ -18,7 +18,8 @@ import torch
 from machine import machine
 
 import mixprec
-from mixprec.train.tasks.charlm import GPTConfig, TinyGPT, bits_per_char, lm_loss, stdlib_corpus
+from mixprec.app.tasks.byte_corpus import bits_per_char, lm_loss, stdlib_corpus
+from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=600)

@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from mixprec.cli.bench_cmd import accuracy_rows, gemm_rows, memory_rows, step_rows
-from mixprec.train.report import markdown_table
+from mixprec.app.cli.bench_cmd import accuracy_rows, gemm_rows, memory_rows, step_rows
+from mixprec.app.report import markdown_table
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from mixprec import AdamW, MixedPrecision
-from mixprec.bench.suites import MODELS, mixprec_step
-from mixprec.bench.timing import interleaved
-from mixprec.policy.hardware import machine_info
+from mixprec.app.bench.suites import MODELS, mixprec_step
+from mixprec.app.bench.timing import interleaved
+from mixprec.app.machine import machine_info
 
 
 def training_step(bench, single_pass: bool):

@@ -3,7 +3,7 @@
     mixprec train --model examples.custom_model:build --policy mixed_bf16 --epochs 5
     mixprec compare --model examples.custom_model:build --policies fp32,mixed_bf16
 
-The factory receives a mixprec.train.TaskConfig (batch_size, seed, device, size) and returns the model,
+The factory receives a mixprec.app.TaskConfig (batch_size, seed, device, size) and returns the model,
 re-iterable training and evaluation data yielding (inputs, targets), a loss function, an optional
 metric, and default hyperparameters. Run the command from the folder that contains ``examples/``.
 """
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec.train import TaskConfig, TaskParts, accuracy
+from mixprec.app import TaskConfig, TaskParts, accuracy
 
 
 def build(config: TaskConfig) -> TaskParts:

@@ -23,7 +23,7 @@ def kernel_cache(tmp_path, monkeypatch):
     """Seed the kernel probe's cache with given choices, as if this machine had measured them:
     ``kernel_cache(torch.bfloat16, attention="gemm")`` (families not named: native); one cache per test,
     each call adding its dtype's entry."""
-    from mixprec.policy.kernels import CACHE_VERSION, FAMILIES, machine_key
+    from mixprec.compute.kernels import CACHE_VERSION, FAMILIES, machine_key
 
     folder = tmp_path / "kernel-cache"
     folder.mkdir()

@@ -2,6 +2,6 @@
 
 import sys
 
-from mixprec.cli.main import main
+from mixprec.app.cli.main import main
 
 sys.exit(main())

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import mixprec
-from mixprec.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from mixprec.train.task import TaskConfig, build_task
+import mixprec.app
+from mixprec.app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mixprec.app.task import TaskConfig, build_task
 
 MIXPREC = Path(sys.executable).with_name("mixprec")
 REPO = Path(__file__).resolve().parents[2]
@@ -29,11 +30,11 @@ def _engine(policy="mixed_bf16", **kwargs) -> mixprec.MixedPrecision:
     return mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
 
 
-def _trainer(**kwargs) -> mixprec.Trainer:
+def _trainer(**kwargs) -> mixprec.app.Trainer:
     model = _model()
     batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return mixprec.Trainer(
+    return mixprec.app.Trainer(
         model, batches, None, nn.functional.cross_entropy, optimizer, "fp32", progress=False, **kwargs
     )
 
@@ -121,14 +122,14 @@ API_CASES = [
     ),
     (
         "config batch size",
-        lambda t: mixprec.TrainConfig(task="digits", batch_size=0),
+        lambda t: mixprec.app.TrainConfig(task="digits", batch_size=0),
         ValueError,
         ["'batch_size'", "0"],
     ),
-    ("config type", lambda t: mixprec.TrainConfig(task="digits", steps="ten"), ValueError, ["'steps'", "'ten'"]),
+    ("config type", lambda t: mixprec.app.TrainConfig(task="digits", steps="ten"), ValueError, ["'steps'", "'ten'"]),
     (
         "config parallel",
-        lambda t: mixprec.TrainConfig(task="digits", parallel="zero3"),
+        lambda t: mixprec.app.TrainConfig(task="digits", parallel="zero3"),
         ValueError,
         ["'parallel'", "'zero3'", "fsdp"],
     ),
@@ -167,7 +168,7 @@ def _other_model_run(tmp: Path) -> Path:
     """A run folder whose checkpoint holds another model's weights (digits under its own config)."""
     run = tmp / "other"
     save_checkpoint(run / "checkpoints", 1, {"model": {"w": torch.ones(3)}, "optimizer": {}})
-    mixprec.TrainConfig(task="digits", size="tiny", policy="fp32").save(run)
+    mixprec.app.TrainConfig(task="digits", size="tiny", policy="fp32").save(run)
     return run
 
 

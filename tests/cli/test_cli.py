@@ -36,7 +36,7 @@ def test_version_and_help():
 
 _NO_TORCH = """
 import sys
-from mixprec.cli.main import main
+from mixprec.app.cli.main import main
 for argv in {argvs!r}:
     try:
         main(argv)
@@ -56,8 +56,8 @@ def test_help_and_usage_errors_answer_without_importing_torch():
 
 
 def test_the_help_lists_exactly_the_built_in_tasks():
-    from mixprec.cli.train_cmd import TASK_NAMES
-    from mixprec.train.task import BUILTIN_TASKS
+    from mixprec.app.cli.train_cmd import TASK_NAMES
+    from mixprec.app.task import BUILTIN_TASKS
 
     assert tuple(BUILTIN_TASKS) == TASK_NAMES
     assert f"a built-in task ({', '.join(BUILTIN_TASKS)})" in " ".join(run("train", "--help").stdout.split())

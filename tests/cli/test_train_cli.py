@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec.train.checkpoint import list_checkpoints, load_checkpoint
+from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
 
 MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_ctrl_c_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
 def nan_factory_file(tmp_path):
     (tmp_path / "nanfactory.py").write_text(
         "import torch\n"
-        "from mixprec.train import TaskParts\n"
+        "from mixprec.app import TaskParts\n"
         "def build(config):\n"
         "    x = torch.randn(64, 4); x[5, 1] = float('nan'); y = torch.zeros(64, dtype=torch.int64)\n"
         "    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]\n"

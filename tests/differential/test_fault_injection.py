@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import mixprec
+import mixprec.app
 
 APPLIED = 200  # updates every run applies
 RATE = 0.15  # chance of an injected fault per step
@@ -115,7 +116,7 @@ def test_a_model_that_overflows_at_every_scale_reaches_the_floor_safely(caplog):
     x, y = _data()
     batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 640, 64)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = mixprec.Trainer(
+    trainer = mixprec.app.Trainer(
         model, batches, None, nn.functional.cross_entropy, optimizer, "mixed_fp16", progress=False
     )
     result = trainer.fit(steps=60)  # returns: a bounded number of attempts, every one skipped

@@ -80,9 +80,7 @@ def _fp32_reduction(rank: int, out: str) -> None:
     """o2_bf16 gradients under DDP with reduce_in_fp32: the FP32 mean of the ranks' bf16 gradients,
     rounded once to bf16 (the reference is built from each rank's own gradient, gathered)."""
     policy = mixprec.get_policy("o2_bf16")
-    averaged = _bf16_grads(
-        mixprec.distributed.wrap_ddp(mixprec.cast_module(_model(), policy), reduce_in_fp32=True), rank
-    )
+    averaged = _bf16_grads(mixprec.parallel.wrap_ddp(mixprec.cast_module(_model(), policy), reduce_in_fp32=True), rank)
     own = _bf16_grads(mixprec.cast_module(_model(), policy), rank)
     reference = {}
     for name, grad in own.items():

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import mixprec
-from mixprec.distributed.state import gather_state
+import mixprec.app
+from mixprec.parallel.state import gather_state
 
 WORLD = 2
 STEPS = 6
@@ -86,9 +87,9 @@ def _train(policy: str, rank: int, world: int, inject: bool = False) -> dict:
     return {"applied": applied, "scales": scales, "norms": norms, "params": params}
 
 
-def _trainer(policy: str, out: str) -> mixprec.Trainer:
+def _trainer(policy: str, out: str) -> mixprec.app.Trainer:
     model = mixprec.fully_shard(_net(), policy, reduce_dtype=POLICIES[policy])
-    return mixprec.Trainer(
+    return mixprec.app.Trainer(
         model, _batches(), None, nn.functional.cross_entropy, _optimizer(model, policy), policy,
         out_dir=out, checkpoint_every=3, progress=False, max_grad_norm=1.0,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.train.checkpoint import list_checkpoints, load_checkpoint
+from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.policy.attention import gemm_attention
+from mixprec.compute.attention import gemm_attention
 
 
 def _qkv(dtype, batch=(2, 3), length=16, source=16, dim=8, seed=0):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mixprec.bench import suites
-from mixprec.bench.timing import interleaved
+from mixprec.app.bench import suites
+from mixprec.app.bench.timing import interleaved
 
 MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from mixprec.train.tasks.charlm import GPTConfig, TinyGPT, bits_per_char, lm_loss, stdlib_corpus
+from mixprec.app.tasks.byte_corpus import bits_per_char, lm_loss, stdlib_corpus
+from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mixprec.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
-from mixprec.train.serialize import flatten, unflatten
+from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
+from mixprec.app.serialize import flatten, unflatten
 
 
 def nested_state():
@@ -123,7 +123,7 @@ def test_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 1, {"x": torch.ones(10)})
     script = textwrap.dedent(f"""
         import torch, sys
-        from mixprec.train.checkpoint import save_checkpoint
+        from mixprec.app.checkpoint import save_checkpoint
         big = {{"x": torch.randn(64, 1024, 1024)}}  # 256 MB: the write takes a while
         print("ready", flush=True)
         for step in range(2, 100):

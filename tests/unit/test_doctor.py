@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.doctor import Histogram, NonFiniteTracer, RangeWatch, diagnose, plot_histograms, recommend_scale
+from mixprec.app.histograms import plot_histograms
+from mixprec.doctor import Histogram, NonFiniteTracer, RangeWatch, diagnose, recommend_scale
 
 
 def _overflowing_model() -> nn.Sequential:

@@ -4,9 +4,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.engine.memory import saved_activation_bytes
-from mixprec.policy.autocast import compute_plan
-from mixprec.policy.emulation import EmulatedAutocast
+from mixprec.regions.autocast import compute_plan
 
 FP16 = torch.float16
 

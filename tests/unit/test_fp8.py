@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.fp8 import Fp8LinearState, Fp8Recipe, cast_to_fp8, fp8_layers, fp8_linear, fp8_region, power_of_two_scale
+from mixprec.policy import Fp8Recipe
+from mixprec.regions.fp8 import Fp8LinearState, cast_to_fp8, fp8_layers, fp8_linear, fp8_region, power_of_two_scale
 
 TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 

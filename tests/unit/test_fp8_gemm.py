@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear, fp8_matmul, power_of_two_scale, scaled_mm_available
+from mixprec.policy import Fp8Recipe
+from mixprec.regions.fp8 import Fp8LinearState, fp8_linear, fp8_matmul, power_of_two_scale, scaled_mm_available
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -78,7 +79,7 @@ def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
 
 
 def test_auto_uses_the_kernel_on_cuda_only_and_the_choice_is_part_of_the_policy():
-    from mixprec.fp8.gemm import uses_kernel
+    from mixprec.regions.fp8.gemm import uses_kernel
 
     cpu = torch.device("cpu")
     assert not uses_kernel("auto", cpu) and not uses_kernel("emulated", cpu)

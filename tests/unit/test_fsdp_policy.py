@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.distributed import fsdp_policy
+from mixprec.parallel import fsdp_policy
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import mixprec  # noqa: E402
-from mixprec.train.task import TaskConfig, TaskParts, bits_per_char, build_task  # noqa: E402
+from mixprec.app.task import TaskConfig, TaskParts, bits_per_char, build_task  # noqa: E402
 
 POLICIES = ["fp32", "mixed_bf16", "o2_bf16", "mixed_fp16"]
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.policy.autocast import compute_plan
-from mixprec.policy.emulation import EmulatedAutocast
-from mixprec.policy.kernels import CACHE_VERSION, FAMILIES, kernel_plan
+from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.compute.kernels import CACHE_VERSION, FAMILIES, kernel_plan
+from mixprec.regions.autocast import compute_plan
 
 FP16, BF16 = torch.float16, torch.bfloat16
 

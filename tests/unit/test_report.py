@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mixprec.train.report import markdown_table, plot_compare, plot_run, write_compare_report, write_run_report
+from mixprec.app.report import markdown_table, plot_compare, plot_run, write_compare_report, write_run_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SKIPPED = [7, 8, 30]

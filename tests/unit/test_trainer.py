@@ -5,9 +5,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
-from mixprec.train import Trainer, TrainingInterrupted, accuracy
-from mixprec.train.checkpoint import list_checkpoints
-from mixprec.train.tasks.digits import DigitsCNN, load_digits_split
+import mixprec.app
+from mixprec.app import Trainer, TrainingInterrupted, accuracy
+from mixprec.app.checkpoint import list_checkpoints
+from mixprec.app.tasks.digits import DigitsCNN, load_digits_split
 
 DIGITS = load_digits_split()
 
@@ -177,7 +178,7 @@ def test_trainer_is_exported_and_rejects_bad_options():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"on_bad_batch=...\): received 'ignore'"):
-        mixprec.Trainer(model, [], None, torch.nn.functional.mse_loss, optimizer, "fp32", on_bad_batch="ignore")
+        mixprec.app.Trainer(model, [], None, torch.nn.functional.mse_loss, optimizer, "fp32", on_bad_batch="ignore")
 
 
 class _Overflowing(torch.nn.Module):

@@ -4,11 +4,11 @@ RangeWatch        per module and phase: amax, underflow / subnormal / overflow f
                   format, log2-magnitude histograms (opt-in, removable hooks)
 NonFiniteTracer   the first module, phase and kind (inf or NaN) of each step's first non-finite value
 diagnose          FP32 steps with the hooks on; the loss scale and policy it recommends, with reasons
-plot_histograms   the histograms against each format's range, as a PNG
+
+The histograms as a PNG are drawn by the application: :func:`mixprec.app.histograms.plot_histograms`.
 """
 
 from mixprec.doctor.advice import Diagnosis, FormatAdvice, diagnose, recommend_scale
-from mixprec.doctor.plot import plot_histograms
 from mixprec.doctor.policy_file import read_policy_file, write_policy_file
 from mixprec.doctor.report import PHASES, DoctorReport, FormatRange, Histogram, ModuleStats
 from mixprec.doctor.trace import NonFiniteEvent, NonFiniteTracer
@@ -27,7 +27,6 @@ __all__ = [
     "NonFiniteTracer",
     "RangeWatch",
     "diagnose",
-    "plot_histograms",
     "read_policy_file",
     "recommend_scale",
     "write_policy_file",

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.compute.nest import map_floating
 from mixprec.doctor.report import DoctorReport, Histogram
 from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
 from mixprec.numerics.formats import get_format
-from mixprec.policy.nest import map_floating
 
 __all__ = ["Diagnosis", "FormatAdvice", "diagnose", "recommend_scale"]
 
@@ -155,7 +155,7 @@ def _sixteen_bit_gradients(model: nn.Module, batch: Any, loss_fn: Callable) -> f
     region. Activation gradients count where they arrive as fp16; a module's weight gradients where its
     output is fp16 (its GEMM computed them in fp16), unless the weight is shared with another module.
     Norms and embeddings keep FP32 gradients."""
-    from mixprec.policy.autocast import autocast
+    from mixprec.regions.autocast import autocast
 
     names = {module: name for name, module in model.named_modules()}
     uses: dict[int, int] = {}

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.policy.nest import map_floating
+from mixprec.compute.nest import map_floating
 
 __all__ = ["NonFiniteEvent", "NonFiniteTracer"]
 

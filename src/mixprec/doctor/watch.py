@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.compute.nest import map_floating
 from mixprec.doctor.ranges import COUNT_FIELDS, HISTOGRAM_LOW, RangeCounts, range_counts
 from mixprec.doctor.report import PHASES, DoctorReport, FormatRange, Histogram, ModuleStats
 from mixprec.numerics.formats import get_format
-from mixprec.policy.nest import map_floating
 
 __all__ = ["DEFAULT_FORMATS", "RangeWatch"]
 

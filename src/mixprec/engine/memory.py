@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mixprec.compute.emulation import active_emulation
 from mixprec.distributed.ranks import local
-from mixprec.policy.emulation import active_emulation
 
 __all__ = ["saved_activation_bytes"]
 

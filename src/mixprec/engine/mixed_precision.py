@@ -30,20 +30,20 @@ import torch
 from torch import nn
 
 from mixprec.checks import whole_number
-from mixprec.distributed.fsdp import is_sharded, sharded_with
+from mixprec.compute.device import device_type_of
 from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import OverflowLog, StepRecord
 from mixprec.engine.stats import Stats, model_state_bytes
-from mixprec.fp8.region import fp8_state
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.weights import MasterWeights
 from mixprec.numerics.finite import nonfinite_kinds
-from mixprec.policy.autocast import ComputePlan, autocast, check_device_supports, compute_plan
-from mixprec.policy.casting import cast_module, lowered_parameters
-from mixprec.policy.hardware import device_type_of
+from mixprec.parallel.fsdp import is_sharded, sharded_with
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
+from mixprec.regions.autocast import ComputePlan, autocast, check_device_supports, compute_plan
+from mixprec.regions.casting import cast_module, lowered_parameters
+from mixprec.regions.fp8.region import fp8_state
 from mixprec.scaling.base import LossScaler
 from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.scaling.static import NoOpLossScaler

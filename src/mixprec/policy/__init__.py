@@ -1,22 +1,12 @@
-"""Precision policies: what dtype each part of training uses, and applying that to a model."""
+"""Precision policies as values: what dtype each part of training uses, the string grammar, the presets.
 
-from mixprec.policy.autocast import autocast, check_device_supports
-from mixprec.policy.casting import cast_module, fp32_modules
-from mixprec.policy.hardware import DeviceCaps, device_caps
-from mixprec.policy.op_overrides import FP32Ops
-from mixprec.policy.parse import get_policy
+What runs a policy lives in :mod:`mixprec.regions`; how 16-bit arithmetic is computed on a machine, in
+:mod:`mixprec.compute`.
+"""
+
+from mixprec.policy.fp8_recipe import Fp8Recipe
+from mixprec.policy.parse import get_policy, parse_policy_list
 from mixprec.policy.policy import Policy
 from mixprec.policy.presets import PRESETS
 
-__all__ = [
-    "PRESETS",
-    "DeviceCaps",
-    "FP32Ops",
-    "Policy",
-    "autocast",
-    "cast_module",
-    "check_device_supports",
-    "device_caps",
-    "fp32_modules",
-    "get_policy",
-]
+__all__ = ["PRESETS", "Fp8Recipe", "Policy", "get_policy", "parse_policy_list"]

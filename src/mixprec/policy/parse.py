@@ -32,8 +32,8 @@ import dataclasses
 
 import torch
 
-from mixprec.fp8.recipe import Fp8Recipe
-from mixprec.policy.hardware import device_type_of
+from mixprec.compute.device import device_type_of
+from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.policy.policy import Policy
 from mixprec.policy.presets import PRESET_ALIASES, PRESETS, resolve_auto
 

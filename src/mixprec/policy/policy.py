@@ -10,8 +10,8 @@ A policy names four dtypes and three exception lists:
     fp32_modules  module classes kept and computed in FP32 (``norm`` = every normalization layer)
     fp32_names    module name globs kept and computed in FP32 (``*.lm_head``)
     fp32_ops      torch ops computed in FP32 inside the low-precision region (``softmax``, ``exp``)
-    fp8           an FP8 recipe (:class:`mixprec.fp8.Fp8Recipe`): Linear layers compute in FP8
-    kernels       ``auto`` (measured per machine, see :mod:`mixprec.policy.kernels`), ``native``
+    fp8           an FP8 recipe (:class:`mixprec.regions.fp8.Fp8Recipe`): Linear layers compute in FP8
+    kernels       ``auto`` (measured per machine, see :mod:`mixprec.compute.kernels`), ``native``
                   (PyTorch's 16-bit kernels) or ``emulated`` (FP32 arithmetic, 16-bit rounding)
 
 ``str(policy)`` is the policy in the grammar of :func:`mixprec.get_policy`, and parses back to an
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8.recipe import Fp8Recipe
+from mixprec.compute.kernels import KERNEL_SETTINGS
 from mixprec.numerics.formats import get_format
-from mixprec.policy.kernels import KERNEL_SETTINGS
+from mixprec.policy.fp8_recipe import Fp8Recipe
 
 __all__ = ["DTYPE_NAMES", "NORM", "Policy"]
 
@@ -96,7 +96,7 @@ class Policy:
                 "(auto: chosen by timing on this machine)."
             )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
-            raise TypeError(f"Policy(fp8=...) takes a mixprec.fp8.Fp8Recipe or None; received {self.fp8!r}.")
+            raise TypeError(f"Policy(fp8=...) takes a mixprec.regions.fp8.Fp8Recipe or None; received {self.fp8!r}.")
 
     # -- derived facts -----------------------------------------------------------------------
     @property

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.fp8.recipe import Fp8Recipe
-from mixprec.policy.hardware import DeviceCaps, device_caps, device_type_of
-from mixprec.policy.kernels import kernel_plan
+from mixprec.compute.device import DeviceCaps, device_caps, device_type_of
+from mixprec.compute.kernels import kernel_plan
+from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.policy.policy import NORM, Policy
 
 __all__ = ["PRESETS", "PRESET_ALIASES", "resolve_auto"]
@@ -79,7 +79,7 @@ PRESET_ALIASES: dict[str, str] = {
 def resolve_auto(device: str | torch.device | None = None) -> Policy:
     """The best mixed policy for ``device``: bf16 where it is fast, else fp16, with the reason.
 
-    On a CPU "fast" is measured (:mod:`mixprec.policy.kernels`): a 16-bit dtype is chosen when its
+    On a CPU "fast" is measured (:mod:`mixprec.compute.kernels`): a 16-bit dtype is chosen when its
     matmuls, forward and backward, run at least 1.25x faster than FP32 on this machine; where neither
     does, ``auto`` stays FP32 and says why. On GPUs: bf16 where there are bf16 tensor cores, else fp16.
     """

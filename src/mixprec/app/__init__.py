@@ -1,0 +1,44 @@
+"""The application, built on mixprec's public API: the Trainer, built-in tasks, runs, checkpoints,
+reports, exports, benchmark suites and the ``mixprec`` command (:mod:`mixprec.app.cli`).
+
+Names load on first use, so the command's ``--help`` and usage errors do not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mixprec.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from mixprec.app.config import TrainConfig
+    from mixprec.app.task import Metric, TaskConfig, TaskParts, accuracy, bits_per_char, build_task
+    from mixprec.app.trainer import FitResult, Trainer, TrainingInterrupted
+
+_SOURCES = {
+    "TrainConfig": "mixprec.app.config",
+    "Metric": "mixprec.app.task",
+    "TaskConfig": "mixprec.app.task",
+    "TaskParts": "mixprec.app.task",
+    "accuracy": "mixprec.app.task",
+    "bits_per_char": "mixprec.app.task",
+    "build_task": "mixprec.app.task",
+    "FitResult": "mixprec.app.trainer",
+    "Trainer": "mixprec.app.trainer",
+    "TrainingInterrupted": "mixprec.app.trainer",
+}
+
+__getattr__, __dir__ = lazy_names(__name__, globals(), _SOURCES)
+
+__all__ = [
+    "FitResult",
+    "Metric",
+    "TaskConfig",
+    "TaskParts",
+    "TrainConfig",
+    "Trainer",
+    "TrainingInterrupted",
+    "accuracy",
+    "bits_per_char",
+    "build_task",
+]

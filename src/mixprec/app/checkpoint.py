@@ -1,0 +1,147 @@
+"""Checkpoints: one safetensors file each, written atomically, verified when read, never unpickled.
+
+Layout of ``step-00001200.safetensors``: the tensors of the nested training state (see
+:mod:`mixprec.app.serialize`), and in the header's metadata the JSON skeleton that puts them back
+together, the step, and a SHA-256 of every tensor's bytes.
+
+Writing: serialize in memory, write to a hidden temporary file in the same folder, fsync it, rename
+it over the final name (atomic on POSIX), fsync the folder; then delete all but the newest ``keep``,
+and any temporary file a killed writer left (one process writes a run's checkpoints).
+A process killed at any moment leaves either the previous set of checkpoints or the new one, never a
+half-written file under a checkpoint's name.
+
+Reading: the header must parse, every tensor must be present and match its checksum; otherwise a
+``CheckpointError`` says what is wrong, and ``load_latest`` falls back to the previous checkpoint (or,
+when none verifies, says why for each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from mixprec.app.serialize import flatten, unflatten
+
+__all__ = ["CheckpointError", "list_checkpoints", "load_checkpoint", "load_latest", "save_checkpoint"]
+
+logger = logging.getLogger("mixprec")
+
+FORMAT = "mixprec-checkpoint"
+VERSION = "1"
+_NAME = re.compile(r"step-(\d{8})\.safetensors")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, or not a mixprec checkpoint."""
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        sha.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` in ``directory``; keep the newest ``keep``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, skeleton = flatten(state)
+    cpu = {name: tensor.cpu() for name, tensor in tensors.items()}
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": str(step),
+        "skeleton": json.dumps(skeleton),
+        "sha256": _digest(cpu),
+    }
+    data = safetensors_bytes(cpu, metadata=metadata)
+    final = directory / f"step-{step:08d}.safetensors"
+    temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_directory(directory)
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # ours is renamed by now: a killed writer's
+        stale.unlink(missing_ok=True)
+    return final
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest first (temporary files are not checkpoints)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.fullmatch(p.name))
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read and verify one checkpoint; raises CheckpointError naming the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        with safe_open(str(path), framework="pt") as reader:
+            metadata = reader.metadata() or {}
+            tensors = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {exc})") from None
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: a safetensors file, but not a mixprec checkpoint (no '{FORMAT}' header)")
+    if metadata.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {metadata.get('version')!r}, expected {VERSION!r}")
+    if _digest(tensors) != metadata.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch; the tensors were changed or damaged after saving")
+    try:
+        return unflatten(json.loads(metadata["skeleton"]), tensors)
+    except (KeyError, json.JSONDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: damaged checkpoint structure ({exc})") from None
+
+
+def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, skipping damaged ones (reported when an older one is used).
+
+    Returns None when there is no checkpoint file at all.
+
+    Raises:
+        CheckpointError: there are checkpoint files, and every one is damaged; the message lists why.
+    """
+    problems = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            found = path, load_checkpoint(path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        for problem in problems:
+            logger.warning("Skipped a damaged checkpoint: %s; using %s", problem, path.name)
+        return found
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
+    return None

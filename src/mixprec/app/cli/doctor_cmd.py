@@ -1,0 +1,118 @@
+"""``mixprec doctor``: FP32 steps with the range hooks on; what fp16, bf16 and FP8 would do, and advice."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from mixprec.app.cli.table import render_table
+from mixprec.app.cli.train_cmd import task_spec
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="where values would underflow or overflow in fp16/bf16/FP8; the loss scale and policy to use",
+        description=(
+            "Run a task (or your model) for a few FP32 steps with range hooks on every module, then report per "
+            "format the share of gradients lost without loss scaling, the loss scale that keeps them, the modules "
+            "whose activations overflow, and a recommended policy with reasons."
+        ),
+    )
+    parser.add_argument("task", nargs="?", help="a built-in task (digits, charlm, hf)")
+    parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
+    parser.add_argument("--steps", type=int, default=20, help="batches to analyse (default 20)")
+    parser.add_argument("--keep", type=float, default=0.999, help="share of gradients the scale must keep (0.999)")
+    parser.add_argument("--formats", default="fp16,bf16,fp8_e4m3,fp8_e5m2", help="formats to analyse")
+    parser.add_argument("--batch-size", type=int, help="samples per batch (default: the task's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
+    parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
+    parser.add_argument("--out", type=Path, help="folder for report.json and histograms.png (default runs/doctor-TASK)")
+    parser.add_argument(
+        "--apply",
+        nargs="?",
+        const=Path("mixprec-policy.json"),
+        type=Path,
+        metavar="FILE",
+        help="write the advice to FILE (default mixprec-policy.json) for `mixprec train --policy FILE`",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mixprec.app.evaluate import to_device
+    from mixprec.app.histograms import plot_histograms
+    from mixprec.app.run import resolve_device
+    from mixprec.app.task import TaskConfig, build_task
+    from mixprec.compute.device import device_caps, device_type_of
+    from mixprec.doctor import diagnose, write_policy_file
+
+    spec = task_spec(args)
+    if args.steps < 1:
+        raise ValueError(f"--steps: received {args.steps}; use a positive number of batches.")
+    device = resolve_device(args.device)
+    torch.manual_seed(args.seed)
+    parts = build_task(spec, TaskConfig(args.batch_size, args.seed, device, args.size))
+    batches = ((to_device(x, device), to_device(y, device)) for x, y in parts.train_data)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    diagnosis = diagnose(
+        parts.model,
+        batches,
+        parts.loss_fn,
+        steps=args.steps,
+        formats=formats,
+        keep=args.keep,
+        bf16_supported=device_caps(device_type_of(device)).supports_bf16,
+    )
+    out = args.out or Path("runs") / f"doctor-{spec.replace(':', '-').replace('.', '-')}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(diagnosis.to_json(), encoding="utf-8")
+    plot = plot_histograms(diagnosis.report, out / "histograms.png")
+    print(_table(diagnosis))
+    print()
+    for name, advice in diagnosis.formats.items():
+        if advice.activations_overflow:
+            starts = ", ".join(advice.overflow_starts_in) or "-"
+            print(f"{name}: activations overflow in {len(advice.activations_overflow)} module(s); starts in {starts}")
+    scale = "" if diagnosis.loss_scale is None else f", loss scale 2^{round(math.log2(diagnosis.loss_scale))}"
+    print(f"recommended: {diagnosis.policy}{scale}")
+    for reason in diagnosis.reasons:
+        print(f"  - {reason}")
+    print(f"wrote {out / 'report.json'} and {plot}")
+    if args.apply is not None:
+        source = " ".join(["mixprec doctor", spec, "--steps", str(args.steps)])
+        path = write_policy_file(diagnosis, args.apply, source=source)
+        print(f"wrote {path}: train with  mixprec train {spec} --policy {path}")
+    return 0
+
+
+def _table(diagnosis) -> str:
+    headers = [
+        "format",
+        "grads lost unscaled",
+        "act. grads",
+        "weight grads",
+        "grad amax",
+        "scale",
+        "kept",
+        "act. overflow",
+    ]
+    rows = []
+    for name, a in diagnosis.formats.items():
+        rows.append(
+            [
+                name,
+                f"{100 * a.lost_without_scaling:.3f}%",
+                f"{100 * a.activation_grads_lost:.3f}%",
+                f"{100 * a.weight_grads_lost:.3f}%",
+                f"{a.gradient_amax:.3g}",
+                f"2^{round(math.log2(a.recommended_scale))}" + ("" if a.reaches_keep else " (max)"),
+                f"{100 * a.kept_with_scale:.3f}%",
+                str(len(a.activations_overflow)),
+            ]
+        )
+    return render_table(headers, rows)

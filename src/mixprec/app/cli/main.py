@@ -1,0 +1,71 @@
+"""The ``mixprec`` command: one argparse parser, one subcommand module each.
+
+Errors in user input (``ValueError``, ``TypeError``, unreadable files) become one line on stderr and
+exit status 2; no traceback. Set ``MIXPREC_DEBUG=1`` to see the traceback of such an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+from mixprec.app.cli import bench_cmd, compare_cmd, demo, doctor_cmd, export_cmd, formats_cmd, policy_cmd, train_cmd
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command, not the whole usage text."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Python < 3.13 reads "-1e-40" as an option; accept negative numbers in scientific notation.
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mixprec import __version__
+
+    parser = _Parser(
+        prog="mixprec",
+        description="Mixed-precision training for PyTorch: policies, exact float formats, loss scaling, diagnostics.",
+    )
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", parser_class=_Parser)
+    for command in (formats_cmd, policy_cmd, train_cmd, compare_cmd, doctor_cmd, export_cmd, bench_cmd, demo):
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return USAGE_ERROR
+    try:
+        return args.run(args)
+    except ModuleNotFoundError as exc:
+        print(
+            f"mixprec {args.command}: error: {exc}; install the extras: pip install 'mixprec[train]'", file=sys.stderr
+        )
+        return USAGE_ERROR
+    except (ValueError, TypeError, OSError) as exc:
+        if os.environ.get("MIXPREC_DEBUG"):
+            raise
+        message = " ".join(str(exc).split())  # one line, whatever the exception's own layout
+        print(f"mixprec {args.command}: error: {message}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""``mixprec policy``: what a preset or policy string means, and what it does on this device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mixprec.app.cli.table import render_table
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "policy",
+        help="explain a policy: preset name or string such as 'p=f32,c=bf16,o=f32'",
+        description="Explain a precision policy; without SPEC, list the presets.",
+    )
+    parser.add_argument("spec", nargs="?", help="a preset name (mixed_bf16, auto, ...) or a policy string")
+    parser.add_argument(
+        "--device", help="device to resolve 'auto' and check support for (default: cuda if present, else cpu)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.compute.device import device_caps, device_type_of
+    from mixprec.policy.parse import get_policy
+    from mixprec.policy.policy import DTYPE_NAMES
+    from mixprec.policy.presets import PRESETS
+    from mixprec.regions.autocast import check_device_supports, compute_plan
+
+    device_type = device_type_of(args.device)
+    if args.spec is None:
+        rows = [[name, str(policy), policy.reason] for name, policy in PRESETS.items()]
+        rows.append(
+            ["auto", str(get_policy("auto", device=device_type)), get_policy("auto", device=device_type).reason]
+        )
+        print(render_table(["preset", "policy", "meaning"], rows, align="lll"))
+        return 0
+    policy = get_policy(args.spec, device=device_type)
+    check_device_supports(policy, device_type)
+    record = {
+        "policy": str(policy),
+        "params": DTYPE_NAMES[policy.param_dtype],
+        "compute": "tf32" if policy.allow_tf32 else DTYPE_NAMES[policy.compute_dtype],
+        "output": DTYPE_NAMES[policy.output_dtype],
+        "master": DTYPE_NAMES[policy.master_dtype],
+        "fp32_masters": policy.keeps_fp32_masters,
+        "fp32_modules": list(policy.fp32_modules),
+        "fp32_names": list(policy.fp32_names),
+        "fp32_ops": list(policy.fp32_ops),
+        "reason": policy.reason,
+        "device": device_caps(device_type).description,
+        "compute_plan": f"{compute_plan(policy, device_type).mode}: {compute_plan(policy, device_type).reason}",
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        width = max(map(len, record))
+        for key, value in record.items():
+            shown = ", ".join(value) if isinstance(value, list) else value
+            print(f"{key.ljust(width)}  {shown if shown not in ('', None) else '-'}")
+    return 0

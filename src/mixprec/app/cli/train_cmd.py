@@ -1,0 +1,214 @@
+"""``mixprec train``: train a built-in task or your own model under a policy, into a run folder."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mixprec.app.config import TrainConfig
+    from mixprec.app.run import RunOutcome
+
+INTERRUPTED = 130
+# The built-in tasks' names, for --help without importing torch (mixprec.app.task.BUILTIN_TASKS; a
+# test holds the two equal).
+TASK_NAMES = ("digits", "charlm", "hf")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by train and compare; each maps to a TrainConfig field."""
+    parser.add_argument("task", nargs="?", help=f"a built-in task ({', '.join(TASK_NAMES)})")
+    parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="passes over the training data (default: the task's)")
+    length.add_argument("--steps", type=int, help="optimizer updates instead of epochs")
+    parser.add_argument("--batch-size", type=int, help="samples per micro-batch (default: the task's)")
+    parser.add_argument("--lr", type=float, help="peak learning rate of AdamW (cosine decay to 10%%)")
+    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default: the task's)")
+    parser.add_argument("--max-grad-norm", type=float, help="clip the true gradient norm to this")
+    parser.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
+    parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
+    parser.add_argument("--eval-every", type=int, help="evaluate every N updates (default: at the end)")
+    parser.add_argument("--log-every", type=int, default=10, help="log metrics every N updates (default 10)")
+    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N updates (default: at the end)")
+    parser.add_argument("--keep", type=int, default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)")
+    parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs or loss")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
+    parser.add_argument("--loss-scale", type=float, help="initial dynamic loss scale (default 65536 for fp16)")
+    parser.add_argument(
+        "--trace-nonfinite",
+        action="store_true",
+        help="name the module where each skipped step's first inf/NaN appeared",
+    )
+    parser.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="under torchrun: replicate the model (DDP, default) or shard it (FSDP2)",
+    )
+    parser.add_argument("--reduce-fp32", action="store_true", help="under torchrun: reduce gradients in FP32")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a built-in task with progress, metrics, checkpoints, plots",
+        description="Train a task under a precision policy; writes metrics, checkpoints, plots and a report.",
+    )
+    add_run_arguments(parser)
+    parser.add_argument(
+        "--policy",
+        default="auto",
+        help="preset, policy string, or a FILE.json from `mixprec doctor --apply` (default: auto)",
+    )
+    parser.add_argument("--out", type=Path, help="run folder (default: runs/TASK-POLICY-TIME)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.set_defaults(run=run)
+
+
+def task_spec(args: argparse.Namespace) -> str:
+    if args.task and args.model:
+        raise ValueError(f"give a task ({args.task!r}) or --model ({args.model!r}), not both.")
+    if args.model:
+        sys.path.insert(0, os.getcwd())  # so that --model finds modules next to where the command runs
+        return args.model
+    if not args.task:
+        raise ValueError(f"name a task ({', '.join(TASK_NAMES)}) or pass --model MODULE:FACTORY.")
+    return args.task
+
+
+def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
+    from mixprec.app.config import TrainConfig
+
+    loss_scale = args.loss_scale
+    if policy.endswith(".json"):  # the doctor's advice: a policy and the loss scale it recommends
+        from mixprec.doctor.policy_file import read_policy_file
+
+        policy, advised_scale = read_policy_file(policy)
+        loss_scale = loss_scale if loss_scale is not None else advised_scale
+    return TrainConfig(
+        task=task_spec(args),
+        policy=policy,
+        epochs=args.epochs,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        seed=args.seed,
+        size=args.size,
+        accumulation_steps=args.accumulation_steps,
+        eval_every=args.eval_every,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        skip_bad_batches=args.skip_bad_batches,
+        device=args.device,
+        loss_scale=loss_scale,
+        trace_nonfinite=args.trace_nonfinite,
+        parallel=args.parallel,
+        reduce_fp32=args.reduce_fp32,
+    )
+
+
+def run_stamp() -> str:
+    """The run folder's suffix: the time, or under torchrun its run id (the same on every rank)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in text)[:60]
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.app.config import TrainConfig
+    from mixprec.app.run import run_training  # needs the 'train' extra (plots)
+    from mixprec.app.trainer import TrainingInterrupted
+    from mixprec.distributed.ranks import world
+
+    if args.resume:
+        if args.out is None:
+            raise ValueError("--resume needs --out RUN_FOLDER: the run to continue.")
+        config = TrainConfig.load(args.out)
+        if args.steps is not None or args.epochs is not None:  # resuming may extend the run
+            config = config.replace(steps=args.steps, epochs=args.epochs)
+        out = args.out
+    else:
+        config = config_from(args, args.policy)
+        out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{run_stamp()}")
+    try:
+        outcome = run_training(config, out, resume=args.resume, progress=not args.quiet)
+    except TrainingInterrupted as stop:
+        where = f"; checkpoint saved to {stop.checkpoint}" if stop.checkpoint else ""
+        print(
+            f"mixprec train: interrupted at step {stop.step}{where}. Resume with: mixprec train --out {out} --resume",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+    if world().is_main:  # under torchrun, one summary
+        print(summary(outcome))
+    return 0
+
+
+FEW_TIMED_STEPS = 30  # below this, a step time is mostly warm-up and noise
+
+
+def few_steps_note(result) -> str:
+    """A warning to print beside a timing measured over too few steps to mean much ('' otherwise)."""
+    if result.timed_steps >= FEW_TIMED_STEPS:
+        return ""
+    return f" (timed over {result.timed_steps} steps only: indicative; train longer for a figure to rely on)"
+
+
+def summary(outcome: RunOutcome) -> str:
+    """The one-screen summary printed at the end of a run."""
+    result, stats = outcome.result, outcome.result.stats
+    lines = [
+        ("task", f"{outcome.config.task}: {outcome.description}"),
+        ("policy", f"{outcome.policy}" + (f"  [{outcome.policy.reason}]" if outcome.policy.reason else "")),
+        ("compute", f"{outcome.compute_plan.mode}: {outcome.compute_plan.reason}"),
+        ("trained", f"{result.steps} steps, {result.epochs} epochs in {result.seconds:.1f} s"),
+        *(
+            [("resumed", f"from step {result.resumed_from}; --steps/--epochs count the whole run, not what is added")]
+            if result.resumed_from is not None
+            else []
+        ),
+        *(
+            [("processes", f"{outcome.world_size}, data parallel ({outcome.parallel})")]
+            if outcome.world_size > 1
+            else []
+        ),
+        ("speed", f"{result.ms_per_step:.1f} ms/step, {result.samples_per_s:,.0f} samples/s{few_steps_note(result)}"),
+        ("final train loss", f"{result.train_loss:.4f}"),
+        *((f"eval {k}", f"{v:.4f}") for k, v in result.eval.items()),
+        (
+            "loss scale",
+            f"{stats.scale:g} ({stats.skipped_steps} steps skipped: {stats.inf_steps} inf, {stats.nan_steps} NaN)",
+        ),
+        *(
+            [
+                (
+                    "non-finite",
+                    f"{len(outcome.nonfinite)} traced; first: {outcome.nonfinite[0]}"
+                    if outcome.nonfinite
+                    else "none traced",
+                )
+            ]
+            if outcome.nonfinite is not None
+            else []
+        ),
+        ("model state", f"{stats.bytes_per_param.total:.1f} bytes/param x {outcome.parameters:,} params"),
+        ("activations", f"{outcome.activation_bytes / 2**20:.2f} MB saved for backward per eval batch"),
+        ("run folder", str(outcome.run_dir)),
+        ("report", str(outcome.report)),
+    ]
+    if stats.diagnosis:
+        lines.append(("diagnosis", stats.diagnosis))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)

@@ -1,0 +1,122 @@
+"""Export a trained run's weights in half precision, and show what that costs and buys at inference.
+
+From the run's newest valid checkpoint: the exact FP32 weights (the masters, for o2 policies) are
+written to ``export/model-fp32.safetensors`` and, cast, to ``export/model-<dtype>.safetensors``. Both
+models are evaluated on the task's test data (the half model computing in its own dtype, outputs in
+FP32) and timed on it, interleaved, median of several passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mixprec.app.checkpoint import load_latest
+from mixprec.app.config import TrainConfig
+from mixprec.app.evaluate import evaluate, to_device
+from mixprec.app.run import build_trainer
+from mixprec.policy.parse import get_policy
+from mixprec.regions.autocast import autocast
+from mixprec.regions.casting import cast_module
+
+__all__ = ["EXPORT_DTYPES", "ExportResult", "export_run"]
+
+EXPORT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    dtype: str
+    fp32_path: Path
+    half_path: Path
+    fp32_bytes: int
+    half_bytes: int
+    fp32_eval: dict[str, float]
+    half_eval: dict[str, float]
+    fp32_samples_per_s: float
+    half_samples_per_s: float
+    metric: str | None
+
+
+def export_run(run_dir: str | Path, dtype: str, repeats: int = 5) -> ExportResult:
+    """Write the run's weights in FP32 and ``dtype`` ("fp16" or "bf16"), evaluate and time both."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
+    run_dir = Path(run_dir)
+    config = TrainConfig.load(run_dir)
+    found = load_latest(run_dir / "checkpoints")
+    if found is None:
+        raise ValueError(f"{run_dir} has no checkpoint to export; train it first (mixprec train).")
+    trainer, parts, _ = build_trainer(config, None, progress=False)
+    state = found[1]
+    if state.get("sharded"):
+        # an FSDP2 run's checkpoint holds whole tensors gathered from the shards: the exact FP32 weights
+        # under mixed and o2 policies (the shards were the masters), the bf16 ones under pure_bf16
+        weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    else:
+        trainer.load_state_dict(state)
+        weights = trainer.mp.fp32_state_dict()
+
+    reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)
+    fp32_model = reference.model
+    fp32_model.load_state_dict(weights)
+    half_policy = get_policy(f"p={dtype},c={dtype},o=f32")
+    half_model = cast_module(copy.deepcopy(fp32_model), half_policy)
+
+    out = run_dir / "export"
+    out.mkdir(exist_ok=True)
+    metadata = {"task": config.task, "policy": config.policy, "source": str(found[0])}
+    fp32_path, half_path = out / "model-fp32.safetensors", out / f"model-{dtype}.safetensors"
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(fp32_path), {**metadata, "dtype": "fp32"})
+    half_weights = {k: v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v.clone() for k, v in weights.items()}
+    save_file(half_weights, str(half_path), {**metadata, "dtype": dtype})
+
+    device = trainer.device
+    fp32_policy = get_policy("fp32")
+    regions = {
+        "fp32": (fp32_model, lambda: autocast(fp32_policy, fp32_model, device)),
+        dtype: (half_model, lambda: autocast(half_policy, half_model, device)),
+    }
+    evals = {
+        name: evaluate(model, parts.eval_data, parts.loss_fn, parts.metric, region, device)
+        for name, (model, region) in regions.items()
+    }
+    speeds = _throughput(regions, parts.eval_data, device, repeats)
+    return ExportResult(
+        dtype=dtype,
+        fp32_path=fp32_path,
+        half_path=half_path,
+        fp32_bytes=fp32_path.stat().st_size,
+        half_bytes=half_path.stat().st_size,
+        fp32_eval=evals["fp32"],
+        half_eval=evals[dtype],
+        fp32_samples_per_s=speeds["fp32"],
+        half_samples_per_s=speeds[dtype],
+        metric=parts.metric.name if parts.metric is not None else None,
+    )
+
+
+def _throughput(regions: dict, data, device: torch.device, repeats: int) -> dict[str, float]:
+    """Samples per second of a forward pass over ``data``: passes interleaved, median reported."""
+    batches = [to_device(inputs, device) for inputs, _ in data]
+    samples = sum(int(b.shape[0]) for b in batches)
+    timings: dict[str, list[float]] = {name: [] for name in regions}
+    with torch.no_grad():
+        for repeat in range(repeats + 1):
+            for name, (model, region) in regions.items():
+                model.eval()
+                start = time.perf_counter()
+                with region():
+                    for inputs in batches:
+                        model(inputs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # host sync: timing needs the work finished
+                if repeat:  # the first pass warms up
+                    timings[name].append(time.perf_counter() - start)
+    return {name: samples / statistics.median(times) for name, times in timings.items()}

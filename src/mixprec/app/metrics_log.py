@@ -1,0 +1,84 @@
+"""A run's metrics: one JSON line per record in ``metrics.jsonl``, and TensorBoard scalars when installed.
+
+Records are plain dicts (see :mod:`mixprec.app.trainer` for their fields). On resume the file is cut
+back to the checkpoint's step, so the history never holds steps that the resumed run will redo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLog", "read_metrics"]
+
+FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run, oldest first; a torn last line (a killed process) is ignored."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class MetricsLog:
+    """Appends records to ``run_dir/metrics.jsonl`` (and TensorBoard); ``run_dir=None`` keeps them in memory."""
+
+    def __init__(self, run_dir: str | Path | None, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.records: list[dict[str, Any]] = read_metrics(self.run_dir) if self.run_dir else []
+        self.last_train_step = self._last_train_step()
+        self._writer = None
+        self._tensorboard = tensorboard and self.run_dir is not None  # opened at the first record
+
+    def _open_writer(self):
+        """TensorBoard's writer, created with the first record (so a run that fails before training
+        leaves no event file), or None without the optional 'tensorboard' extra."""
+        if self._writer is None and self._tensorboard:
+            self._tensorboard = False
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # the optional 'tensorboard' extra
+            except ImportError:
+                return None
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        return self._writer
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past ``step`` (resuming from a checkpoint taken there); rewrites the file atomically."""
+        self.records = [r for r in self.records if r["step"] <= step]
+        self.last_train_step = self._last_train_step()
+        if self.run_dir is None:
+            return
+        temporary = self.run_dir / f".{FILE}.tmp-{os.getpid()}"
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
+        os.replace(temporary, self.run_dir / FILE)
+
+    def _last_train_step(self) -> int:
+        return next((r["step"] for r in reversed(self.records) if r["kind"] == "train"), 0)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if record["kind"] == "train":
+            self.last_train_step = record["step"]
+        if self.run_dir is not None:
+            with open(self.run_dir / FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        writer = self._open_writer()
+        if writer is not None:
+            for key, value in record.items():
+                if key not in ("kind", "step", "epoch", "skipped_at") and isinstance(value, (int, float)):
+                    writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

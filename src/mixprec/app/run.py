@@ -1,0 +1,190 @@
+"""One training run from a TrainConfig: build the task, train, evaluate, write the run folder.
+
+The run folder holds ``config.json``, ``metrics.jsonl``, ``checkpoints/``, ``tensorboard/`` (when the
+extra is installed), the plots and ``report.md``. The CLI's ``train`` and ``compare`` are thin layers
+over :func:`run_training`.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mixprec.app.config import TrainConfig
+from mixprec.app.machine import machine_info
+from mixprec.app.report import plot_run, write_run_report
+from mixprec.app.task import TaskConfig, TaskParts, build_task
+from mixprec.app.torchrun import init_from_env
+from mixprec.app.trainer import FitResult, Trainer
+from mixprec.distributed.ranks import world
+from mixprec.doctor.trace import NonFiniteEvent
+from mixprec.engine.memory import saved_activation_bytes
+from mixprec.engine.mixed_precision import needs_compensated_optimizer
+from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.parallel.fsdp import fully_shard
+from mixprec.policy.parse import get_policy
+from mixprec.policy.policy import Policy
+from mixprec.regions.autocast import ComputePlan
+from mixprec.scaling.dynamic import DynamicLossScaler
+
+__all__ = ["RunOutcome", "build_trainer", "resolve_device", "run_training"]
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    config: TrainConfig
+    run_dir: Path
+    policy: Policy
+    compute_plan: ComputePlan
+    result: FitResult
+    parameters: int
+    activation_bytes: int
+    description: str
+    metric: str | None
+    report: Path
+    nonfinite: list[NonFiniteEvent] | None = None  # with trace_nonfinite: the first inf/NaN of each skipped step
+    world_size: int = 1  # processes training data-parallel (torchrun)
+    parallel: str | None = None  # how: "DDP" (replicas) or "FSDP2" (shards); None in one process
+
+
+def resolve_device(spec: str) -> str:
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={spec!r}: no CUDA device is visible; use --device cpu (or auto).")
+    return spec
+
+
+def _cosine(total: int):
+    """LR multiplier: cosine decay from 1 to 0.1 over the run (a closure, so schedulers stay JSON-able)."""
+    return lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> tuple[Trainer, TaskParts, dict]:
+    """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings)."""
+    device = init_from_env(resolve_device(config.device))  # under torchrun: join the process group
+    parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
+    defaults = parts.defaults
+    settings = {
+        "lr": config.lr if config.lr is not None else defaults.get("lr", 1e-3),
+        "weight_decay": config.weight_decay if config.weight_decay is not None else defaults.get("weight_decay", 0.0),
+        "max_grad_norm": config.max_grad_norm if config.max_grad_norm is not None else defaults.get("max_grad_norm"),
+    }
+    if config.steps is None and config.epochs is None:
+        settings.update({k: defaults[k] for k in ("steps", "epochs") if k in defaults})
+        if "steps" not in settings and "epochs" not in settings:
+            settings["epochs"] = 1
+    else:
+        settings.update({"steps": config.steps} if config.steps is not None else {"epochs": config.epochs})
+    policy = get_policy(config.policy, device=device)
+    if config.parallel == "fsdp" and world().distributed:  # shard before the optimizer sees the parameters
+        fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
+    optimizer_class = CompensatedAdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
+    optimizer = optimizer_class(parts.model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
+    total = settings.get("steps") or settings["epochs"] * (len(parts.train_data) // config.accumulation_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(max(total, 1)))
+    trainer = Trainer(
+        parts.model,
+        parts.train_data,
+        parts.eval_data,
+        parts.loss_fn,
+        optimizer,
+        policy,
+        metric=parts.metric,
+        scheduler=scheduler,
+        max_grad_norm=settings["max_grad_norm"],
+        accumulation_steps=config.accumulation_steps,
+        out_dir=run_dir,
+        seed=config.seed,
+        eval_every=config.eval_every,
+        log_every=config.log_every,
+        checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
+        progress=progress,
+        on_bad_batch="skip" if config.skip_bad_batches else "stop",
+        scaler=(
+            DynamicLossScaler(init_scale=config.loss_scale, max_scale=max(2.0**24, config.loss_scale))
+            if config.loss_scale is not None
+            else None
+        ),
+        trace_nonfinite=config.trace_nonfinite,
+        reduce_in_fp32=config.reduce_fp32,
+    )
+    return trainer, parts, settings
+
+
+def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, progress: bool = True) -> RunOutcome:
+    """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there).
+
+    A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
+    """
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trainer, parts, settings = build_trainer(config, run_dir, progress)
+        if not resume:
+            trainer.check_new_run()  # before config.json is written over an existing run
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    main = trainer.world.is_main
+    if not resume and main:
+        config.save(run_dir)
+    length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
+    result = trainer.fit(**length, resume=resume)
+    inputs, _ = next(iter(parts.eval_data))
+    inputs = inputs.to(trainer.device)
+    with trainer.mp.autocast():
+        activations = saved_activation_bytes(lambda: trainer.model(inputs), trainer.model)
+    metric = parts.metric.name if parts.metric is not None else None
+    parallel = ("FSDP2" if trainer.mp.sharded else "DDP") if trainer.world.distributed else None
+    plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric) if main else []
+    stats = result.stats
+    results = {
+        "steps": result.steps,
+        "epochs": result.epochs,
+        "seconds": result.seconds,
+        "ms_per_step": result.ms_per_step,
+        "samples_per_s": result.samples_per_s,
+        "final train loss": result.train_loss,
+        **{f"eval {k}": v for k, v in result.eval.items()},
+        "skipped steps": stats.skipped_steps,
+        "final loss scale": stats.scale,
+        "model state bytes/param": stats.bytes_per_param.total,
+        "saved activations (MB, one eval batch)": activations / 2**20,
+        "processes (data parallel)": trainer.world.size,
+        **({"parallel": parallel} if parallel else {}),
+    }
+    plan = trainer.mp.compute_plan
+    report = run_dir / "report.md"
+    if main:
+        write_run_report(
+            report,
+            title=f"mixprec run: {config.task} under {config.policy}",
+            config={**config.to_dict(), **settings, "task description": parts.description},
+            machine=machine_info(),
+            policy=str(trainer.mp.policy),
+            policy_reason=f"{trainer.mp.policy.reason}; compute {plan.mode}: {plan.reason}",
+            results=results,
+            plots=plots,
+        )
+    return RunOutcome(
+        config=config,
+        run_dir=run_dir,
+        policy=trainer.mp.policy,
+        compute_plan=trainer.mp.compute_plan,
+        result=result,
+        parameters=sum(p.numel() for p in trainer.model.parameters()),
+        activation_bytes=activations,
+        description=parts.description,
+        metric=metric,
+        report=report,
+        nonfinite=trainer.tracer.events if trainer.tracer is not None else None,
+        world_size=trainer.world.size,
+        parallel=parallel,
+    )

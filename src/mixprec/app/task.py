@@ -1,0 +1,115 @@
+"""What a task provides to the trainer, and how tasks are found by name or by ``module:factory`` path.
+
+A task factory takes a :class:`TaskConfig` and returns :class:`TaskParts`: the model, the training and
+evaluation data (re-iterable, yielding ``(inputs, targets)``), the loss function and an evaluation
+metric, plus its default hyperparameters. Built-in tasks: ``digits``, ``charlm``, ``hf``; a user's own
+is ``pkg.module:factory`` (see ``examples/``).
+
+Training data that should shuffle reproducibly carries a ``generator`` attribute (``torch.utils.data.DataLoader``
+does when built with one): the trainer seeds it at the start of every epoch, which is what makes a
+resumed run see the same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BUILTIN_TASKS", "Metric", "TaskConfig", "TaskParts", "accuracy", "bits_per_char", "build_task"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """An evaluation metric accumulated over batches: ``batch(outputs, targets) -> (sum, count)``."""
+
+    name: str
+    batch: Callable[[Any, torch.Tensor], tuple[torch.Tensor, int]]
+    higher_is_better: bool
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs.logits if hasattr(outputs, "logits") else outputs  # transformers' ModelOutput
+
+
+def _accuracy(outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return (_logits(outputs).argmax(-1) == targets).sum(), targets.numel()
+
+
+def _bits(outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    logits = _logits(outputs).float()
+    nats = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    return nats / math.log(2), targets.numel()
+
+
+accuracy = Metric("accuracy", _accuracy, higher_is_better=True)
+bits_per_char = Metric("bits_per_char", _bits, higher_is_better=False)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """What a factory may read; None means the task's own default."""
+
+    batch_size: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    size: str = "default"  # "tiny" for tests and smoke runs
+
+
+@dataclass
+class TaskParts:
+    """Everything the trainer needs for one task."""
+
+    model: nn.Module
+    train_data: Iterable
+    eval_data: Iterable
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    metric: Metric | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)  # lr, epochs or steps, weight_decay, max_grad_norm
+    description: str = ""
+
+
+BUILTIN_TASKS = {
+    "digits": "mixprec.app.tasks.digits:build",
+    "charlm": "mixprec.app.tasks.charlm:build",
+    "hf": "mixprec.app.tasks.hf:build",
+}
+
+
+def build_task(spec: str, config: TaskConfig) -> TaskParts:
+    """Build a task from a built-in name or a ``package.module:factory`` path.
+
+    Raises:
+        ValueError: unknown name, malformed path, a factory that does not import or returns the wrong thing.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"task: received {spec!r}; use one of {', '.join(BUILTIN_TASKS)} or 'package.module:factory'.")
+    path = BUILTIN_TASKS.get(spec, spec)
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute.isidentifier():
+        raise ValueError(
+            f"task {spec!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) "
+            "nor a 'package.module:factory' path."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = " (install the extra it needs: pip install 'mixprec[hf]')" if spec == "hf" else ""
+        raise ValueError(f"task {spec!r}: cannot import {module_name!r}: {exc}{hint}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"task {spec!r}: {module_name!r} has no callable {attribute!r}.")
+    parts = factory(config)
+    if not isinstance(parts, TaskParts):
+        raise ValueError(
+            f"task {spec!r}: the factory returned {type(parts).__name__}; it must return "
+            "mixprec.app.TaskParts(model=..., train_data=..., eval_data=..., loss_fn=...)."
+        )
+    if not isinstance(parts.model, nn.Module) or not callable(parts.loss_fn):
+        raise ValueError(f"task {spec!r}: TaskParts.model must be an nn.Module and loss_fn callable.")
+    return parts

@@ -1,0 +1,47 @@
+"""Data-parallel runs under ``torchrun``: the process group from the environment, and batch shards.
+
+``torchrun --nproc-per-node N -m mixprec train TASK ...`` sets RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous address; :func:`init_from_env` joins the group (gloo on CPUs, nccl on GPUs, one GPU per
+local rank). The Trainer then wraps the model in DistributedDataParallel, gives each rank its slice of
+every global batch, and writes logs, checkpoints and reports from rank 0 only; MixedPrecision makes the
+ranks agree on every skipped step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mixprec.compute.nest import map_tensors
+
+__all__ = ["init_from_env", "shard"]
+
+
+def init_from_env(device: str) -> str:
+    """Join the process group torchrun describes (if WORLD_SIZE > 1); returns the device to use.
+
+    Raises:
+        ValueError: a distributed launch without the rendezvous variables torchrun sets.
+    """
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1 or (dist.is_available() and dist.is_initialized()):
+        return device
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={size} but {', '.join(missing)} are not set; launch with torchrun.")
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def shard(batch: Any, rank: int, size: int) -> Any:
+    """This rank's slice (along the first dimension) of every tensor in a batch: ranks get equal
+    shares when the batch size divides by the world size (then the mean loss over ranks, which DDP's
+    gradient averaging computes, is the global batch's)."""
+    return map_tensors(batch, lambda tensor: tensor.tensor_split(size)[rank])

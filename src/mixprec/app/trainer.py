@@ -1,0 +1,605 @@
+"""Trainer: a training loop for built-in tasks and simple user models, on top of MixedPrecision.
+
+It has no numerics of its own: casting, scaling, skipping and master weights are MixedPrecision's.
+What it adds: epochs and steps, evaluation, metrics (JSONL, TensorBoard), progress, checkpoints that
+resume bit-identically, a clean stop on Ctrl-C, and a refusal to train on non-finite inputs.
+
+Records in ``metrics.jsonl``:
+    train  step, epoch, loss (mean since the last record), scale, skipped_steps (cumulative), skipped_at
+           (steps skipped since the last record), samples_per_s, ms_per_step, lr, time (seconds)
+    eval   step, loss, and the task's metric (e.g. accuracy)
+
+Host syncs: one per logged step (the running loss), one per step for the input check (``check_inputs``),
+and those of MixedPrecision.step().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mixprec.app.checkpoint import load_latest, save_checkpoint
+from mixprec.app.evaluate import batch_size, evaluate, to_device
+from mixprec.app.metrics_log import MetricsLog
+from mixprec.app.progress import ProgressBar
+from mixprec.app.task import Metric
+from mixprec.app.torchrun import shard
+from mixprec.checks import whole_number
+from mixprec.distributed.ranks import agree_max, reduce_across_ranks, world
+from mixprec.doctor.trace import NonFiniteTracer
+from mixprec.engine.mixed_precision import MixedPrecision, StepResult
+from mixprec.engine.stats import Stats
+from mixprec.parallel.ddp import wrap_ddp
+from mixprec.parallel.state import gather_state, scatter_state
+from mixprec.policy.policy import Policy
+from mixprec.scaling.base import LossScaler
+
+__all__ = ["FitResult", "Trainer", "TrainingInterrupted"]
+
+logger = logging.getLogger("mixprec")
+BAD_BATCH_ACTIONS = ("stop", "skip")
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C during fit(): a checkpoint was saved (when the run has a folder); ``checkpoint`` is its path."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"interrupted at step {step}" + (f"; checkpoint saved to {checkpoint}" if checkpoint else ""))
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+@dataclass(frozen=True)
+class FitResult:
+    steps: int
+    epochs: int
+    seconds: float
+    train_loss: float
+    eval: dict[str, float]
+    ms_per_step: float
+    samples_per_s: float
+    stats: Stats
+    history: list[dict[str, Any]]
+    run_dir: Path | None
+    resumed_from: int | None = None  # the step this fit() continued from, when it resumed
+    timed_steps: int = 0  # the updates behind ms_per_step (this fit() only)
+
+
+class Trainer:
+    """Train ``model`` on ``train_data`` with ``optimizer`` under ``policy``; evaluate on ``eval_data``.
+
+    Args:
+        model, optimizer, policy, scaler, accumulation_steps: as for :class:`mixprec.MixedPrecision`.
+        train_data, eval_data: re-iterable batches of ``(inputs, targets)`` (e.g. DataLoaders).
+        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar loss.
+        metric: an evaluation metric (:data:`mixprec.app.task.accuracy`), or None.
+        scheduler: an LR scheduler, stepped after each applied update (never after a skipped one).
+        max_grad_norm: clip the true gradient norm to this (None: no clipping).
+        out_dir: the run folder for metrics, checkpoints and TensorBoard (None: nothing written).
+        seed: seeds the data order of every epoch (via the data's ``generator``) and the global RNGs.
+        eval_every, log_every, checkpoint_every: in update steps (eval and checkpoint also at the end).
+        keep_checkpoints: how many checkpoints to keep.
+        progress: show a progress bar.
+        check_inputs: refuse batches whose inputs hold NaN or inf, or whose loss does (the forward pass
+            made one: the first module to produce it is named); ``on_bad_batch`` says whether to
+            "stop" with that message or "skip" the batch (counted in ``skipped_batches``).
+        trace_nonfinite: name the module and phase of each skipped step's first inf or NaN.
+        reduce_in_fp32: under torchrun with DDP, average 16-bit gradients in FP32 (for FSDP2, pass
+            ``reduce_dtype=torch.float32`` to :func:`mixprec.fully_shard`).
+
+    Under torchrun the model trains data-parallel: wrapped in DistributedDataParallel, or as it is when
+    :func:`mixprec.fully_shard` has sharded it (FSDP2); each rank takes its slice of every batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Iterable,
+        eval_data: Iterable | None,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        policy: Policy | str = "auto",
+        *,
+        metric: Metric | None = None,
+        scheduler: Any = None,
+        scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        out_dir: str | Path | None = None,
+        seed: int = 0,
+        eval_every: int | None = None,
+        log_every: int = 10,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        progress: bool = True,
+        check_inputs: bool = True,
+        on_bad_batch: str = "stop",
+        trace_nonfinite: bool = False,
+        reduce_in_fp32: bool = False,
+    ) -> None:
+        if on_bad_batch not in BAD_BATCH_ACTIONS:
+            raise ValueError(f"Trainer(on_bad_batch=...): received {on_bad_batch!r}; use 'stop' or 'skip'.")
+        for name, value in (("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
+            whole_number(value, f"Trainer({name}=...)")
+        self.model = model
+        self.mp = MixedPrecision(model, optimizer, policy, scaler, accumulation_steps=accumulation_steps)
+        # under torchrun: DDP (or FSDP2 shards) for the training forward, a slice of every batch, files
+        # from rank 0 only
+        self.world = world()
+        self._train_model: nn.Module = model
+        if self.world.distributed and not self.mp.sharded:
+            self._train_model = wrap_ddp(model, reduce_in_fp32=reduce_in_fp32)
+        self.optimizer = optimizer
+        self.train_data, self.eval_data = train_data, eval_data
+        self.loss_fn, self.metric, self.scheduler = loss_fn, metric, scheduler
+        self.max_grad_norm = max_grad_norm
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.seed = seed
+        self.eval_every, self.log_every, self.checkpoint_every = eval_every, log_every, checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.progress, self.check_inputs, self.on_bad_batch = progress, check_inputs, on_bad_batch
+        # where the first inf/NaN of each skipped step appeared (mixprec.doctor.NonFiniteTracer)
+        self.tracer = NonFiniteTracer(model) if trace_nonfinite else None
+        self.step = 0  # applied or skipped updates so far
+        self.epoch = 0
+        self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
+        self._committed = (0, 0)  # (epoch, batch_in_epoch) after the last completed update: where a resume starts
+        self._committed_rng: dict[str, Any] | None = None  # the random state there
+        self._committed_buffers: list[torch.Tensor] = []  # and the model's buffers (e.g. batch-norm statistics)
+        self._stop_requested = False
+        self.skipped_batches = 0  # bad input batches dropped with on_bad_batch="skip"
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log = MetricsLog(self.out_dir if self.world.is_main else None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mp.device
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.out_dir / "checkpoints" if self.out_dir is not None else None
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self, epochs: int | None = None, steps: int | None = None, resume: bool = False) -> FitResult:
+        """Train for ``epochs`` passes or ``steps`` updates (exactly one of them); ``resume`` continues from
+        the newest valid checkpoint in the run folder.
+
+        Ctrl-C stops after the current update and saves a checkpoint there; a second Ctrl-C stops at once
+        and saves the state of the last completed update (position, random state, buffers).
+
+        Raises:
+            TrainingInterrupted: on Ctrl-C, after saving a checkpoint.
+            ValueError: bad arguments, or a batch with non-finite inputs under ``on_bad_batch="stop"``.
+        """
+        total = self._total_steps(epochs, steps)
+        if resume:
+            self._resume()
+        else:
+            self.check_new_run()
+            self._seed_everything()
+        first_step = self.step
+        bar = ProgressBar(total, "training", self.progress and self.world.is_main)
+        window = _Window(time.perf_counter())
+        start = time.perf_counter()
+        try:
+            with _stop_on_first_ctrl_c(self), self.tracer or contextlib.nullcontext():
+                while self.step < total and not self._stop_requested:
+                    self._run_epoch(total, window, bar)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one raised from inside a step
+            bar.close()
+            self._restore_committed()
+            if self.mp.sharded and self.world.distributed:
+                # gathering shards is a collective the other ranks may never join now: keep the last
+                # periodic checkpoint rather than hang
+                logger.warning("Stopped at once: FSDP2 shards cannot be gathered; the last checkpoint stands")
+                raise TrainingInterrupted(self.step, None) from None
+            raise TrainingInterrupted(self.step, self.save_checkpoint()) from None
+        finally:
+            bar.close()
+        if self._stop_requested:
+            raise TrainingInterrupted(self.step, self.save_checkpoint())
+        seconds = time.perf_counter() - start
+        self.save_checkpoint()
+        evaluation = self._final_evaluation()
+        self.log.close()
+        train = [r for r in self.log.records if r["kind"] == "train"]
+        timed = [r["ms_per_step"] for r in train if r["ms_per_step"] > 0]
+        return FitResult(
+            steps=self.step,
+            epochs=self.epoch,
+            seconds=seconds,
+            train_loss=train[-1]["loss"] if train else math.nan,
+            eval=evaluation,
+            ms_per_step=float(np.median(timed)) if timed else math.nan,
+            samples_per_s=float(np.median([r["samples_per_s"] for r in train])) if train else math.nan,
+            stats=self.mp.stats(),
+            history=list(self.log.records),
+            run_dir=self.out_dir,
+            resumed_from=first_step if resume else None,
+            timed_steps=self.step - first_step if timed else 0,
+        )
+
+    def _total_steps(self, epochs: int | None, steps: int | None) -> int:
+        if (epochs is None) == (steps is None):
+            raise ValueError(f"fit() takes exactly one of epochs= or steps=; received epochs={epochs}, steps={steps}.")
+        value, name = (epochs, "epochs") if epochs is not None else (steps, "steps")
+        whole_number(value, f"fit({name}=...)")
+        if steps is not None:
+            return steps
+        try:
+            batches = len(self.train_data)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError("fit(epochs=...) needs train_data with a length; pass steps= instead.") from None
+        per_epoch = batches // self.mp.accumulation_steps
+        if per_epoch < 1:
+            raise ValueError(
+                f"one epoch has {batches} batches, fewer than accumulation_steps={self.mp.accumulation_steps}: "
+                "lower the batch size or the accumulation steps."
+            )
+        return epochs * per_epoch
+
+    def check_new_run(self) -> None:
+        """Refuse to start a fresh run in a folder that already holds one (its checkpoints would be lost)."""
+        if self.checkpoint_dir is not None and list(self.checkpoint_dir.glob("step-*.safetensors")):
+            raise ValueError(
+                f"{self.out_dir} already holds a run with checkpoints; resume it (resume=True, CLI --resume) "
+                "or choose a new folder."
+            )
+
+    def _seed_everything(self) -> None:
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+
+    def _seed_epoch(self) -> None:
+        generator = getattr(self.train_data, "generator", None)
+        if isinstance(generator, torch.Generator):
+            generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+
+    def _trace(self, result: StepResult) -> None:
+        """Name where a skipped step's first inf/NaN appeared; forget the records of a clean step."""
+        if result:  # host sync, once per update (CPU optimizers sync for the skip decision anyway)
+            self.tracer.clear()
+            return
+        event = self.tracer.check(step=self.step + 1)
+        if event is not None:
+            logger.warning("%s", event)
+
+    def _run_epoch(self, total: int, window: _Window, bar: ProgressBar) -> None:
+        self._seed_epoch()
+        self.model.train()
+        batches = iter(self.train_data)
+        for _ in range(self.batch_in_epoch):  # resuming mid-epoch: replay the order, skip what was done
+            next(batches)
+        for inputs, targets in batches:
+            self.batch_in_epoch += 1
+            inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
+            if self.check_inputs and not self._inputs_ok(inputs):
+                continue
+            samples = batch_size(targets)
+            if self.world.distributed:
+                inputs, targets = shard((inputs, targets), self.world.rank, self.world.size)
+            with self.mp.autocast():
+                loss = self.loss_fn(self._train_model(inputs), targets)
+            if self.check_inputs and not self._loss_ok(loss, inputs, targets):
+                continue
+            self.mp.backward(loss)
+            if self.max_grad_norm is not None and self.mp.at_update_boundary:
+                self.mp.clip_grad_norm_(self.max_grad_norm)
+            window.add(loss.detach(), samples)
+            result = self.mp.step()
+            if not result.update_step:
+                continue
+            if self.tracer is not None:
+                self._trace(result)
+            if self.scheduler is not None:
+                self.mp.step_scheduler(self.scheduler)
+            self.step += 1
+            self._commit()
+            if self.world.distributed:
+                self._agree_on_stop()
+            window.updates += 1
+            if self.step % self.log_every == 0 or self.step == total:
+                record = self._train_record(window)
+                bar.update(self.step, loss=record["loss"], scale=record["scale"])
+            if self.eval_every and self.step % self.eval_every == 0 and self.eval_data is not None:
+                self._evaluate_and_log()
+            if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                self.save_checkpoint()
+            if self.step >= total or self._stop_requested:
+                break
+        else:
+            self._next_epoch()
+            return
+        if self.batch_in_epoch == _length(self.train_data):  # stopped on the epoch's last batch: it is complete
+            self._next_epoch()
+
+    def _agree_on_stop(self) -> None:
+        """Ctrl-C reaches each rank at its own moment: stop all of them after the same update, or the
+        ranks would wait on each other's collectives (one all-reduce of a flag per update)."""
+        flag = torch.tensor([float(self._stop_requested)], device=self.device)
+        self._stop_requested = bool(agree_max([flag])[0].item())  # host sync, once per update
+
+    def _commit(self) -> None:
+        """Remember where a resume would start: position, random state, buffers (after each update)."""
+        self._committed, self._committed_rng = (self.epoch, self.batch_in_epoch), _get_rng()
+        buffers = [b for b in self.model.buffers()]
+        if len(self._committed_buffers) != len(buffers):
+            self._committed_buffers = [b.detach().clone() for b in buffers]
+        elif buffers:
+            torch._foreach_copy_(self._committed_buffers, [b.detach() for b in buffers])
+
+    def _restore_committed(self) -> None:
+        """Undo an unfinished window, so that the checkpoint resumes exactly at the last update."""
+        self.mp.zero_grad()
+        self.epoch, self.batch_in_epoch = self._committed
+        if self._committed_rng is not None:
+            _set_rng(self._committed_rng)
+        with torch.no_grad():
+            for buffer, saved in zip(self.model.buffers(), self._committed_buffers, strict=False):
+                buffer.copy_(saved)
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        if self._committed[1] == _length(self.train_data):
+            self._committed = (self.epoch, 0)
+
+    def _inputs_ok(self, inputs: Any) -> bool:
+        tensor = inputs if isinstance(inputs, torch.Tensor) else None
+        if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):  # host sync
+            return True
+        where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
+        if self.on_bad_batch == "stop":
+            raise ValueError(
+                f"{where} has NaN or inf in its inputs; refusing to train on it. Clean the data, or pass "
+                "on_bad_batch='skip' (CLI: --skip-bad-batches) to drop such batches."
+            )
+        self.skipped_batches += 1
+        logger.warning("Skipping %s: NaN or inf in its inputs (%d bad batches so far)", where, self.skipped_batches)
+        return False
+
+    def _loss_ok(self, loss: torch.Tensor, inputs: Any, targets: Any) -> bool:
+        """A non-finite loss from finite inputs: the forward pass (or the loss) made an inf or NaN.
+        Never train on it: stop naming the module where it first appeared, or drop the batch.
+
+        One host sync per micro-batch (free on the CPU; on accelerators the step's skip decision
+        syncs anyway). Under torchrun the ranks agree, so that all of them drop the same batch.
+        """
+        bad = (~torch.isfinite(loss.detach())).any().reshape(1).float()
+        if self.world.distributed:
+            bad = agree_max([bad])[0]
+        if not bad.item():
+            return True
+        where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
+        origin = self._nonfinite_origin(inputs, targets)
+        if self.on_bad_batch == "stop":
+            raise ValueError(
+                f"{where}: {origin}; refusing to train on it. Fix the model or the data, or pass "
+                "on_bad_batch='skip' (CLI: --skip-bad-batches) to drop such batches."
+            )
+        self.skipped_batches += 1
+        logger.warning("Skipping %s: %s (%d bad batches so far)", where, origin, self.skipped_batches)
+        return False
+
+    def _nonfinite_origin(self, inputs: Any, targets: Any) -> str:
+        """Run the batch's forward again under a NonFiniteTracer (random state kept) and say where
+        the first inf or NaN appeared."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with NonFiniteTracer(self.model) as tracer, torch.random.fork_rng(devices=devices), torch.no_grad():
+            with self.mp.autocast():
+                loss = self.loss_fn(self.model(inputs), targets)
+            event = tracer.check(step=self.step + 1)
+        if event is not None:
+            return f"the forward pass produced {event.kind} first in module '{event.module}' ({event.tensor})"
+        kind = "nan" if bool(torch.isnan(loss).any()) else "inf"
+        return f"the loss function produced {kind} from finite model outputs"
+
+    def _train_record(self, window: _Window) -> dict[str, Any]:
+        if self.world.distributed and window.loss is not None:  # every rank logs the mean over ranks
+            window.loss = reduce_across_ranks(window.loss) / self.world.size
+        stats = self.mp.stats()
+        since = self.log.last_train_step
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.epoch,
+            **window.flush(),
+            "scale": stats.scale,
+            "skipped_steps": stats.skipped_steps,
+            "skipped_at": [s + 1 for s in stats.recent_overflow_steps if s + 1 > since],
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
+        self.log.write(record)
+        return record
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss (and the metric) over ``eval_data`` under the policy, without gradients."""
+        if self.eval_data is None:
+            raise ValueError("evaluate() needs eval_data; the Trainer was built with eval_data=None.")
+        return evaluate(self.model, self.eval_data, self.loss_fn, self.metric, self.mp.autocast, self.device)
+
+    def _final_evaluation(self) -> dict[str, float]:
+        if self.eval_data is None:
+            return {}
+        last = self.log.records[-1] if self.log.records else None
+        if last is not None and last["kind"] == "eval" and last["step"] == self.step:  # just evaluated here
+            return {k: v for k, v in last.items() if k not in ("kind", "step")}
+        return self._evaluate_and_log()
+
+    def _evaluate_and_log(self) -> dict[str, float]:
+        result = self.evaluate()
+        self.log.write({"kind": "eval", "step": self.step, **result})
+        return result
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically.
+
+        With FSDP2 shards this is a collective: the full state is gathered to rank 0 (other ranks get
+        empty model and optimizer entries).
+        """
+        if self.mp.sharded:
+            model_state, optimizer_state = gather_state(self.model, self.optimizer)
+        else:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        return {
+            "sharded": self.mp.sharded,  # FSDP2: whole tensors gathered from the shards, optimizer keyed by name
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "mixed_precision": self.mp.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": _get_rng(),
+            "position": {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "skipped_batches": self.skipped_batches,
+                "seed": self.seed,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if bool(state.get("sharded", False)) != self.mp.sharded:
+            saved, here = ("an FSDP2", "without FSDP2") if state.get("sharded") else ("a non-sharded", "under FSDP2")
+            raise ValueError(
+                f"the checkpoint comes from {saved} run and this one runs {here}; resume it the way it was "
+                "trained (mixprec train --parallel fsdp under torchrun, or without), with the same world size."
+            )
+        try:
+            if self.mp.sharded:  # every rank loads the full state and keeps its shards (a collective)
+                scatter_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            else:
+                self.model.load_state_dict(state["model"])
+            self.mp.load_state_dict(state["mixed_precision"])  # after the model: masters overwrite lowered weights
+            if not self.mp.sharded:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state["scheduler"] is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            _set_rng(state["rng"])
+            position = state["position"]
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise ValueError(f"the checkpoint does not fit this model and optimizer: {exc}") from None
+        self.step, self.epoch = position["step"], position["epoch"]
+        self.batch_in_epoch, self.skipped_batches = position["batch_in_epoch"], position["skipped_batches"]
+        self._committed = (self.epoch, self.batch_in_epoch)
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint from rank 0 (DDP ranks hold identical state; FSDP2 shards are gathered first)."""
+        if self.checkpoint_dir is None or not (self.world.is_main or self.mp.sharded):
+            return None
+        state = self.state_dict()
+        if not self.world.is_main:
+            return None
+        return save_checkpoint(self.checkpoint_dir, self.step, state, keep=self.keep_checkpoints)
+
+    def _resume(self) -> None:
+        if self.checkpoint_dir is None:
+            raise ValueError("resume=True needs out_dir: the run folder that holds the checkpoints.")
+        found = load_latest(self.checkpoint_dir)
+        if found is None:
+            raise ValueError(f"no checkpoint in {self.checkpoint_dir}; nothing to resume.")
+        path, state = found
+        self.load_state_dict(state)
+        self.log.truncate_after(self.step)
+        logger.info("Resumed from %s (step %d, epoch %d)", path, self.step, self.epoch)
+
+
+class _Window:
+    """Running loss, samples and time since the last train record (the loss stays on the device)."""
+
+    def __init__(self, now: float) -> None:
+        self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
+        self.origin = now
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss = loss.float() if self.loss is None else self.loss + loss.float()
+        self.batches += 1
+        self.samples += samples
+
+    def flush(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        loss = float(self.loss) / self.batches if self.batches else math.nan  # host sync: once per record
+        record = {
+            "loss": loss,
+            "samples_per_s": self.samples / elapsed,
+            "ms_per_step": 1e3 * elapsed / max(self.updates, 1),
+            "time": now - self.origin,
+        }
+        self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
+        return record
+
+
+def _length(data: Iterable) -> int | None:
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+@contextlib.contextmanager
+def _stop_on_first_ctrl_c(trainer: Trainer):
+    """The first Ctrl-C asks the loop to stop after the current update; a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def handler(signum, frame):
+        if trainer._stop_requested:
+            raise KeyboardInterrupt
+        trainer._stop_requested = True
+        logger.warning("Stopping after the current step; press Ctrl-C again to stop at once")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _get_rng() -> dict[str, Any]:
+    """Every global random state a training step may draw from."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(_numpy_rng_from(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_rng_state() -> dict[str, Any]:
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _numpy_rng_from(state: dict[str, Any]) -> tuple:
+    keys = state["keys"].numpy().astype(np.uint32)
+    return state["name"], keys, state["position"], state["has_gauss"], state["cached_gaussian"]

@@ -1,0 +1,19 @@
+"""How 16-bit arithmetic is computed on the machine at hand: device facts, PyTorch's native kernels or
+their exact emulation in FP32, GEMM attention, and the timed probe that picks among them per op family.
+
+Nothing here knows about policies; :mod:`mixprec.policy` (``auto``) and :mod:`mixprec.regions` build on it.
+"""
+
+from mixprec.compute.device import DeviceCaps, device_caps, device_type_of
+from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.compute.kernels import KERNEL_SETTINGS, KernelPlan, kernel_plan
+
+__all__ = [
+    "KERNEL_SETTINGS",
+    "DeviceCaps",
+    "EmulatedAutocast",
+    "KernelPlan",
+    "device_caps",
+    "device_type_of",
+    "kernel_plan",
+]

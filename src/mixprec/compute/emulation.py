@@ -1,0 +1,249 @@
+"""16-bit autocast emulated in FP32, for devices without 16-bit arithmetic (fp16 on most CPUs).
+
+PyTorch runs fp16 matmuls and convolutions on such CPUs in slow reference kernels (6x to 36x slower
+than FP32). ``EmulatedAutocast`` gives the same numerics as a GPU's tensor cores at FP32 speed:
+
+    autocast's lower-precision ops (linear, matmul, conv, bmm, addmm, attention, ...):
+        inputs rounded to the 16-bit format, product accumulated in FP32, output returned as a
+        16-bit tensor
+    autocast's FP32 ops (softmax, log_softmax, norms, losses, exp/log, reductions):
+        computed in FP32 on FP32 inputs, as CUDA autocast does
+    batch_norm: computed in FP32, output in the input's dtype (what cuDNN does with fp16 inputs)
+    everything else: runs in whatever dtype its inputs have (16-bit activations stay 16-bit)
+
+Because rounding happens through ordinary dtype casts, autograd rounds the gradients the same way:
+the gradient flowing into a 16-bit activation, and the gradients of a GEMM's inputs, are 16-bit
+tensors, so small gradients underflow and large ones overflow exactly as on a GPU, and loss scaling
+matters exactly as much. Products of two fp16 values are exact in FP32, so a GEMM differs from a
+tensor core's only in the order of its FP32 additions. Elementwise ops between GEMMs run in fp16
+storage on the CPU's own fp16 kernels.
+
+Weights cast to the 16-bit format are cached for the region, as torch.autocast caches them.
+
+Memory: the FP32 copies that a GEMM computes with hold 16-bit values, so when autograd saves them for
+the backward pass a saved-tensor hook stores them as the 16-bit tensors they came from (exact) and
+widens them again when the backward pass needs them. Saved activations cost what they cost under a
+real 16-bit autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mixprec.compute.nest import map_floating
+
+__all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "EmulatedAutocast", "active_emulation"]
+
+_ACTIVE: list[EmulatedAutocast] = []  # regions entered on this thread, innermost last
+_PACKED = "mixprec-16bit"
+
+# CUDA autocast's op lists (torch 2.x), by the names the ops have at the Python level.
+LOWER_PRECISION_OPS = frozenset(
+    {
+        "linear",
+        "matmul",
+        "__matmul__",
+        "__rmatmul__",
+        "mm",
+        "mv",
+        "bmm",
+        "addmm",
+        "addmv",
+        "addr",
+        "baddbmm",
+        "addbmm",
+        "chain_matmul",
+        "multi_dot",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_tbc",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "prelu",
+        "scaled_dot_product_attention",
+    }
+)
+FP32_OPS = frozenset(
+    {
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "reciprocal",
+        "rsqrt",
+        "sinh",
+        "tan",
+        "pow",
+        "softplus",
+        "layer_norm",
+        "group_norm",
+        "rms_norm",
+        "norm",
+        "cosine_similarity",
+        "poisson_nll_loss",
+        "cosine_embedding_loss",
+        "nll_loss",
+        "hinge_embedding_loss",
+        "kl_div",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "mse_loss",
+        "margin_ranking_loss",
+        "multilabel_margin_loss",
+        "soft_margin_loss",
+        "triplet_margin_loss",
+        "multi_margin_loss",
+        "binary_cross_entropy_with_logits",
+        "cross_entropy",
+        "dist",
+        "pdist",
+        "cdist",
+        "renorm",
+        "logsumexp",
+        "softmax",
+        "log_softmax",
+        "cumprod",
+        "cumsum",
+        "prod",
+        "sum",
+    }
+)
+_SAME_DTYPE_FP32_OPS = frozenset({"batch_norm", "instance_norm"})
+
+
+class EmulatedAutocast(TorchFunctionMode):
+    """Autocast to ``dtype`` (fp16 or bf16) computed in FP32 with the 16-bit format's rounding."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        fp32_ops: tuple[str, ...] = (),
+        *,
+        only: frozenset[str] | None = None,
+        device_type: str = "cpu",
+    ) -> None:
+        """``only``: emulate just these ops, inside a ``torch.autocast(device_type)`` region that runs
+        the rest natively (a hybrid plan, see :mod:`mixprec.compute.kernels`); the policy's FP32 ops
+        are then left to :class:`~mixprec.regions.op_overrides.FP32Ops`. None: emulate the whole region."""
+        super().__init__()
+        self.dtype = dtype
+        self._user_fp32 = frozenset(n for op in fp32_ops for n in (op, f"__{op}__", f"__r{op}__"))
+        self._only = None if only is None else frozenset(only) - self._user_fp32
+        self._device_type = device_type
+        self._weights: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, source, rounded)
+        # storage of an FP32 copy -> (the copy, its 16-bit source); layouts match (both preserve strides)
+        self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._suspended = 0
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def __enter__(self) -> EmulatedAutocast:
+        super().__enter__()
+        self._saved_hooks.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Saved for backward: an FP32 copy of 16-bit values (or a view of one) is kept as its 16-bit source."""
+        entry = self._low_of.get(tensor.untyped_storage().data_ptr())
+        if entry is None or entry[0]() is None:
+            return tensor
+        return (_PACKED, entry[1], tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, tuple) and packed[0] == _PACKED:
+            _, low, size, stride, offset = packed
+            return low.float().as_strided(size, stride, offset)  # the same layout as the FP32 copy it replaces
+        return packed
+
+    @contextlib.contextmanager
+    def suspend(self) -> Iterator[None]:
+        """Plain FP32 inside (modules a policy keeps in FP32), like ``torch.autocast(enabled=False)``."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def __exit__(self, *exc: Any) -> Any:
+        _ACTIVE.remove(self)
+        self._saved_hooks.__exit__(*exc)
+        self._weights.clear()  # like autocast's cast cache: valid for one region
+        self._low_of.clear()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if self._only is not None:
+            if self._suspended or name not in self._only:
+                return func(*args, **kwargs)  # torch.autocast's native kernels
+            with torch.autocast(self._device_type, enabled=False):
+                return self._emulate(func, name, args, kwargs)
+        if self._suspended or name in self._user_fp32:
+            if name in self._user_fp32:  # the policy's own FP32 ops win over autocast's lists
+                args, kwargs = map_floating((args, kwargs), self._widened)
+            return func(*args, **kwargs)
+        if name in FP32_OPS:
+            args, kwargs = map_floating((args, kwargs), self._widened)
+            return func(*args, **kwargs)
+        return self._emulate(func, name, args, kwargs)
+
+    def _emulate(self, func, name: str | None, args: tuple, kwargs: dict) -> Any:
+        if name in LOWER_PRECISION_OPS:
+            args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
+            return map_floating(func(*args, **kwargs), self._to_low)
+        if name in _SAME_DTYPE_FP32_OPS and args and isinstance(args[0], torch.Tensor):
+            dtype = args[0].dtype
+            args, kwargs = map_floating((args, kwargs), self._widened)
+            return map_floating(func(*args, **kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return func(*args, **kwargs)
+
+    def _rounded_fp32(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor's values in the 16-bit format, as an FP32 tensor (cached for parameters)."""
+        if tensor.dtype not in (self.dtype, torch.float32):
+            return tensor
+        is_weight = tensor.dtype == torch.float32 and tensor.is_leaf and tensor.requires_grad
+        if is_weight:  # round it once per region
+            cached = self._weights.get(id(tensor))
+            if cached is not None and cached[0] == tensor._version and cached[1] is tensor:
+                return cached[2]
+        low = tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+        rounded = low.float()
+        if torch.is_grad_enabled():  # autograd may save it: remember its 16-bit source for pack()
+            self._low_of[rounded.untyped_storage().data_ptr()] = (weakref.ref(rounded), low)
+        if is_weight:
+            self._weights[id(tensor)] = (tensor._version, tensor, rounded)
+        return rounded
+
+    def _widened(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A 16-bit tensor as FP32 (for FP32 ops); remembered, so autograd saves it at 16 bits."""
+        if tensor.dtype not in (torch.float16, torch.bfloat16):
+            return tensor
+        wide = tensor.float()
+        if torch.is_grad_enabled() and tensor.dtype == self.dtype:
+            self._low_of[wide.untyped_storage().data_ptr()] = (weakref.ref(wide), tensor)
+        return wide
+
+    def _to_low(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if tensor.dtype == torch.float32 else tensor
+
+
+def active_emulation() -> EmulatedAutocast | None:
+    """The innermost emulated region on this thread, if any (for tools that also hook saved tensors)."""
+    return _ACTIVE[-1] if _ACTIVE else None

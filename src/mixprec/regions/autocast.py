@@ -1,0 +1,248 @@
+"""The low-precision region of a policy, built on ``torch.autocast``.
+
+Inside ``autocast(policy, model)``:
+    - matmuls and convolutions run in ``policy.compute_dtype`` (``torch.autocast``'s own op lists);
+      where the device has no units for that dtype (fp16 on most CPUs) the same numerics are
+      emulated in FP32 (see :mod:`mixprec.compute.emulation` and :func:`compute_plan`);
+      with ``tf32``, FP32 matmuls may use TF32 units where the device has them;
+    - ops in ``policy.fp32_ops`` run in FP32 (see :mod:`mixprec.regions.op_overrides`);
+    - on CPUs under bf16, scaled dot-product attention runs as bf16 GEMMs (see
+      :mod:`mixprec.compute.attention`), unless ``fp32_ops`` lists it;
+    - modules the policy keeps in FP32 run with autocast off and FP32 inputs, except batch, layer and
+      group norms, whose kernels already compute in FP32 from 16-bit inputs (FP32 parameters, output
+      in the input's dtype, as cuDNN does);
+    - with an FP8 recipe (``policy.fp8``), the model's selected Linear layers compute in FP8, emulated
+      exactly (see :mod:`mixprec.regions.fp8`);
+    - the model's outputs are cast to ``policy.output_dtype``.
+Everything changed (autocast state, matmul precision, hooks) is restored on exit, exceptions included.
+
+Example:
+    >>> import torch, torch.nn as nn
+    >>> from mixprec.policy.parse import get_policy
+    >>> model = nn.Linear(4, 2)
+    >>> with autocast(get_policy("mixed_bf16"), model):
+    ...     model(torch.randn(3, 4)).dtype
+    torch.float32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.compute.attention import GemmAttention
+from mixprec.compute.device import device_caps, device_type_of
+from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.compute.kernels import KernelPlan, kernel_plan
+from mixprec.compute.nest import map_floating
+from mixprec.policy.parse import get_policy
+from mixprec.policy.policy import DTYPE_NAMES, Policy
+from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
+from mixprec.regions.fp8.region import fp8_region
+from mixprec.regions.op_overrides import FP32Ops
+
+__all__ = ["ComputePlan", "autocast", "check_device_supports", "compute_plan", "tf32_matmuls"]
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """How a policy's compute dtype runs on a device.
+
+    ``mode``: "fp32", "native" (torch.autocast), "emulated" (FP32 arithmetic with 16-bit rounding) or
+    "hybrid" (torch.autocast, with the op families in ``kernels`` that measured slower natively emulated).
+    ``kernels``: on CPUs, the kernel chosen for each op family and the timings behind the choice.
+    """
+
+    mode: str
+    dtype: torch.dtype
+    reason: str
+    kernels: KernelPlan | None = None
+
+    def kernel(self, family: str) -> str:
+        """The kernel of one op family ("native", "emulated", "gemm"); without a kernel plan, the mode's."""
+        if self.kernels is not None:
+            return self.kernels.kernel(family)
+        return "emulated" if self.mode == "emulated" else "native"
+
+
+def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
+    """16-bit compute on CPUs as the per-machine timing probe chose it (:mod:`mixprec.compute.kernels`), each
+    op family native or emulated; native on GPUs unless the policy says ``kernels=emulated``.
+    FP8 Linear layers are always emulated exactly (FP8-rounded operands, FP32 arithmetic)."""
+    plan = _compute_plan(policy, device_type)
+    if policy.fp8 is None:
+        return plan
+    recipe = policy.fp8
+    note = (
+        f"Linear layers in FP8 emulated with FP32 arithmetic ({recipe.forward} inputs and weights, {recipe.backward} "
+        f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
+    )
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
+
+
+_EMULATION_NOTE = "GEMM inputs and outputs rounded to the 16-bit format, FP32 accumulation, as on tensor cores"
+
+
+def _compute_plan(policy: Policy, device_type: str) -> ComputePlan:
+    caps = device_caps(device_type)
+    dtype = policy.compute_dtype
+    if dtype == torch.float32:
+        return ComputePlan("fp32", torch.float32, caps.tf32_note if policy.allow_tf32 else "FP32 compute")
+    name = DTYPE_NAMES[dtype]
+    if device_type == "cpu":
+        kernels = kernel_plan(dtype, kernels=policy.kernels)
+        mode = kernels.mode
+        why = {"native": "torch.autocast", "emulated": f"{name} emulated in FP32: {_EMULATION_NOTE}"}.get(
+            mode, f"torch.autocast, the families marked emulated in FP32 ({_EMULATION_NOTE})"
+        )
+        return ComputePlan(mode, dtype, f"{why}; {kernels.describe()}", kernels)
+    if policy.kernels == "emulated":
+        return ComputePlan("emulated", dtype, f"{name} emulated in FP32 (policy kernels=emulated): {_EMULATION_NOTE}")
+    note = caps.fp16_note if dtype == torch.float16 else caps.bf16_note
+    return ComputePlan("native", dtype, f"{note}; torch.autocast")
+
+
+def check_device_supports(policy: Policy, device_type: str) -> None:
+    """Raise ValueError when ``device_type`` cannot compute in the policy's compute dtype."""
+    caps = device_caps(device_type)
+    dtype = policy.compute_dtype
+    supported = {
+        torch.float32: True,
+        torch.float16: caps.supports_fp16,
+        torch.bfloat16: caps.supports_bf16,
+    }[dtype]
+    if not supported:
+        note = caps.bf16_note if dtype == torch.bfloat16 else caps.fp16_note
+        raise ValueError(
+            f"policy compute={DTYPE_NAMES[dtype]} cannot run on {caps.description} ({note}); "
+            "use policy 'auto', or 'mixed_fp16' / 'mixed_bf16' as the device allows."
+        )
+
+
+def uses_gemm_attention(policy: Policy, plan: ComputePlan) -> bool:
+    """bf16 attention from GEMMs (mixprec.compute.attention) where the probe chose it, unless kept in FP32."""
+    return plan.kernel("attention") == "gemm" and "scaled_dot_product_attention" not in policy.fp32_ops
+
+
+@contextlib.contextmanager
+def tf32_matmuls(device_type: str) -> Iterator[None]:
+    """Let FP32 matmuls use TF32 units where ``device_type`` has them; a no-op elsewhere."""
+    if not device_caps(device_type).tf32:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@contextlib.contextmanager
+def autocast(
+    policy: Policy | str,
+    model: nn.Module | None = None,
+    device: str | torch.device | None = None,
+) -> Iterator[Policy]:
+    """Run the enclosed code under ``policy``'s precision; yields the resolved Policy.
+
+    Args:
+        policy: a Policy, preset name or policy string (see :func:`mixprec.get_policy`).
+        model: when given, its outputs are cast to ``output_dtype`` and the modules the policy keeps
+            in FP32 compute in FP32. Its device is the region's device unless ``device`` is given.
+        device: the device whose autocast to use; default: the model's, else CUDA if present, else CPU.
+
+    Raises:
+        ValueError: the device cannot compute in the policy's compute dtype.
+    """
+    policy = get_policy(policy, device=device)
+    if device is None and model is not None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else None
+    device_type = device_type_of(device)
+    check_device_supports(policy, device_type)
+    plan = compute_plan(policy, device_type)
+    with contextlib.ExitStack() as stack:
+        if plan.mode == "emulated":
+            emulation = stack.enter_context(EmulatedAutocast(plan.dtype, policy.fp32_ops))
+            fp32_region = emulation.suspend
+        else:
+            fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
+            if plan.mode in ("native", "hybrid"):
+                stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
+                if uses_gemm_attention(policy, plan):
+                    stack.enter_context(GemmAttention())
+            if plan.mode == "hybrid":
+                only = plan.kernels.emulated_ops
+                emulation = stack.enter_context(
+                    EmulatedAutocast(plan.dtype, policy.fp32_ops, only=only, device_type=device_type)
+                )
+                fp32_region = functools.partial(_fp32_in_hybrid, emulation, device_type)
+            if policy.allow_tf32:
+                stack.enter_context(tf32_matmuls(device_type))
+            if policy.fp32_ops:
+                stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
+        if policy.fp8 is not None:
+            if model is None:
+                raise ValueError(
+                    f"policy {policy} computes Linear layers in FP8, which needs the model: "
+                    "use autocast(policy, model)."
+                )
+            stack.enter_context(fp8_region(model, policy.fp8, policy.compute_dtype))
+        if model is not None:
+            stack.enter_context(_model_hooks(model, policy, fp32_region))
+        yield policy
+
+
+@contextlib.contextmanager
+def _model_hooks(
+    model: nn.Module, policy: Policy, fp32_region: Callable[[], contextlib.AbstractContextManager]
+) -> Iterator[None]:
+    handles = []
+    # (module, autocast-off region) for each FP32 module whose forward is running, innermost last.
+    open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
+
+    def enter_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        region = fp32_region()
+        region.__enter__()
+        open_regions.append((module, region))
+        return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
+
+    def leave_fp32(module: nn.Module, args: tuple, output: Any) -> None:
+        # always_call: also runs when forward raised, possibly before enter_fp32 ran.
+        if open_regions and open_regions[-1][0] is module:
+            open_regions.pop()[1].__exit__(None, None, None)
+
+    if policy.compute_dtype != torch.float32:
+        for _, module in fp32_modules(model, policy):
+            if isinstance(module, MIXED_DTYPE_NORMS):
+                continue  # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
+            handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))
+            handles.append(module.register_forward_hook(leave_fp32, always_call=True))
+    handles.append(model.register_forward_hook(lambda m, a, out: _cast_floating(out, policy.output_dtype)))
+    try:
+        yield
+    finally:
+        while open_regions:  # a forward that raised inside an FP32 module
+            open_regions.pop()[1].__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _fp32_in_hybrid(emulation: EmulatedAutocast, device_type: str) -> Iterator[None]:
+    """An FP32 module inside a hybrid region: neither autocast nor the emulation touches its ops."""
+    with emulation.suspend(), torch.autocast(device_type, enabled=False):
+        yield
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor in a nest of tuples, lists and mappings to ``dtype``."""
+    return map_floating(value, lambda t: t if t.dtype == dtype else t.to(dtype))

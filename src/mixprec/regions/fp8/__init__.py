@@ -1,0 +1,23 @@
+"""FP8 training, emulated exactly on any device: per-tensor scaling, the FP8 GEMM and Linear, the FP8 region.
+
+The recipe (formats, scaling, layers kept out of FP8) is a policy value: :class:`mixprec.policy.Fp8Recipe`.
+"""
+
+from mixprec.regions.fp8.gemm import fp8_matmul, scaled_mm_available
+from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
+from mixprec.regions.fp8.region import Fp8State, fp8_layers, fp8_region, fp8_state
+from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8, power_of_two_scale
+
+__all__ = [
+    "Fp8LinearState",
+    "Fp8State",
+    "ScaleState",
+    "cast_to_fp8",
+    "fp8_layers",
+    "fp8_linear",
+    "fp8_matmul",
+    "fp8_region",
+    "fp8_state",
+    "power_of_two_scale",
+    "scaled_mm_available",
+]

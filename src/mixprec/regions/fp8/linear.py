@@ -1,0 +1,94 @@
+"""A Linear layer computed in FP8, emulated exactly with FP32 arithmetic on any device.
+
+Forward:   y = (q4(x * sx) @ q4(w * sw)^T) / (sx * sw) + b
+Backward:  dx = (q5(g * sg) @ q4(w * sw)) / (sg * sw),  dw = (q5(g * sg)^T @ q4(x * sx)) / (sg * sx),
+           db = sum(g) (from the unquantized gradient, as FP8 GEMM libraries do)
+
+q4 / q5 are the recipe's forward and backward formats (fp8_e4m3, fp8_e5m2), s the power-of-two scales.
+The three products go through :func:`mixprec.regions.fp8.gemm.fp8_matmul`: PyTorch's FP8 GEMM where the recipe's
+``gemm`` setting picks it, else its exact emulation (FP32 products of FP8 values, FP32 sums). Operands
+are held in FP8 storage (1 byte per value) and the quantized input and weight are saved that way for
+the backward pass, as a real FP8 implementation saves them. fp8_e4m3 has no infinity: an infinite input
+becomes NaN on the cast, so an overflow still reaches the loss scaler as a non-finite value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
+from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8
+
+__all__ = ["Fp8LinearState", "fp8_linear"]
+
+_STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+class Fp8LinearState:
+    """The scale states of one Linear layer: its input, its weight and its output gradient."""
+
+    def __init__(self, recipe) -> None:
+        self.recipe = recipe
+        self.input = ScaleState(recipe.forward, recipe)
+        self.weight = ScaleState(recipe.forward, recipe)
+        self.grad = ScaleState(recipe.backward, recipe)
+
+    def state_dict(self) -> dict:
+        return {"input": self.input.state_dict(), "weight": self.weight.state_dict(), "grad": self.grad.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for role in ("input", "weight", "grad"):
+            getattr(self, role).load_state_dict(state[role])
+
+
+def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    return cast_to_fp8(tensor, scale, fmt).to(_STORAGE[fmt])
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
+        with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
+            recipe = state.recipe
+            sx, sw = state.input.scale_for(x), state.weight.scale_for(weight)
+            xq = _to_fp8(x.reshape(-1, x.shape[-1]), sx, recipe.forward)
+            wq = _to_fp8(weight, sw, recipe.forward)
+            kernel = uses_kernel(recipe.gemm, x.device)
+            y = fp8_matmul(xq, wq.t(), sx, sw, kernel)
+            if bias is not None:
+                y = y + bias.float()
+            ctx.save_for_backward(xq, wq, sx, sw)
+            ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
+            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad):
+        xq, wq, sx, sw = ctx.saved_tensors
+        state, kernel = ctx.state, ctx.kernel
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
+            grad = grad.reshape(-1, grad.shape[-1])
+            sg = state.grad.scale_for(grad)
+            gq = _to_fp8(grad, sg, state.recipe.backward)
+            grad_x = grad_w = grad_b = None
+            if ctx.needs_input_grad[0]:
+                grad_x = fp8_matmul(gq, wq, sg, sw, kernel).reshape(ctx.x_shape).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel).to(w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = grad.float().sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state: Fp8LinearState,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with FP8 inputs, weights and gradients (see the module docstring)."""
+    return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
