@@ -74,8 +74,8 @@ API_CASES = [
     ("policy key", lambda t: mixprec.get_policy("p=bf16,q=1"), ValueError, ["unknown key 'q'"]),
     ("policy dtype", lambda t: mixprec.get_policy("p=int8"), ValueError, ["int8"]),
     ("policy base", lambda t: mixprec.get_policy("base=nope"), ValueError, ["base='nope'", "is not a preset"]),
-    ("policy fp8 history", lambda t: mixprec.get_policy("base=fp8,fp8_history=0"), ValueError, ["history"]),
-    ("policy fp8 gemm", lambda t: mixprec.get_policy("base=fp8,fp8_gemm=cublas"), ValueError, ["'cublas'"]),
+    ("policy fp8 history", lambda t: mixprec.get_policy("base=fp8,fp8=(history=0)"), ValueError, ["history"]),
+    ("policy fp8 gemm", lambda t: mixprec.get_policy("base=fp8,fp8=(gemm=cublas)"), ValueError, ["'cublas'"]),
     ("policy device", lambda t: mixprec.get_policy("mixed_bf16", device="gpu0"), ValueError, ["'gpu0'"]),
     (
         "engine model",

@@ -24,7 +24,7 @@ def test_listed_op_returns_fp32_unlisted_follows_torch_autocast(op, device):
         torch_dtype = fn(lowp).dtype
     with mixprec.autocast("mixed_bf16", device=device):
         unlisted = fn(lowp)
-    with mixprec.autocast(mixprec.get_policy("mixed_bf16").with_fp32_ops(op), device=device):
+    with mixprec.autocast(mixprec.get_policy("mixed_bf16").replace(fp32_ops=(op,)), device=device):
         listed = fn(lowp)
     assert unlisted.dtype == torch_dtype
     assert listed.dtype == torch.float32
@@ -63,7 +63,7 @@ def test_fp32_modules_compute_in_fp32():
     seen = {}
     for name, module in model.named_children():
         module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0].dtype, o.dtype)))
-    policy = mixprec.get_policy("mixed_bf16").with_fp32_names("1")
+    policy = mixprec.get_policy("mixed_bf16").replace(fp32_names=("1",))
     with mixprec.autocast(policy, model):
         model(torch.randn(3, 4))
     assert seen["0"][1] == torch.bfloat16
@@ -110,7 +110,7 @@ def test_fp32_norms_run_their_mixed_dtype_kernels_under_native_bf16():
 @pytest.mark.parametrize("fail_before_region_hooks", [False, True])
 def test_state_restored_after_an_exception(fail_before_region_hooks):
     model = nn.Sequential(nn.Linear(4, 4), FailingNorm(4))
-    policy = mixprec.get_policy("mixed_bf16").with_fp32_modules("norm").with_fp32_ops("exp")
+    policy = mixprec.get_policy("mixed_bf16").replace(fp32_modules=("norm",), fp32_ops=("exp",))
     if fail_before_region_hooks:  # a user hook that raises before mixprec's pre-hook runs
         model[1].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"), mixprec.autocast(policy, model):

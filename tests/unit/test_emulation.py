@@ -84,7 +84,7 @@ def test_policy_fp32_ops_and_modules_win_over_the_emulation():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     seen = {}
     model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("head", (a[0].dtype, o.dtype)))
-    policy = mixprec.get_policy("mixed_fp16").with_fp32_names("1").with_fp32_ops("matmul")
+    policy = mixprec.get_policy("mixed_fp16").replace(fp32_names=("1",), fp32_ops=("matmul",))
     with mixprec.autocast(policy, model, device="cpu"):
         model(torch.randn(3, 4))
         product = torch.randn(3, 3) @ torch.randn(3, 3)

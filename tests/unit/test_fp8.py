@@ -1,5 +1,7 @@
 """FP8 training: exact emulation against torch's float8 casts, scaling, recipes and policies."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -123,22 +125,34 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
     for spec in (
         "fp8",
         "fp8_hybrid",
-        "base=fp8,fp8_scaling=current,fp8_history=4",
-        "c=bf16,fp8=e4m3,fp8_keep=first+*.head",
+        "base=fp8,fp8=(scaling=current,history=4)",
+        "c=bf16,fp8=e4m3(keep=first+*.head)",
+        "c=bf16,fp8=e5m2/e4m3(margin=1,gemm=emulated,amax=recent)",
     ):
         policy = mixprec.get_policy(spec)
         assert mixprec.get_policy(str(policy)) == policy
     assert mixprec.get_policy("fp8_hybrid").fp8.keep == ("first", "last")
     assert mixprec.get_policy("fp8").fp8.backward == "fp8_e5m2"
-    with pytest.raises(ValueError, match="fp8='e5m2'; use hybrid"):
-        mixprec.get_policy("fp8=e5m2")
-    with pytest.raises(ValueError, match="add fp8=hybrid"):
-        mixprec.get_policy("c=bf16,fp8_scaling=current")
+    # with a base, the options named change the preset's recipe and keep the rest
+    changed = mixprec.get_policy("base=fp8_hybrid,fp8=(scaling=current)").fp8
+    assert changed == Fp8Recipe(scaling="current", keep=("first", "last"))
+    assert str(changed) == "hybrid(scaling=current,keep=first+last)"
+    assert mixprec.get_policy("base=fp8,fp8=none").fp8 is None
+    for spec, message in (
+        ("fp8=e5m3", "unknown formats 'e5m3'; use hybrid"),
+        ("c=bf16,fp8=(scaling=current)", "name the formats first"),
+        ("fp8=hybrid(colour=red)", "unknown option 'colour=red'"),
+        ("fp8=hybrid(history=4", "one pair of parentheses"),
+        ("fp8=hybrid(history=four)", "history='four' is not a whole number"),
+        ("fp8=hybrid(scaling=later)", "received 'later'; use one of current, delayed"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mixprec.get_policy(spec)
     with pytest.raises(ValueError, match="needs the model"), mixprec.autocast("fp8"):
         pass
 
 
-@pytest.mark.parametrize("spec", ["base=fp8,p=bf16", "base=fp8,p=bf16,m=bf16", "base=fp8_hybrid,fp8_scaling=current"])
+@pytest.mark.parametrize("spec", ["base=fp8,p=bf16", "base=fp8,p=bf16,m=bf16", "base=fp8_hybrid,fp8=(scaling=current)"])
 def test_fp8_with_bf16_weights_and_either_master(spec):
     model = _mlp()
     policy = mixprec.get_policy(spec)

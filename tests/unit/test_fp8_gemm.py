@@ -84,11 +84,11 @@ def test_auto_uses_the_kernel_on_cuda_only_and_the_choice_is_part_of_the_policy(
     cpu = torch.device("cpu")
     assert not uses_kernel("auto", cpu) and not uses_kernel("emulated", cpu)
     assert uses_kernel("scaled_mm", cpu) == scaled_mm_available(cpu)
-    policy = mixprec.get_policy("base=fp8,fp8_gemm=scaled_mm")
+    policy = mixprec.get_policy("base=fp8,fp8=(gemm=scaled_mm)")
     assert policy.fp8.gemm == "scaled_mm" and mixprec.get_policy(str(policy)) == policy
-    assert "fp8_gemm" not in str(mixprec.get_policy("fp8"))  # the default, auto, is not spelled out
+    assert "gemm" not in str(mixprec.get_policy("fp8"))  # the default, auto, is not spelled out
     with pytest.raises(ValueError, match=r"gemm=\.\.\.\): received 'cublas'; use one of auto, emulated, scaled_mm"):
-        mixprec.get_policy("base=fp8,fp8_gemm=cublas")
+        mixprec.get_policy("base=fp8,fp8=(gemm=cublas)")
 
 
 @pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
@@ -97,7 +97,8 @@ def test_a_model_trains_identically_enough_with_the_kernel():
     for gemm in ("scaled_mm", "emulated"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
-        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), f"base=fp8,fp8_gemm={gemm}")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mp = mixprec.MixedPrecision(model, optimizer, f"base=fp8,fp8=(gemm={gemm})")
         gen = torch.Generator().manual_seed(0)
         x, y = torch.randn(256, 16, generator=gen), torch.randint(0, 4, (256,), generator=gen)
         history = []

@@ -109,15 +109,18 @@ def test_policy_is_a_frozen_value():
     assert hash(policy) == hash(mixprec.get_policy("p=f32,c=bf16,o=f32"))  # reason is not compared
 
 
-def test_with_methods_return_new_policies():
+def test_replace_returns_a_new_validated_policy():
     base = mixprec.get_policy("mixed_bf16")
-    changed = base.with_fp32_ops("softmax").with_output_dtype("bf16").with_fp32_names("*.head")
+    changed = base.replace(fp32_ops=("softmax",), output_dtype="bf16", fp32_names=("*.head",))
     assert base.fp32_ops == () and base.output_dtype == F32
     assert changed.fp32_ops == ("softmax",) and changed.output_dtype == BF16 and changed.fp32_names == ("*.head",)
-    assert base.with_compute_dtype("f16").compute_dtype == F16
-    assert base.with_param_dtype("bf16").with_master_dtype("bf16").master_dtype == BF16
-    assert base.with_fp32_modules("norm").fp32_modules == ("norm",)
-    assert changed.with_fp32_ops().fp32_ops == ()
+    assert changed.reason == "" and base.reason
+    assert mixprec.get_policy("tf32").replace(compute_dtype="f16").allow_tf32 is False
+    assert base.replace(param_dtype="bf16", master_dtype="bf16").master_dtype == BF16
+    with pytest.raises(ValueError, match="output_dtype"):
+        base.replace(output_dtype="int8")
+    with pytest.raises(TypeError):
+        base.replace(colour="red")
 
 
 def test_lists_are_deduplicated_in_order():

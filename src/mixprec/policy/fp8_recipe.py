@@ -13,19 +13,33 @@
                 "scaled_mm" (the kernel wherever PyTorch has one, the CPU included) or "emulated"
 
 Scales are powers of two, so scaling is exact and the emulation equals a scaled cast bit for bit.
+
+A recipe is one value of the policy string, ``fp8=FORMATS`` or ``fp8=FORMATS(key=value,...)``: FORMATS is
+``hybrid`` (e4m3 forward, e5m2 gradients), ``e4m3``, ``e5m2`` or ``FORWARD/BACKWARD``; the keys are the
+fields above (``keep`` entries joined by ``+``). ``str(recipe)`` writes only the fields that differ from
+the defaults, and parses back to the same recipe.
+
+Example:
+    >>> str(Fp8Recipe(scaling="current", keep=("first", "last")))
+    'hybrid(scaling=current,keep=first+last)'
+    >>> parse_recipe("e4m3(history=4)") == Fp8Recipe(backward="fp8_e4m3", history=4)
+    True
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe"]
+__all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe", "parse_recipe"]
 
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 SCALINGS = ("current", "delayed")
 AMAX_REDUCTIONS = ("max", "recent")
-_SEPARATORS = ",+= "
+_SEPARATORS = ",+=() "  # the policy grammar's
+_FORMAT_NAMES = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3"), "e5m2": ("fp8_e5m2", "fp8_e5m2")}
+_OPTIONS = ("scaling", "history", "amax", "margin", "keep", "gemm")  # the keys inside the parentheses
 
 
 @dataclass(frozen=True)
@@ -71,3 +85,67 @@ class Fp8Recipe:
         if self.forward == self.backward:
             return self.forward.removeprefix("fp8_")
         return f"{self.forward.removeprefix('fp8_')}/{self.backward.removeprefix('fp8_')}"
+
+    def __str__(self) -> str:
+        default = Fp8Recipe()
+        changed = [name for name in _OPTIONS if getattr(self, name) != getattr(default, name)]
+        options = ",".join(f"{name}={_spelled(getattr(self, name))}" for name in changed)
+        return f"{self.format_name}({options})" if options else self.format_name
+
+
+def _spelled(value: object) -> str:
+    return "+".join(value) if isinstance(value, tuple) else str(value)
+
+
+def parse_recipe(text: str, base: Fp8Recipe | None = None) -> Fp8Recipe:
+    """The recipe ``text`` spells (``hybrid``, ``e4m3(scaling=current,keep=first+last)``), starting from
+    ``base`` (default: ``Fp8Recipe()``); with a base, the formats may be left out: ``(history=4)``.
+
+    Raises:
+        ValueError: unknown formats or keys, a malformed option, or a value the recipe refuses.
+    """
+    formats, _, rest = text.strip().partition("(")
+    if rest and not rest.endswith(")"):
+        raise ValueError(f"fp8={text!r}: options go in one pair of parentheses, e.g. hybrid(scaling=current).")
+    changes: dict[str, object] = {}
+    formats = formats.strip().lower()
+    if formats:
+        changes["forward"], changes["backward"] = _formats(formats, text)
+    elif base is None:
+        raise ValueError(f"fp8={text!r}: name the formats first: hybrid, e4m3, e5m2 or FORWARD/BACKWARD.")
+    for option in filter(str.strip, rest.removesuffix(")").split(",")):
+        key, sep, value = (s.strip() for s in option.partition("="))
+        if not sep or key.lower() not in _OPTIONS:
+            raise ValueError(
+                f"fp8={text!r}: unknown option {option.strip()!r}; "
+                f"write key=value with key one of {', '.join(_OPTIONS)}."
+            )
+        changes[key.lower()] = _option_value(key.lower(), value, text)
+    try:
+        return dataclasses.replace(base or Fp8Recipe(), **changes)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"fp8={text!r}: {exc}") from None
+
+
+def _formats(name: str, text: str) -> tuple[str, str]:
+    if name in _FORMAT_NAMES:
+        return _FORMAT_NAMES[name]
+    forward, slash, backward = name.partition("/")
+    pair = (f"fp8_{forward}", f"fp8_{backward}")
+    if slash and all(f in FP8_FORMATS for f in pair):
+        return pair
+    raise ValueError(
+        f"fp8={text!r}: unknown formats {name!r}; use hybrid (e4m3 forward, e5m2 gradients), e4m3, e5m2, "
+        "FORWARD/BACKWARD (e4m3/e5m2) or none."
+    )
+
+
+def _option_value(key: str, value: str, text: str) -> object:
+    if key == "keep":
+        return tuple(v for v in value.split("+") if v.strip()) if value.lower() != "none" else ()
+    if key in ("history", "margin"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"fp8={text!r}: {key}={value!r} is not a whole number.") from None
+    return value.lower()

@@ -5,15 +5,14 @@ Grammar (jmp's, extended):
     policy  := preset | dtype | field ("," field)*
     field   := key "=" value
     key     := base | params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names
-               | fp32_ops|ops | kernels | fp8 | fp8_scaling | fp8_history | fp8_amax | fp8_margin | fp8_keep | fp8_gemm
+               | fp32_ops|ops | kernels | fp8
     value   := a dtype name (f32, float32, bf16, half, ...; compute also takes tf32)
                or, for the three lists, entries joined by "+"  (fp32_ops=softmax+exp)
                or, for base, a preset name (base=mixed_fp16,names=head: the preset, then the changes)
                kernels: auto (timed per machine), native or emulated
-               fp8: hybrid (e4m3 forward, e5m2 gradients) or e4m3;  fp8_scaling: current or delayed;
-               fp8_history: amax history length;  fp8_amax: max or recent;  fp8_margin: 0, 1, ...;
-               fp8_keep: Linear layers kept out of FP8, "first", "last" or name globs, joined by "+", or none;
-               fp8_gemm: auto, scaled_mm (PyTorch's FP8 GEMM wherever it has one) or emulated
+               fp8: an FP8 recipe, FORMATS or FORMATS(key=value,...), e.g. hybrid(scaling=current,keep=first+last)
+               (see :mod:`mixprec.policy.fp8_recipe`; with base, the named options change the preset's
+               recipe and the formats may be left out: base=fp8_hybrid,fp8=(scaling=current)), or none
 
 Unspecified fields follow jmp: params default to float32, compute to params, output to compute,
 master to float32. A lone dtype (``"bf16"``) means that dtype everywhere. With ``base``, unspecified
@@ -33,7 +32,7 @@ import dataclasses
 import torch
 
 from mixprec.compute.device import device_type_of
-from mixprec.policy.fp8_recipe import Fp8Recipe
+from mixprec.policy.fp8_recipe import Fp8Recipe, parse_recipe
 from mixprec.policy.policy import Policy
 from mixprec.policy.presets import PRESET_ALIASES, PRESETS, resolve_auto
 
@@ -60,15 +59,7 @@ _KEYS = {
     "ops": "fp32_ops",
     "kernels": "kernels",
     "fp8": "fp8",
-    "fp8_scaling": "fp8_scaling",
-    "fp8_history": "fp8_history",
-    "fp8_amax": "fp8_amax",
-    "fp8_margin": "fp8_margin",
-    "fp8_keep": "fp8_keep",
-    "fp8_gemm": "fp8_gemm",
 }
-_FP8_KEYS = ("fp8_scaling", "fp8_history", "fp8_amax", "fp8_margin", "fp8_keep", "fp8_gemm")
-_FP8_FORMATS = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3")}
 _LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
 _TF32 = ("tf32", "tensorfloat32")  # compute spellings that mean FP32 storage with TF32 matmuls
 
@@ -121,7 +112,7 @@ def _single_dtype(text: str, spec: str) -> Policy:
 
 def _parse_fields(text: str, spec: str) -> Policy:
     fields: dict[str, str] = {}
-    for part in text.split(","):
+    for part in _top_level_parts(text):
         key, sep, value = part.partition("=")
         key, value = key.strip().lower(), value.strip()
         if not sep or not key or not value:
@@ -173,42 +164,26 @@ def _plus_list(value: str) -> tuple[str, ...]:
     return tuple(v for v in value.split("+") if v.strip())
 
 
+def _top_level_parts(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses (an FP8 recipe's options are inside them)."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    return [*parts, text[start:]]
+
+
 def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp8Recipe | None:
-    """The FP8 recipe the fields describe, starting from ``base`` (a preset's recipe, or none)."""
-    given = [k for k in _FP8_KEYS if k in fields]
-    if "fp8" not in fields and not given:
+    """The FP8 recipe the ``fp8`` field spells, starting from ``base`` (a preset's recipe, or none)."""
+    if "fp8" not in fields:
         return base
-    if "fp8" in fields and fields["fp8"].lower() == "none":
+    if fields["fp8"].lower() == "none":
         return None
-    if "fp8" not in fields and base is None:
-        raise ValueError(
-            f"get_policy(spec={spec!r}): {', '.join(given)} set(s) an FP8 recipe; add fp8=hybrid or fp8=e4m3, "
-            "or start from base=fp8."
-        )
-    changes: dict[str, object] = {}
-    if "fp8" in fields:
-        formats = _FP8_FORMATS.get(fields["fp8"].lower())
-        if formats is None:
-            raise ValueError(
-                f"get_policy(spec={spec!r}): fp8={fields['fp8']!r}; "
-                "use hybrid (e4m3 forward, e5m2 gradients), e4m3 or none."
-            )
-        changes["forward"], changes["backward"] = formats
-    for key in ("fp8_scaling", "fp8_amax", "fp8_gemm"):
-        if key in fields:
-            changes[key.removeprefix("fp8_")] = fields[key].lower()
-    for key in ("fp8_history", "fp8_margin"):
-        if key in fields:
-            try:
-                changes[key.removeprefix("fp8_")] = int(fields[key])
-            except ValueError:
-                raise ValueError(f"get_policy(spec={spec!r}): {key}={fields[key]!r} is not a whole number.") from None
-    if "fp8_keep" in fields:
-        keep = fields["fp8_keep"]
-        changes["keep"] = () if keep.lower() == "none" else _plus_list(keep)
     try:
-        return dataclasses.replace(base or Fp8Recipe(), **changes)
-    except (TypeError, ValueError) as exc:
+        return parse_recipe(fields["fp8"], base)
+    except ValueError as exc:
         raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
 
 
@@ -222,7 +197,7 @@ def _with_base(fields: dict[str, str], spec: str) -> Policy:
     changes: dict[str, object] = {}
     changes["fp8"] = _fp8_recipe(fields, base.fp8, spec)
     for key, value in fields.items():
-        if key == "fp8" or key in _FP8_KEYS:
+        if key == "fp8":
             continue
         if key in _LIST_KEYS:
             changes[key] = _plus_list(value)
@@ -247,8 +222,8 @@ def parse_policy_list(text: str, *, device: str | torch.device | None = None) ->
     form one policy string until a key repeats.
 
     Example:
-        >>> [spec for spec, _ in parse_policy_list("fp32,p=f32,c=bf16,mixed_fp16")]
-        ['fp32', 'p=f32,c=bf16', 'mixed_fp16']
+        >>> [spec for spec, _ in parse_policy_list("fp32,p=f32,c=bf16,mixed_fp16,base=fp8,fp8=(history=4,amax=max)")]
+        ['fp32', 'p=f32,c=bf16', 'mixed_fp16', 'base=fp8,fp8=(history=4,amax=max)']
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"--policies needs at least one policy; received {text!r}. Example: fp32,mixed_bf16.")
@@ -256,7 +231,7 @@ def parse_policy_list(text: str, *, device: str | torch.device | None = None) ->
     for chunk in text.split(";"):
         group: list[str] = []  # key=value parts of the policy string being collected
         keys: set[str] = set()
-        for part in (p.strip() for p in chunk.split(",")):
+        for part in (p.strip() for p in _top_level_parts(chunk)):
             if not part:
                 continue
             key = _KEYS.get(part.partition("=")[0].strip().lower(), part) if "=" in part else None

@@ -19,7 +19,7 @@ equal policy.
 
 Example:
     >>> p = Policy(param_dtype=torch.float32, compute_dtype=torch.bfloat16)
-    >>> str(p.with_fp32_ops("softmax"))
+    >>> str(p.replace(fp32_ops=("softmax",)))
     'params=float32,compute=bfloat16,output=float32,fp32_ops=softmax'
 """
 
@@ -96,7 +96,7 @@ class Policy:
                 "(auto: chosen by timing on this machine)."
             )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
-            raise TypeError(f"Policy(fp8=...) takes a mixprec.regions.fp8.Fp8Recipe or None; received {self.fp8!r}.")
+            raise TypeError(f"Policy(fp8=...) takes a mixprec.Fp8Recipe or None; received {self.fp8!r}.")
 
     # -- derived facts -----------------------------------------------------------------------
     @property
@@ -109,30 +109,13 @@ class Policy:
         """True when the optimizer updates FP32 copies of low-precision parameters."""
         return self.master_dtype == torch.float32 and self.param_dtype != torch.float32
 
-    # -- new policies from this one ----------------------------------------------------------
-    def with_param_dtype(self, dtype: torch.dtype | str) -> Policy:
-        return dataclasses.replace(self, param_dtype=dtype, reason="")
-
-    def with_compute_dtype(self, dtype: torch.dtype | str) -> Policy:
-        return dataclasses.replace(self, compute_dtype=dtype, allow_tf32=False, reason="")
-
-    def with_output_dtype(self, dtype: torch.dtype | str) -> Policy:
-        return dataclasses.replace(self, output_dtype=dtype, reason="")
-
-    def with_master_dtype(self, dtype: torch.dtype | str) -> Policy:
-        return dataclasses.replace(self, master_dtype=dtype, reason="")
-
-    def with_fp32_modules(self, *classes: str) -> Policy:
-        """A policy whose FP32 module classes are exactly ``classes`` (``"norm"``, ``"Embedding"``)."""
-        return dataclasses.replace(self, fp32_modules=classes, reason="")
-
-    def with_fp32_names(self, *globs: str) -> Policy:
-        """A policy whose FP32 module name globs are exactly ``globs`` (``"*.lm_head"``)."""
-        return dataclasses.replace(self, fp32_names=globs, reason="")
-
-    def with_fp32_ops(self, *ops: str) -> Policy:
-        """A policy whose FP32 ops are exactly ``ops`` (``"softmax"``, ``"exp"``)."""
-        return dataclasses.replace(self, fp32_ops=ops, reason="")
+    # -- a new policy from this one ----------------------------------------------------------
+    def replace(self, **changes: object) -> Policy:
+        """This policy with ``changes`` (field names, e.g. ``fp32_ops=("softmax",)``), validated as in the
+        constructor; the reason is cleared, and a new compute dtype turns TF32 off unless it is also given."""
+        if "compute_dtype" in changes:
+            changes.setdefault("allow_tf32", False)
+        return dataclasses.replace(self, **{"reason": "", **changes})
 
     # -- the grammar ---------------------------------------------------------------------------
     def __str__(self) -> str:
@@ -151,17 +134,7 @@ class Policy:
         if self.kernels != "auto":
             parts.append(f"kernels={self.kernels}")
         if self.fp8 is not None:
-            recipe = self.fp8
-            parts += [
-                f"fp8={recipe.format_name}",
-                f"fp8_scaling={recipe.scaling}",
-                f"fp8_history={recipe.history}",
-                f"fp8_amax={recipe.amax}",
-                f"fp8_margin={recipe.margin}",
-                f"fp8_keep={'+'.join(recipe.keep) or 'none'}",
-            ]
-            if recipe.gemm != "auto":
-                parts.append(f"fp8_gemm={recipe.gemm}")
+            parts.append(f"fp8={self.fp8}")
         return ",".join(parts)
 
 
