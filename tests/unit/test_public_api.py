@@ -1,0 +1,35 @@
+"""docs/api.md lists the whole public API, and every listed name exists."""
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+PACKAGES = [
+    "mixprec",
+    "mixprec.numerics",
+    "mixprec.compute",
+    "mixprec.policy",
+    "mixprec.scaling",
+    "mixprec.master",
+    "mixprec.distributed",
+    "mixprec.regions",
+    "mixprec.regions.fp8",
+    "mixprec.parallel",
+    "mixprec.engine",
+    "mixprec.doctor",
+    "mixprec.app",
+]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_is_documented_and_exists(package):
+    module = importlib.import_module(package)
+    documented = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", API_DOC.read_text()))
+    missing = [name for name in module.__all__ if name not in documented]
+    assert not missing, f"add these names of {package} to docs/api.md: {missing}"
+    for name in module.__all__:
+        assert getattr(module, name) is not None
+    assert f"`{package}`" in API_DOC.read_text(), f"docs/api.md has no section or row for {package}"
