@@ -149,11 +149,14 @@ class EmulatedAutocast(TorchFunctionMode):
         # storage of an FP32 copy -> (the copy, its 16-bit source); layouts match (both preserve strides)
         self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._suspended = 0
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def __enter__(self) -> EmulatedAutocast:
         super().__enter__()
-        self._saved_hooks.__enter__()
+        # Saving 16-bit sources for backward is an eager-mode saving; compiled, the compiler plans it.
+        self._saving = not torch.compiler.is_compiling()
+        if self._saving:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self._saved_hooks.__enter__()
         _ACTIVE.append(self)
         return self
 
@@ -164,8 +167,7 @@ class EmulatedAutocast(TorchFunctionMode):
             return tensor
         return (_PACKED, entry[1], tensor.size(), tensor.stride(), tensor.storage_offset())
 
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple) and packed[0] == _PACKED:
             _, low, size, stride, offset = packed
             return low.float().as_strided(size, stride, offset)  # the same layout as the FP32 copy it replaces
@@ -182,7 +184,8 @@ class EmulatedAutocast(TorchFunctionMode):
 
     def __exit__(self, *exc: Any) -> Any:
         _ACTIVE.remove(self)
-        self._saved_hooks.__exit__(*exc)
+        if self._saving:
+            self._saved_hooks.__exit__(*exc)
         self._weights.clear()  # like autocast's cast cache: valid for one region
         self._low_of.clear()
         return super().__exit__(*exc)
@@ -218,6 +221,8 @@ class EmulatedAutocast(TorchFunctionMode):
         """The tensor's values in the 16-bit format, as an FP32 tensor (cached for parameters)."""
         if tensor.dtype not in (self.dtype, torch.float32):
             return tensor
+        if torch.compiler.is_compiling():  # the compiler plans what backward saves; no caches to trace
+            return tensor.to(self.dtype).float()
         is_weight = tensor.dtype == torch.float32 and tensor.is_leaf and tensor.requires_grad
         if is_weight:  # round it once per region
             cached = self._weights.get(id(tensor))
@@ -236,7 +241,7 @@ class EmulatedAutocast(TorchFunctionMode):
         if tensor.dtype not in (torch.float16, torch.bfloat16):
             return tensor
         wide = tensor.float()
-        if torch.is_grad_enabled() and tensor.dtype == self.dtype:
+        if torch.is_grad_enabled() and tensor.dtype == self.dtype and not torch.compiler.is_compiling():
             self._low_of[wide.untyped_storage().data_ptr()] = (weakref.ref(wide), tensor)
         return wide
 

@@ -27,6 +27,8 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return type(value)(*(map_tensors(v, fn) for v in value))
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(v, fn) for v in value)
+    if type(value) is dict:  # kwargs: a comprehension, which torch.compile traces (it cannot trace dict.copy)
+        return {key: map_tensors(item, fn) for key, item in value.items()}
     if isinstance(value, Mapping):
         out = copy.copy(value)
         for key, item in value.items():

@@ -41,7 +41,7 @@ from mixprec.numerics.finite import nonfinite_kinds
 from mixprec.parallel.fsdp import is_sharded, sharded_with
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.autocast import ComputePlan, autocast, check_device_supports, compute_plan
+from mixprec.regions.autocast import ComputePlan, Region, check_device_supports, compute_plan
 from mixprec.regions.casting import cast_module, lowered_parameters
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.scaling.base import LossScaler
@@ -169,6 +169,7 @@ class MixedPrecision:
         self.masters = MasterWeights(optimizer, mastered) if mastered else None  # before the cast: exact values
         if not self.sharded:
             cast_module(model, self.policy)
+        self._region = Region(self.policy, model, self.device)  # prepared once: entering it only enters contexts
 
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
@@ -199,7 +200,7 @@ class MixedPrecision:
     def autocast(self) -> Iterator[Policy]:
         """The policy's low-precision region for this model (see :func:`mixprec.autocast`)."""
         self._order.on_forward()
-        with autocast(self.policy, self.model, device=self.device) as policy:
+        with self._region.enter() as policy:
             yield policy
 
     @property

@@ -48,7 +48,7 @@ from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.regions.fp8.region import fp8_region
 from mixprec.regions.op_overrides import FP32Ops
 
-__all__ = ["ComputePlan", "autocast", "check_device_supports", "compute_plan", "tf32_matmuls"]
+__all__ = ["ComputePlan", "Region", "autocast", "check_device_supports", "compute_plan", "tf32_matmuls"]
 
 
 @dataclass(frozen=True)
@@ -162,49 +162,125 @@ def autocast(
     Raises:
         ValueError: the device cannot compute in the policy's compute dtype.
     """
-    policy = get_policy(policy, device=device)
-    if device is None and model is not None:
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else None
-    device_type = device_type_of(device)
-    check_device_supports(policy, device_type)
-    plan = compute_plan(policy, device_type)
-    with contextlib.ExitStack() as stack:
-        if plan.mode == "emulated":
-            emulation = stack.enter_context(EmulatedAutocast(plan.dtype, policy.fp32_ops))
-            fp32_region = emulation.suspend
-        else:
-            fp32_region = functools.partial(torch.autocast, device_type, enabled=False)
-            if plan.mode in ("native", "hybrid"):
-                stack.enter_context(torch.autocast(device_type, dtype=plan.dtype))
-                if uses_gemm_attention(policy, plan):
-                    stack.enter_context(GemmAttention())
-            if plan.mode == "hybrid":
-                only = plan.kernels.emulated_ops
-                emulation = stack.enter_context(
-                    EmulatedAutocast(plan.dtype, policy.fp32_ops, only=only, device_type=device_type)
-                )
-                fp32_region = functools.partial(_fp32_in_hybrid, emulation, device_type)
-            if policy.allow_tf32:
-                stack.enter_context(tf32_matmuls(device_type))
-            if policy.fp32_ops:
-                stack.enter_context(FP32Ops(policy.fp32_ops, device_type))
-        if policy.fp8 is not None:
-            if model is None:
-                raise ValueError(
-                    f"policy {policy} computes Linear layers in FP8, which needs the model: "
-                    "use autocast(policy, model)."
-                )
-            stack.enter_context(fp8_region(model, policy.fp8, policy.compute_dtype))
+    region = Region(policy, model, device)
+    try:
+        with region.enter() as resolved:
+            yield resolved
+    finally:
+        region.close()  # a one-off region leaves the model as it was
+
+
+class Region:
+    """A policy's region prepared once and entered many times (:class:`mixprec.MixedPrecision` keeps one).
+
+    Preparing resolves the policy, checks the device, reads the compute plan (measured once per machine)
+    and installs the model's output cast; entering only enters contexts. So a step that enters the region
+    inside ``torch.compile`` traces it without graph breaks, and a compiled model is not recompiled
+    because hooks came and went.
+    """
+
+    def __init__(
+        self, policy: Policy | str, model: nn.Module | None = None, device: str | torch.device | None = None
+    ) -> None:
+        self.policy = get_policy(policy, device=device)
+        if device is None and model is not None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else None
+        self.device_type = device_type_of(device)
+        check_device_supports(self.policy, self.device_type)
+        self.plan = compute_plan(self.policy, self.device_type)
+        self.model = model
+        self._fp32_modules: list[nn.Module] = []
+        if self.policy.fp8 is not None and model is None:
+            raise ValueError(
+                f"policy {self.policy} computes Linear layers in FP8, which needs the model: "
+                "use autocast(policy, model)."
+            )
+        self._output_hook = None
         if model is not None:
-            stack.enter_context(_model_hooks(model, policy, fp32_region))
-        yield policy
+            self._output_hook = _install_output_cast(model)
+            self._fp32_modules = _hooked_fp32_modules(model, self.policy)
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[Policy]:
+        """The region itself: a context manager that yields the policy. One ``with`` statement, with a
+        null context for each part the policy does not use, so torch.compile can trace it."""
+        policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
+        emulation = None
+        if plan.mode == "emulated":
+            emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops)
+        elif plan.mode == "hybrid":
+            only = plan.kernels.emulated_ops
+            emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops, only=only, device_type=device_type)
+        native = plan.mode in ("native", "hybrid")
+        null = contextlib.nullcontext()
+        with (
+            torch.autocast(device_type, dtype=plan.dtype) if native else null,
+            GemmAttention() if native and uses_gemm_attention(policy, plan) else null,
+            emulation if emulation is not None else null,
+            tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
+            FP32Ops(policy.fp32_ops, device_type) if policy.fp32_ops and plan.mode != "emulated" else null,
+            fp8_region(model, policy.fp8, policy.compute_dtype) if policy.fp8 is not None else null,
+            _output_dtype(model, policy.output_dtype) if model is not None else null,
+            _model_hooks(self._fp32_modules, self._fp32_region(emulation)) if self._fp32_modules else null,
+        ):
+            yield policy
+
+    def close(self) -> None:
+        """Remove the output-cast hook this region installed (none if the model already had one)."""
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
+
+    def _fp32_region(self, emulation: EmulatedAutocast | None) -> Callable[[], contextlib.AbstractContextManager]:
+        """What an FP32 module's forward runs in: neither autocast nor the emulation touches its ops."""
+        if self.plan.mode == "emulated":
+            return emulation.suspend
+        if self.plan.mode == "hybrid":
+            return functools.partial(_fp32_in_hybrid, emulation, self.device_type)
+        return functools.partial(torch.autocast, self.device_type, enabled=False)
+
+
+# The model's outputs are cast by one forward hook, installed once and kept: while a region is active
+# the model carries the output dtype in this attribute, and the hook casts to it; otherwise it does nothing.
+_OUTPUT_DTYPE = "_mixprec_output_dtype"
+
+
+def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
+    dtype = getattr(module, _OUTPUT_DTYPE, None)
+    return None if dtype is None else _cast_floating(output, dtype)
+
+
+def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
+    """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
+    if _cast_outputs in model._forward_hooks.values():
+        return None
+    return model.register_forward_hook(_cast_outputs)
+
+
+@contextlib.contextmanager
+def _output_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    previous = getattr(model, _OUTPUT_DTYPE, None)
+    setattr(model, _OUTPUT_DTYPE, dtype)
+    try:
+        yield
+    finally:
+        setattr(model, _OUTPUT_DTYPE, previous)
+
+
+def _hooked_fp32_modules(model: nn.Module, policy: Policy) -> list[nn.Module]:
+    """The FP32 modules whose forward needs autocast off and FP32 inputs (norms compute in FP32 already)."""
+    if policy.compute_dtype == torch.float32:
+        return []
+    # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
+    return [module for _, module in fp32_modules(model, policy) if not isinstance(module, MIXED_DTYPE_NORMS)]
 
 
 @contextlib.contextmanager
 def _model_hooks(
-    model: nn.Module, policy: Policy, fp32_region: Callable[[], contextlib.AbstractContextManager]
+    modules: list[nn.Module], fp32_region: Callable[[], contextlib.AbstractContextManager]
 ) -> Iterator[None]:
+    """FP32 modules: autocast off and FP32 inputs for their forward (hooks for the region's lifetime)."""
     handles = []
     # (module, autocast-off region) for each FP32 module whose forward is running, innermost last.
     open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
@@ -220,13 +296,9 @@ def _model_hooks(
         if open_regions and open_regions[-1][0] is module:
             open_regions.pop()[1].__exit__(None, None, None)
 
-    if policy.compute_dtype != torch.float32:
-        for _, module in fp32_modules(model, policy):
-            if isinstance(module, MIXED_DTYPE_NORMS):
-                continue  # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
-            handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))
-            handles.append(module.register_forward_hook(leave_fp32, always_call=True))
-    handles.append(model.register_forward_hook(lambda m, a, out: _cast_floating(out, policy.output_dtype)))
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave_fp32, always_call=True))
     try:
         yield
     finally:

@@ -98,6 +98,8 @@ def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
             f"cast_module(model=...) needs a torch.nn.Module; received an object of type {type(model).__name__}."
         )
     for module, dtype in _target_dtypes(model, policy):
+        if isinstance(module, MIXED_DTYPE_NORMS) and dtype != torch.float32:
+            _install_norm_input_cast(module)
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
@@ -107,3 +109,20 @@ def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
                 setattr(module, key, buffer.to(dtype))
     return model
+
+
+def _norm_input_to_params(module: nn.Module, args: tuple) -> tuple | None:
+    """A norm with 16-bit parameters takes FP32 input in its parameters' dtype (PyTorch's CPU kernels
+    refuse FP32 input with 16-bit parameters; a model's inputs often arrive in FP32)."""
+    weight = getattr(module, "weight", None)
+    if not args or not isinstance(args[0], torch.Tensor) or weight is None:
+        return None
+    if args[0].dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16):
+        return (args[0].to(weight.dtype), *args[1:])
+    return None
+
+
+def _install_norm_input_cast(module: nn.Module) -> None:
+    # Installed once and kept (a model's casts are permanent), so torch.compile sees the same hooks each step.
+    if _norm_input_to_params not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(_norm_input_to_params)

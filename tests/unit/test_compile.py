@@ -1,0 +1,102 @@
+"""torch.compile: mixprec's regions trace without graph breaks, compiled equals eager, and models
+whose inputs arrive in FP32 work under every policy."""
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+POLICIES = ["fp32", "mixed_bf16", "o2_bf16", "pure_bf16", "mixed_fp16", "o2_fp16"]
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: layer norms, attention through SDPA, a GELU MLP."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def _setup(policy: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(16, 4))  # the first op is a LayerNorm on FP32 input
+    optimizer = (mixprec.AdamW if policy == "pure_bf16" else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+    return model, mixprec.MixedPrecision(model, optimizer, policy)
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_model_whose_first_op_is_a_norm_on_fp32_input_trains_under_every_policy(policy):
+    model, mp = _setup(policy)
+    losses = []
+    for _ in range(5):
+        with mp.autocast():
+            loss = model(_inputs()).float().pow(2).mean()
+        mp.backward(loss)
+        mp.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_whole_forward_step_traces_without_graph_breaks(policy):
+    model, mp = _setup(policy)
+
+    def forward_loss(x):
+        with mp.autocast():
+            return model(x).float().pow(2).mean()
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward_loss)(_inputs())
+    reasons = [str(b.reason)[:200] for b in explained.break_reasons]
+    assert explained.graph_break_count == 0, reasons
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_compiled_model_inside_the_region_has_no_graph_breaks_and_equals_eager(policy):
+    model, mp = _setup(policy)
+    torch._dynamo.reset()
+    with mp.autocast():
+        explained = torch._dynamo.explain(model)(_inputs())
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+
+    compiled = torch.compile(model, backend="aot_eager")  # tracing and autograd as compiled, no C++ build
+    results = []
+    for module in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        with mp.autocast():
+            out = module(_inputs())
+        out.float().pow(2).mean().backward()
+        results.append((out.detach().float(), [p.grad.float().clone() for p in model.parameters()]))
+    (eager_out, eager_grads), (compiled_out, compiled_grads) = results
+    assert compiled_out.dtype == eager_out.dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if policy == "fp32" else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(compiled_out, eager_out, **tolerance)
+    for compiled_grad, eager_grad in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(compiled_grad, eager_grad, **tolerance)
+
+
+def test_a_region_leaves_one_output_hook_however_often_it_is_entered():
+    model, mp = _setup("mixed_bf16")
+    for _ in range(3):
+        with mp.autocast():
+            model(_inputs())
+    assert len(model._forward_hooks) == 1  # installed once: a compiled model is not recompiled per step
+    with torch.no_grad():
+        assert model(_inputs()).dtype == torch.float32  # outside the region the hook does nothing
