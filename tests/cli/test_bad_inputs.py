@@ -30,13 +30,12 @@ def _engine(policy="mixed_bf16", **kwargs) -> mixprec.MixedPrecision:
     return mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
 
 
-def _trainer(**kwargs) -> mixprec.app.Trainer:
+def _trainer() -> mixprec.app.Trainer:
     model = _model()
     batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return mixprec.app.Trainer(
-        model, batches, None, nn.functional.cross_entropy, optimizer, "fp32", progress=False, **kwargs
-    )
+    data = mixprec.app.TrainData(batches, None, nn.functional.cross_entropy)
+    return mixprec.app.Trainer(model, optimizer, data, "fp32", run=mixprec.app.RunOptions(progress=False))
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -134,7 +133,18 @@ API_CASES = [
         ["'parallel'", "'zero3'", "fsdp"],
     ),
     ("task name", lambda t: build_task("digitz", TaskConfig(8, 0, "cpu", "tiny")), ValueError, ["'digitz'", "digits"]),
-    ("trainer bad-batch action", lambda t: _trainer(on_bad_batch="ignore"), ValueError, ["'ignore'", "'skip'"]),
+    (
+        "trainer bad-batch action",
+        lambda t: mixprec.app.BatchChecks(on_bad_batch="ignore"),
+        ValueError,
+        ["BatchChecks(on_bad_batch=...)", "'ignore'", "'skip'"],
+    ),
+    (
+        "trainer log cadence",
+        lambda t: mixprec.app.RunOptions(log_every=0),
+        ValueError,
+        ["RunOptions(log_every=...)", "received 0"],
+    ),
     ("fit steps", lambda t: _trainer().fit(steps=0), ValueError, ["steps", "0"]),
     ("fit both lengths", lambda t: _trainer().fit(epochs=1, steps=1), ValueError, ["exactly one of"]),
     ("checkpoint missing", lambda t: load_checkpoint(t / "none.safetensors"), CheckpointError, ["no such checkpoint"]),
