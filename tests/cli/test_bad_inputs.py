@@ -190,6 +190,11 @@ def _policy_file(tmp: Path, text: str) -> Path:
 CLI_CASES = [
     ("train steps", ["train", "digits", "--steps", "0", "--out", "{tmp}/run"], ["'steps' must be >= 1"]),
     ("train lr", ["train", "digits", "--lr", "-1", "--out", "{tmp}/run"], ["'lr' must be >= 0"]),
+    (
+        "train clip to zero",
+        ["train", "digits", "--max-grad-norm", "0", "--out", "{tmp}/run"],
+        ["'max_grad_norm' must be a positive finite number", "received 0.0"],
+    ),
     ("train policy key", ["train", "digits", "--policy", "p=bf16,q=1", "--out", "{tmp}/run"], ["unknown key 'q'"]),
     ("train device", ["train", "digits", "--device", "cuda", "--out", "{tmp}/run"], ["no CUDA device"]),
     ("train parallel", ["train", "digits", "--parallel", "zero3"], ["invalid choice: 'zero3'"]),
