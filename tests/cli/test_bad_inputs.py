@@ -30,13 +30,12 @@ def _engine(policy="mixed_bf16", **kwargs) -> mixprec.MixedPrecision:
     return mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
 
 
-def _trainer(**kwargs) -> mixprec.app.Trainer:
+def _trainer() -> mixprec.app.Trainer:
     model = _model()
     batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return mixprec.app.Trainer(
-        model, batches, None, nn.functional.cross_entropy, optimizer, "fp32", progress=False, **kwargs
-    )
+    data = mixprec.app.TrainData(batches, None, nn.functional.cross_entropy)
+    return mixprec.app.Trainer(model, optimizer, data, "fp32", run=mixprec.app.RunOptions(progress=False))
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -134,7 +133,18 @@ API_CASES = [
         ["'parallel'", "'zero3'", "fsdp"],
     ),
     ("task name", lambda t: build_task("digitz", TaskConfig(8, 0, "cpu", "tiny")), ValueError, ["'digitz'", "digits"]),
-    ("trainer bad-batch action", lambda t: _trainer(on_bad_batch="ignore"), ValueError, ["'ignore'", "'skip'"]),
+    (
+        "trainer bad-batch action",
+        lambda t: mixprec.app.BatchChecks(on_bad_batch="ignore"),
+        ValueError,
+        ["BatchChecks(on_bad_batch=...)", "'ignore'", "'skip'"],
+    ),
+    (
+        "trainer log cadence",
+        lambda t: mixprec.app.RunOptions(log_every=0),
+        ValueError,
+        ["RunOptions(log_every=...)", "received 0"],
+    ),
     ("fit steps", lambda t: _trainer().fit(steps=0), ValueError, ["steps", "0"]),
     ("fit both lengths", lambda t: _trainer().fit(epochs=1, steps=1), ValueError, ["exactly one of"]),
     ("checkpoint missing", lambda t: load_checkpoint(t / "none.safetensors"), CheckpointError, ["no such checkpoint"]),
@@ -180,6 +190,11 @@ def _policy_file(tmp: Path, text: str) -> Path:
 CLI_CASES = [
     ("train steps", ["train", "digits", "--steps", "0", "--out", "{tmp}/run"], ["'steps' must be >= 1"]),
     ("train lr", ["train", "digits", "--lr", "-1", "--out", "{tmp}/run"], ["'lr' must be >= 0"]),
+    (
+        "train clip to zero",
+        ["train", "digits", "--max-grad-norm", "0", "--out", "{tmp}/run"],
+        ["'max_grad_norm' must be a positive finite number", "received 0.0"],
+    ),
     ("train policy key", ["train", "digits", "--policy", "p=bf16,q=1", "--out", "{tmp}/run"], ["unknown key 'q'"]),
     ("train device", ["train", "digits", "--device", "cuda", "--out", "{tmp}/run"], ["no CUDA device"]),
     ("train parallel", ["train", "digits", "--parallel", "zero3"], ["invalid choice: 'zero3'"]),

@@ -116,9 +116,8 @@ def test_a_model_that_overflows_at_every_scale_reaches_the_floor_safely(caplog):
     x, y = _data()
     batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 640, 64)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = mixprec.app.Trainer(
-        model, batches, None, nn.functional.cross_entropy, optimizer, "mixed_fp16", progress=False
-    )
+    data = mixprec.app.TrainData(batches, None, nn.functional.cross_entropy)
+    trainer = mixprec.app.Trainer(model, optimizer, data, "mixed_fp16", run=mixprec.app.RunOptions(progress=False))
     result = trainer.fit(steps=60)  # returns: a bounded number of attempts, every one skipped
     stats = result.stats
     assert result.steps == 60 and stats.skipped_steps == 60 and stats.applied_steps == 0

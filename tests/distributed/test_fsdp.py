@@ -90,8 +90,9 @@ def _train(policy: str, rank: int, world: int, inject: bool = False) -> dict:
 def _trainer(policy: str, out: str) -> mixprec.app.Trainer:
     model = mixprec.fully_shard(_net(), policy, reduce_dtype=POLICIES[policy])
     return mixprec.app.Trainer(
-        model, _batches(), None, nn.functional.cross_entropy, _optimizer(model, policy), policy,
-        out_dir=out, checkpoint_every=3, progress=False, max_grad_norm=1.0,
+        model, _optimizer(model, policy), mixprec.app.TrainData(_batches(), None, nn.functional.cross_entropy), policy,
+        update=mixprec.app.UpdateOptions(max_grad_norm=1.0),
+        run=mixprec.app.RunOptions(out_dir=out, checkpoint_every=3, progress=False),
     )  # fmt: skip
 
 

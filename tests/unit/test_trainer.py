@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -6,14 +7,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
 import mixprec.app
-from mixprec.app import Trainer, TrainingInterrupted, accuracy
+from mixprec.app import BatchChecks, RunOptions, TrainData, Trainer, TrainingInterrupted, UpdateOptions, accuracy
 from mixprec.app.checkpoint import list_checkpoints
 from mixprec.app.tasks.digits import DigitsCNN, load_digits_split
 
 DIGITS = load_digits_split()
 
 
-def make_trainer(out_dir, policy="o2_bf16", loss_fn=torch.nn.functional.cross_entropy, **kwargs):
+def make_trainer(
+    out_dir, policy="o2_bf16", loss_fn=torch.nn.functional.cross_entropy, accumulation_steps=1, eval_every=None
+):
     train_x, train_y, test_x, test_y = DIGITS
     torch.manual_seed(0)
     model = DigitsCNN(width=8)
@@ -23,18 +26,12 @@ def make_trainer(out_dir, policy="o2_bf16", loss_fn=torch.nn.functional.cross_en
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.05 * step))
     return Trainer(
         model,
-        train,
-        test,
-        loss_fn,
         optimizer,
+        TrainData(train, test, loss_fn, metric=accuracy),
         policy,
-        metric=accuracy,
         scheduler=scheduler,
-        out_dir=out_dir,
-        progress=False,
-        log_every=5,
-        max_grad_norm=1.0,
-        **kwargs,
+        update=UpdateOptions(max_grad_norm=1.0, accumulation_steps=accumulation_steps),
+        run=RunOptions(out_dir=out_dir, progress=False, log_every=5, eval_every=eval_every),
     )
 
 
@@ -136,18 +133,12 @@ def nan_batches():
 def test_nan_inputs_stop_with_a_clear_message_or_are_skipped(tmp_path):
     model = DigitsCNN(width=4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(model, nan_batches(), None, torch.nn.functional.cross_entropy, optimizer, "fp32", progress=False)
+    data = TrainData(nan_batches(), None, torch.nn.functional.cross_entropy)
+    trainer = Trainer(model, optimizer, data, "fp32", run=RunOptions(progress=False))
     with pytest.raises(ValueError, match=r"batch 2 of epoch 0 has NaN or inf in its inputs.*on_bad_batch='skip'"):
         trainer.fit(epochs=1)
     skipping = Trainer(
-        model,
-        nan_batches(),
-        None,
-        torch.nn.functional.cross_entropy,
-        optimizer,
-        "fp32",
-        progress=False,
-        on_bad_batch="skip",
+        model, optimizer, data, "fp32", run=RunOptions(progress=False), checks=BatchChecks(on_bad_batch="skip")
     )
     assert skipping.fit(steps=2).steps == 2 and skipping.skipped_batches == 1
 
@@ -177,8 +168,72 @@ def test_fit_arguments(tmp_path, kwargs, message):
 def test_trainer_is_exported_and_rejects_bad_options():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"on_bad_batch=...\): received 'ignore'"):
-        mixprec.app.Trainer(model, [], None, torch.nn.functional.mse_loss, optimizer, "fp32", on_bad_batch="ignore")
+    data = mixprec.app.TrainData([], None, torch.nn.functional.mse_loss)
+    with pytest.raises(ValueError, match=r"BatchChecks\(on_bad_batch=...\): received 'ignore'"):
+        mixprec.app.Trainer(model, optimizer, data, "fp32", checks=mixprec.app.BatchChecks(on_bad_batch="ignore"))
+    with pytest.raises(TypeError, match=r"Trainer\(data=...\) needs a mixprec.app.TrainData; received \[\]"):
+        mixprec.app.Trainer(model, optimizer, [], "fp32")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Trainer\(run=...\) needs a mixprec.app.RunOptions; received \{\}"):
+        mixprec.app.Trainer(model, optimizer, data, "fp32", run={})  # type: ignore[arg-type]
+
+
+_LOSS = torch.nn.functional.mse_loss
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "phrases"),
+    [
+        (lambda: TrainData(None, None, _LOSS), TypeError, ["TrainData(train_data=...)", "None (of type NoneType)"]),
+        (lambda: TrainData([], 3, _LOSS), TypeError, ["TrainData(eval_data=...)", "3 (of type int)"]),
+        (lambda: TrainData([], None, "mse"), TypeError, ["TrainData(loss_fn=...)", "'mse' (of type str)"]),
+        (lambda: TrainData([], None, _LOSS, "accuracy"), TypeError, ["TrainData(metric=...)", "'accuracy'"]),
+        (lambda: UpdateOptions(scaler=1024.0), TypeError, ["UpdateOptions(scaler=...)", "1024.0 (of type float)"]),
+        (lambda: UpdateOptions(max_grad_norm=0), ValueError, ["UpdateOptions(max_grad_norm=...)", "0 (of type int)"]),
+        (lambda: UpdateOptions(max_grad_norm=-1.0), ValueError, ["max_grad_norm", "-1.0", "Pass None to not clip"]),
+        (lambda: UpdateOptions(accumulation_steps=0), ValueError, ["UpdateOptions(accumulation_steps=...)", "0"]),
+        (lambda: UpdateOptions(reduce_in_fp32="yes"), TypeError, ["UpdateOptions(reduce_in_fp32=...)", "'yes'"]),
+        (lambda: RunOptions(out_dir=3), TypeError, ["RunOptions(out_dir=...)", "3 (of type int)"]),
+        (lambda: RunOptions(seed=1.5), TypeError, ["RunOptions(seed=...)", "1.5 (of type float)"]),
+        (lambda: RunOptions(eval_every=0), ValueError, ["RunOptions(eval_every=...)", "0", "Pass None to evaluate"]),
+        (lambda: RunOptions(log_every=0), ValueError, ["RunOptions(log_every=...)", "0 (of type int)"]),
+        (lambda: RunOptions(checkpoint_every=2.5), ValueError, ["RunOptions(checkpoint_every=...)", "2.5"]),
+        (lambda: RunOptions(keep_checkpoints=True), ValueError, ["RunOptions(keep_checkpoints=...)", "True"]),
+        (lambda: RunOptions(progress=None), TypeError, ["RunOptions(progress=...)", "None (of type NoneType)"]),
+        (lambda: BatchChecks(check_inputs=1), TypeError, ["BatchChecks(check_inputs=...)", "1 (of type int)"]),
+        (
+            lambda: BatchChecks(on_bad_batch="ignore"),
+            ValueError,
+            ["BatchChecks(on_bad_batch=...)", "'ignore'", "'skip'"],
+        ),
+        (lambda: BatchChecks(trace_nonfinite="no"), TypeError, ["BatchChecks(trace_nonfinite=...)", "'no'"]),
+    ],
+)
+def test_each_option_refuses_a_bad_value_naming_the_field_and_the_value(build, error, phrases):
+    with pytest.raises(error) as raised:
+        build()
+    for phrase in phrases:
+        assert phrase in str(raised.value)
+
+
+def test_options_are_frozen_values_with_the_old_defaults():
+    assert dataclasses.asdict(RunOptions()) == {
+        "out_dir": None,
+        "seed": 0,
+        "eval_every": None,
+        "log_every": 10,
+        "checkpoint_every": None,
+        "keep_checkpoints": 3,
+        "progress": True,
+    }
+    assert dataclasses.asdict(UpdateOptions()) == {
+        "scaler": None,
+        "max_grad_norm": None,
+        "accumulation_steps": 1,
+        "reduce_in_fp32": False,
+    }
+    assert dataclasses.asdict(BatchChecks()) == {"check_inputs": True, "on_bad_batch": "stop", "trace_nonfinite": False}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunOptions().log_every = 5  # type: ignore[misc]
 
 
 class _Overflowing(torch.nn.Module):
@@ -200,11 +255,9 @@ def _poisoned_run(on_bad_batch, poison=True):
     else:
         del batches[2]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(
-        model, batches, None, torch.nn.functional.cross_entropy, optimizer, "mixed_bf16", progress=False,
-        on_bad_batch=on_bad_batch,
-    )  # fmt: skip
-    return trainer
+    data = TrainData(batches, None, torch.nn.functional.cross_entropy)
+    checks = BatchChecks(on_bad_batch=on_bad_batch)
+    return Trainer(model, optimizer, data, "mixed_bf16", run=RunOptions(progress=False), checks=checks)
 
 
 def test_a_nan_made_by_the_forward_pass_stops_naming_the_module_or_drops_the_batch():

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
     from mixprec.app.task import Metric, TaskConfig, TaskParts, accuracy, bits_per_char, build_task
     from mixprec.app.trainer import FitResult, Trainer, TrainingInterrupted
+    from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 
 _SOURCES = {
     "TrainConfig": "mixprec.app.config",
@@ -26,18 +27,26 @@ _SOURCES = {
     "FitResult": "mixprec.app.trainer",
     "Trainer": "mixprec.app.trainer",
     "TrainingInterrupted": "mixprec.app.trainer",
+    "BatchChecks": "mixprec.app.trainer_options",
+    "RunOptions": "mixprec.app.trainer_options",
+    "TrainData": "mixprec.app.trainer_options",
+    "UpdateOptions": "mixprec.app.trainer_options",
 }
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _SOURCES)
 
 __all__ = [
+    "BatchChecks",
     "FitResult",
     "Metric",
+    "RunOptions",
     "TaskConfig",
     "TaskParts",
     "TrainConfig",
+    "TrainData",
     "Trainer",
     "TrainingInterrupted",
+    "UpdateOptions",
     "accuracy",
     "bits_per_char",
     "build_task",

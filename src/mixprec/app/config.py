@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -73,10 +74,15 @@ class TrainConfig:
                 raise ValueError(f"config '{name}' must be >= 1; received {value}.")
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ValueError(f"config 'loss_scale': received {self.loss_scale!r}; use a positive number such as 1024.")
-        for name in ("lr", "weight_decay", "max_grad_norm"):
+        for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"config '{name}' must be >= 0; received {value}.")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(
+                f"config 'max_grad_norm' must be a positive finite number; received {self.max_grad_norm} "
+                "(a clip to 0 would zero every update); leave it out to not clip."
+            )
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"config 'parallel': received {self.parallel!r}; use one of {', '.join(PARALLEL_MODES)}.")
         if self.size not in SIZES:

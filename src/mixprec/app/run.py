@@ -11,6 +11,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from mixprec.app.report import plot_run, write_run_report
 from mixprec.app.task import TaskConfig, TaskParts, build_task
 from mixprec.app.torchrun import init_from_env
 from mixprec.app.trainer import FitResult, Trainer
+from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 from mixprec.distributed.ranks import world
 from mixprec.doctor.trace import NonFiniteEvent
 from mixprec.engine.memory import saved_activation_bytes
@@ -87,32 +89,28 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
     optimizer = optimizer_class(parts.model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
     total = settings.get("steps") or settings["epochs"] * (len(parts.train_data) // config.accumulation_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(max(total, 1)))
+    scaler = None
+    if config.loss_scale is not None:
+        scaler = DynamicLossScaler(init_scale=config.loss_scale, max_scale=max(2.0**24, config.loss_scale))
     trainer = Trainer(
         parts.model,
-        parts.train_data,
-        parts.eval_data,
-        parts.loss_fn,
         optimizer,
+        TrainData(parts.train_data, parts.eval_data, parts.loss_fn, parts.metric),
         policy,
-        metric=parts.metric,
         scheduler=scheduler,
-        max_grad_norm=settings["max_grad_norm"],
-        accumulation_steps=config.accumulation_steps,
-        out_dir=run_dir,
-        seed=config.seed,
-        eval_every=config.eval_every,
-        log_every=config.log_every,
-        checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.keep_checkpoints,
-        progress=progress,
-        on_bad_batch="skip" if config.skip_bad_batches else "stop",
-        scaler=(
-            DynamicLossScaler(init_scale=config.loss_scale, max_scale=max(2.0**24, config.loss_scale))
-            if config.loss_scale is not None
-            else None
+        update=UpdateOptions(scaler, settings["max_grad_norm"], config.accumulation_steps, config.reduce_fp32),
+        run=RunOptions(
+            out_dir=run_dir,
+            seed=config.seed,
+            eval_every=config.eval_every,
+            log_every=config.log_every,
+            checkpoint_every=config.checkpoint_every,
+            keep_checkpoints=config.keep_checkpoints,
+            progress=progress,
         ),
-        trace_nonfinite=config.trace_nonfinite,
-        reduce_in_fp32=config.reduce_fp32,
+        checks=BatchChecks(
+            on_bad_batch="skip" if config.skip_bad_batches else "stop", trace_nonfinite=config.trace_nonfinite
+        ),
     )
     return trainer, parts, settings
 
@@ -143,36 +141,11 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         activations = saved_activation_bytes(lambda: trainer.model(inputs), trainer.model)
     metric = parts.metric.name if parts.metric is not None else None
     parallel = ("FSDP2" if trainer.mp.sharded else "DDP") if trainer.world.distributed else None
-    plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric) if main else []
-    stats = result.stats
-    results = {
-        "steps": result.steps,
-        "epochs": result.epochs,
-        "seconds": result.seconds,
-        "ms_per_step": result.ms_per_step,
-        "samples_per_s": result.samples_per_s,
-        "final train loss": result.train_loss,
-        **{f"eval {k}": v for k, v in result.eval.items()},
-        "skipped steps": stats.skipped_steps,
-        "final loss scale": stats.scale,
-        "model state bytes/param": stats.bytes_per_param.total,
-        "saved activations (MB, one eval batch)": activations / 2**20,
-        "processes (data parallel)": trainer.world.size,
-        **({"parallel": parallel} if parallel else {}),
-    }
-    plan = trainer.mp.compute_plan
     report = run_dir / "report.md"
     if main:
-        write_run_report(
-            report,
-            title=f"mixprec run: {config.task} under {config.policy}",
-            config={**config.to_dict(), **settings, "task description": parts.description},
-            machine=machine_info(),
-            policy=str(trainer.mp.policy),
-            policy_reason=f"{trainer.mp.policy.reason}; compute {plan.mode}: {plan.reason}",
-            results=results,
-            plots=plots,
-        )
+        plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric)
+        results = _results(result, activations, trainer.world.size, parallel)
+        _write_report(report, config, {**settings, "task description": parts.description}, trainer, results, plots)
     return RunOutcome(
         config=config,
         run_dir=run_dir,
@@ -187,4 +160,42 @@ def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, pr
         nonfinite=trainer.tracer.events if trainer.tracer is not None else None,
         world_size=trainer.world.size,
         parallel=parallel,
+    )
+
+
+def _results(result: FitResult, activations: int, world_size: int, parallel: str | None) -> dict[str, Any]:
+    """The report's results table: length, speed, losses, the metric, skips, scale, memory, processes."""
+    stats = result.stats
+    return {
+        "steps": result.steps,
+        "epochs": result.epochs,
+        "seconds": result.seconds,
+        "ms_per_step": result.ms_per_step,
+        "samples_per_s": result.samples_per_s,
+        "final train loss": result.train_loss,
+        **{f"eval {k}": v for k, v in result.eval.items()},
+        "skipped steps": stats.skipped_steps,
+        "final loss scale": stats.scale,
+        "model state bytes/param": stats.bytes_per_param.total,
+        "saved activations (MB, one eval batch)": activations / 2**20,
+        "processes (data parallel)": world_size,
+        **({"parallel": parallel} if parallel else {}),
+    }
+
+
+def _write_report(
+    report: Path, config: TrainConfig, settings: dict, trainer: Trainer, results: dict[str, Any], plots: list[Path]
+) -> None:
+    """``report.md``: the config (with the resolved ``settings``), machine, policy and compute plan with
+    their reasons, the results and the plots."""
+    plan = trainer.mp.compute_plan
+    write_run_report(
+        report,
+        title=f"mixprec run: {config.task} under {config.policy}",
+        config={**config.to_dict(), **settings},
+        machine=machine_info(),
+        policy=str(trainer.mp.policy),
+        policy_reason=f"{trainer.mp.policy.reason}; compute {plan.mode}: {plan.reason}",
+        results=results,
+        plots=plots,
     )

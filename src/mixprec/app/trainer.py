@@ -9,8 +9,11 @@ Records in ``metrics.jsonl``:
            (steps skipped since the last record), samples_per_s, ms_per_step, lr, time (seconds)
     eval   step, loss, and the task's metric (e.g. accuracy)
 
-Host syncs: one per logged step (the running loss), one per step for the input check (``check_inputs``),
-and those of MixedPrecision.step().
+Its settings are four frozen values (:mod:`mixprec.app.trainer_options`): TrainData, UpdateOptions,
+RunOptions and BatchChecks.
+
+Host syncs: one per logged step (the running loss), one per step for the input check
+(``BatchChecks.check_inputs``), and those of MixedPrecision.step().
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +38,8 @@ from mixprec.app.checkpoint import load_latest, save_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.progress import ProgressBar
-from mixprec.app.task import Metric
 from mixprec.app.torchrun import shard
+from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 from mixprec.checks import whole_number
 from mixprec.distributed.ranks import agree_max, reduce_across_ranks, world
 from mixprec.doctor.trace import NonFiniteTracer
@@ -45,12 +48,10 @@ from mixprec.engine.stats import Stats
 from mixprec.parallel.ddp import wrap_ddp
 from mixprec.parallel.state import gather_state, scatter_state
 from mixprec.policy.policy import Policy
-from mixprec.scaling.base import LossScaler
 
 __all__ = ["FitResult", "Trainer", "TrainingInterrupted"]
 
 logger = logging.getLogger("mixprec")
-BAD_BATCH_ACTIONS = ("stop", "skip")
 
 
 class TrainingInterrupted(Exception):
@@ -79,26 +80,25 @@ class FitResult:
 
 
 class Trainer:
-    """Train ``model`` on ``train_data`` with ``optimizer`` under ``policy``; evaluate on ``eval_data``.
+    """Train ``model`` with ``optimizer`` under ``policy`` on ``data``; evaluate, log, checkpoint, resume.
+
+    Example:
+        >>> trainer = Trainer(  # doctest: +SKIP
+        ...     model, optimizer, TrainData(train_loader, test_loader, loss_fn, metric=accuracy), "mixed_bf16",
+        ...     update=UpdateOptions(max_grad_norm=1.0), run=RunOptions(out_dir="runs/mine"),
+        ... )
+        >>> trainer.fit(epochs=10).eval  # doctest: +SKIP
 
     Args:
-        model, optimizer, policy, scaler, accumulation_steps: as for :class:`mixprec.MixedPrecision`.
-        train_data, eval_data: re-iterable batches of ``(inputs, targets)`` (e.g. DataLoaders).
-        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar loss.
-        metric: an evaluation metric (:data:`mixprec.app.task.accuracy`), or None.
+        model, optimizer, policy: as for :class:`mixprec.MixedPrecision`.
+        data: the training and evaluation data, the loss and the metric (:class:`TrainData`).
         scheduler: an LR scheduler, stepped after each applied update (never after a skipped one).
-        max_grad_norm: clip the true gradient norm to this (None: no clipping).
-        out_dir: the run folder for metrics, checkpoints and TensorBoard (None: nothing written).
-        seed: seeds the data order of every epoch (via the data's ``generator``) and the global RNGs.
-        eval_every, log_every, checkpoint_every: in update steps (eval and checkpoint also at the end).
-        keep_checkpoints: how many checkpoints to keep.
-        progress: show a progress bar.
-        check_inputs: refuse batches whose inputs hold NaN or inf, or whose loss does (the forward pass
-            made one: the first module to produce it is named); ``on_bad_batch`` says whether to
-            "stop" with that message or "skip" the batch (counted in ``skipped_batches``).
-        trace_nonfinite: name the module and phase of each skipped step's first inf or NaN.
-        reduce_in_fp32: under torchrun with DDP, average 16-bit gradients in FP32 (for FSDP2, pass
-            ``reduce_dtype=torch.float32`` to :func:`mixprec.fully_shard`).
+        update: the scaler, clipping, gradient accumulation and FP32 reduction (:class:`UpdateOptions`).
+        run: the run folder, seed and the cadence of logs, evaluations and checkpoints (:class:`RunOptions`).
+        checks: the guards against NaN/inf batches (:class:`BatchChecks`).
+
+    Raises:
+        TypeError: ``data``, ``update``, ``run`` or ``checks`` of the wrong type.
 
     Under torchrun the model trains data-parallel: wrapped in DistributedDataParallel, or as it is when
     :func:`mixprec.fully_shard` has sharded it (FSDP2); each rank takes its slice of every batch.
@@ -107,52 +107,42 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        train_data: Iterable,
-        eval_data: Iterable | None,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         optimizer: torch.optim.Optimizer,
+        data: TrainData,
         policy: Policy | str = "auto",
         *,
-        metric: Metric | None = None,
         scheduler: Any = None,
-        scaler: LossScaler | None = None,
-        max_grad_norm: float | None = None,
-        accumulation_steps: int = 1,
-        out_dir: str | Path | None = None,
-        seed: int = 0,
-        eval_every: int | None = None,
-        log_every: int = 10,
-        checkpoint_every: int | None = None,
-        keep_checkpoints: int = 3,
-        progress: bool = True,
-        check_inputs: bool = True,
-        on_bad_batch: str = "stop",
-        trace_nonfinite: bool = False,
-        reduce_in_fp32: bool = False,
+        update: UpdateOptions | None = None,
+        run: RunOptions | None = None,
+        checks: BatchChecks | None = None,
     ) -> None:
-        if on_bad_batch not in BAD_BATCH_ACTIONS:
-            raise ValueError(f"Trainer(on_bad_batch=...): received {on_bad_batch!r}; use 'stop' or 'skip'.")
-        for name, value in (("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
-            whole_number(value, f"Trainer({name}=...)")
+        update = UpdateOptions() if update is None else update
+        run = RunOptions() if run is None else run
+        checks = BatchChecks() if checks is None else checks
+        for name, value, kind in (
+            ("data", data, TrainData),
+            ("update", update, UpdateOptions),
+            ("run", run, RunOptions),
+            ("checks", checks, BatchChecks),
+        ):
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"Trainer({name}=...) needs a mixprec.app.{kind.__name__}; received {value!r} "
+                    f"(of type {type(value).__name__}). Build one: {name}={kind.__name__}(...)."
+                )
         self.model = model
-        self.mp = MixedPrecision(model, optimizer, policy, scaler, accumulation_steps=accumulation_steps)
+        self.mp = MixedPrecision(model, optimizer, policy, update.scaler, accumulation_steps=update.accumulation_steps)
         # under torchrun: DDP (or FSDP2 shards) for the training forward, a slice of every batch, files
         # from rank 0 only
         self.world = world()
         self._train_model: nn.Module = model
         if self.world.distributed and not self.mp.sharded:
-            self._train_model = wrap_ddp(model, reduce_in_fp32=reduce_in_fp32)
-        self.optimizer = optimizer
-        self.train_data, self.eval_data = train_data, eval_data
-        self.loss_fn, self.metric, self.scheduler = loss_fn, metric, scheduler
-        self.max_grad_norm = max_grad_norm
-        self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.seed = seed
-        self.eval_every, self.log_every, self.checkpoint_every = eval_every, log_every, checkpoint_every
-        self.keep_checkpoints = keep_checkpoints
-        self.progress, self.check_inputs, self.on_bad_batch = progress, check_inputs, on_bad_batch
+            self._train_model = wrap_ddp(model, reduce_in_fp32=update.reduce_in_fp32)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.data, self.update, self.run, self.checks = data, update, run, checks
+        self.out_dir = Path(run.out_dir) if run.out_dir is not None else None
         # where the first inf/NaN of each skipped step appeared (mixprec.doctor.NonFiniteTracer)
-        self.tracer = NonFiniteTracer(model) if trace_nonfinite else None
+        self.tracer = NonFiniteTracer(model) if checks.trace_nonfinite else None
         self.step = 0  # applied or skipped updates so far
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
@@ -160,7 +150,7 @@ class Trainer:
         self._committed_rng: dict[str, Any] | None = None  # the random state there
         self._committed_buffers: list[torch.Tensor] = []  # and the model's buffers (e.g. batch-norm statistics)
         self._stop_requested = False
-        self.skipped_batches = 0  # bad input batches dropped with on_bad_batch="skip"
+        self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out_dir if self.world.is_main else None)
@@ -192,7 +182,7 @@ class Trainer:
             self.check_new_run()
             self._seed_everything()
         first_step = self.step
-        bar = ProgressBar(total, "training", self.progress and self.world.is_main)
+        bar = ProgressBar(total, "training", self.run.progress and self.world.is_main)
         window = _Window(time.perf_counter())
         start = time.perf_counter()
         try:
@@ -241,9 +231,9 @@ class Trainer:
         if steps is not None:
             return steps
         try:
-            batches = len(self.train_data)  # type: ignore[arg-type]
+            batches = len(self.data.train_data)  # type: ignore[arg-type]
         except TypeError:
-            raise ValueError("fit(epochs=...) needs train_data with a length; pass steps= instead.") from None
+            raise ValueError("fit(epochs=...) needs TrainData.train_data with a length; pass steps= instead.") from None
         per_epoch = batches // self.mp.accumulation_steps
         if per_epoch < 1:
             raise ValueError(
@@ -261,14 +251,15 @@ class Trainer:
             )
 
     def _seed_everything(self) -> None:
-        torch.manual_seed(self.seed)
-        random.seed(self.seed)
-        np.random.seed(self.seed % 2**32)
+        seed = self.run.seed
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
 
     def _seed_epoch(self) -> None:
-        generator = getattr(self.train_data, "generator", None)
+        generator = getattr(self.data.train_data, "generator", None)
         if isinstance(generator, torch.Generator):
-            generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+            generator.manual_seed(self.run.seed * 1_000_003 + self.epoch)
 
     def _trace(self, result: StepResult) -> None:
         """Name where a skipped step's first inf/NaN appeared; forget the records of a clean step."""
@@ -282,24 +273,24 @@ class Trainer:
     def _run_epoch(self, total: int, window: _Window, bar: ProgressBar) -> None:
         self._seed_epoch()
         self.model.train()
-        batches = iter(self.train_data)
+        batches = iter(self.data.train_data)
         for _ in range(self.batch_in_epoch):  # resuming mid-epoch: replay the order, skip what was done
             next(batches)
         for inputs, targets in batches:
             self.batch_in_epoch += 1
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
-            if self.check_inputs and not self._inputs_ok(inputs):
+            if self.checks.check_inputs and not self._inputs_ok(inputs):
                 continue
             samples = batch_size(targets)
             if self.world.distributed:
                 inputs, targets = shard((inputs, targets), self.world.rank, self.world.size)
             with self.mp.autocast():
-                loss = self.loss_fn(self._train_model(inputs), targets)
-            if self.check_inputs and not self._loss_ok(loss, inputs, targets):
+                loss = self.data.loss_fn(self._train_model(inputs), targets)
+            if self.checks.check_inputs and not self._loss_ok(loss, inputs, targets):
                 continue
             self.mp.backward(loss)
-            if self.max_grad_norm is not None and self.mp.at_update_boundary:
-                self.mp.clip_grad_norm_(self.max_grad_norm)
+            if self.update.max_grad_norm is not None and self.mp.at_update_boundary:
+                self.mp.clip_grad_norm_(self.update.max_grad_norm)
             window.add(loss.detach(), samples)
             result = self.mp.step()
             if not result.update_step:
@@ -313,19 +304,19 @@ class Trainer:
             if self.world.distributed:
                 self._agree_on_stop()
             window.updates += 1
-            if self.step % self.log_every == 0 or self.step == total:
+            if self.step % self.run.log_every == 0 or self.step == total:
                 record = self._train_record(window)
                 bar.update(self.step, loss=record["loss"], scale=record["scale"])
-            if self.eval_every and self.step % self.eval_every == 0 and self.eval_data is not None:
+            if self.run.eval_every and self.step % self.run.eval_every == 0 and self.data.eval_data is not None:
                 self._evaluate_and_log()
-            if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            if self.run.checkpoint_every and self.step % self.run.checkpoint_every == 0:
                 self.save_checkpoint()
             if self.step >= total or self._stop_requested:
                 break
         else:
             self._next_epoch()
             return
-        if self.batch_in_epoch == _length(self.train_data):  # stopped on the epoch's last batch: it is complete
+        if self.batch_in_epoch == _length(self.data.train_data):  # stopped on the epoch's last batch: it is complete
             self._next_epoch()
 
     def _agree_on_stop(self) -> None:
@@ -356,7 +347,7 @@ class Trainer:
     def _next_epoch(self) -> None:
         self.epoch += 1
         self.batch_in_epoch = 0
-        if self._committed[1] == _length(self.train_data):
+        if self._committed[1] == _length(self.data.train_data):
             self._committed = (self.epoch, 0)
 
     def _inputs_ok(self, inputs: Any) -> bool:
@@ -364,10 +355,10 @@ class Trainer:
         if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):  # host sync
             return True
         where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
-        if self.on_bad_batch == "stop":
+        if self.checks.on_bad_batch == "stop":
             raise ValueError(
                 f"{where} has NaN or inf in its inputs; refusing to train on it. Clean the data, or pass "
-                "on_bad_batch='skip' (CLI: --skip-bad-batches) to drop such batches."
+                "checks=BatchChecks(on_bad_batch='skip') (CLI: --skip-bad-batches) to drop such batches."
             )
         self.skipped_batches += 1
         logger.warning("Skipping %s: NaN or inf in its inputs (%d bad batches so far)", where, self.skipped_batches)
@@ -387,10 +378,10 @@ class Trainer:
             return True
         where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
         origin = self._nonfinite_origin(inputs, targets)
-        if self.on_bad_batch == "stop":
+        if self.checks.on_bad_batch == "stop":
             raise ValueError(
                 f"{where}: {origin}; refusing to train on it. Fix the model or the data, or pass "
-                "on_bad_batch='skip' (CLI: --skip-bad-batches) to drop such batches."
+                "checks=BatchChecks(on_bad_batch='skip') (CLI: --skip-bad-batches) to drop such batches."
             )
         self.skipped_batches += 1
         logger.warning("Skipping %s: %s (%d bad batches so far)", where, origin, self.skipped_batches)
@@ -402,7 +393,7 @@ class Trainer:
         devices = [self.device] if self.device.type == "cuda" else []
         with NonFiniteTracer(self.model) as tracer, torch.random.fork_rng(devices=devices), torch.no_grad():
             with self.mp.autocast():
-                loss = self.loss_fn(self.model(inputs), targets)
+                loss = self.data.loss_fn(self.model(inputs), targets)
             event = tracer.check(step=self.step + 1)
         if event is not None:
             return f"the forward pass produced {event.kind} first in module '{event.module}' ({event.tensor})"
@@ -430,12 +421,13 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Mean loss (and the metric) over ``eval_data`` under the policy, without gradients."""
-        if self.eval_data is None:
-            raise ValueError("evaluate() needs eval_data; the Trainer was built with eval_data=None.")
-        return evaluate(self.model, self.eval_data, self.loss_fn, self.metric, self.mp.autocast, self.device)
+        data = self.data
+        if data.eval_data is None:
+            raise ValueError("evaluate() needs eval_data; the Trainer was built with TrainData(eval_data=None).")
+        return evaluate(self.model, data.eval_data, data.loss_fn, data.metric, self.mp.autocast, self.device)
 
     def _final_evaluation(self) -> dict[str, float]:
-        if self.eval_data is None:
+        if self.data.eval_data is None:
             return {}
         last = self.log.records[-1] if self.log.records else None
         if last is not None and last["kind"] == "eval" and last["step"] == self.step:  # just evaluated here
@@ -470,7 +462,7 @@ class Trainer:
                 "epoch": self.epoch,
                 "batch_in_epoch": self.batch_in_epoch,
                 "skipped_batches": self.skipped_batches,
-                "seed": self.seed,
+                "seed": self.run.seed,
             },
         }
 
@@ -506,11 +498,11 @@ class Trainer:
         state = self.state_dict()
         if not self.world.is_main:
             return None
-        return save_checkpoint(self.checkpoint_dir, self.step, state, keep=self.keep_checkpoints)
+        return save_checkpoint(self.checkpoint_dir, self.step, state, keep=self.run.keep_checkpoints)
 
     def _resume(self) -> None:
         if self.checkpoint_dir is None:
-            raise ValueError("resume=True needs out_dir: the run folder that holds the checkpoints.")
+            raise ValueError("resume=True needs RunOptions(out_dir=...): the run folder that holds the checkpoints.")
         found = load_latest(self.checkpoint_dir)
         if found is None:
             raise ValueError(f"no checkpoint in {self.checkpoint_dir}; nothing to resume.")
