@@ -2,8 +2,8 @@
 and the FP8 layers.
 """
 
-from mixprec.regions.autocast import autocast, check_device_supports
+from mixprec.regions.autocast import Region, autocast, check_device_supports
 from mixprec.regions.casting import cast_module, fp32_modules
 from mixprec.regions.op_overrides import FP32Ops
 
-__all__ = ["FP32Ops", "autocast", "cast_module", "check_device_supports", "fp32_modules"]
+__all__ = ["FP32Ops", "Region", "autocast", "cast_module", "check_device_supports", "fp32_modules"]
