@@ -100,3 +100,43 @@ def test_a_region_leaves_one_output_hook_however_often_it_is_entered():
     assert len(model._forward_hooks) == 1  # installed once: a compiled model is not recompiled per step
     with torch.no_grad():
         assert model(_inputs()).dtype == torch.float32  # outside the region the hook does nothing
+
+
+def test_inductor_runs_the_fp16_emulation_exactly():
+    # Inductor's compiled code calls its matmuls with out= while the emulation's mode is active; those
+    # calls must pass through. With emulate_precision_casts it keeps the fp16 roundings: bit for bit.
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 32)
+    x = torch.randn(4, 32)
+    compiled = torch.compile(layer, options={"emulate_precision_casts": True})
+    with mixprec.autocast("base=mixed_fp16,kernels=emulated", layer):
+        eager, fast = layer(x), compiled(x)
+    assert torch.equal(fast, eager)
+    assert not torch.equal(eager, F.linear(x, layer.weight, layer.bias))  # fp16 rounding did happen
+
+
+def test_the_trainer_compiles_its_training_forward_and_tracks_eager():
+    from mixprec.app import RunOptions, TrainData, Trainer
+
+    data = [
+        (torch.randn(16, 8, generator=torch.Generator().manual_seed(i)), torch.randint(0, 3, (16,))) for i in range(4)
+    ]
+    finals = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        trainer = Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            TrainData(data, None, F.cross_entropy),
+            "mixed_bf16",
+            run=RunOptions(progress=False, compile=compile),
+        )
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        trainer.fit(steps=4)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == compile  # the compiled run did compile, the eager one did not
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for eager, compiled in zip(*finals, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-2, rtol=1e-2)

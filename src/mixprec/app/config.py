@@ -48,6 +48,7 @@ class TrainConfig:
     trace_nonfinite: bool = False
     parallel: str = "ddp"  # under torchrun: "ddp" (replicas) or "fsdp" (FSDP2 shards)
     reduce_fp32: bool = False  # under torchrun: reduce gradients in FP32
+    compile: bool = False  # the training forward through torch.compile
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

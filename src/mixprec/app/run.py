@@ -107,6 +107,7 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
             checkpoint_every=config.checkpoint_every,
             keep_checkpoints=config.keep_checkpoints,
             progress=progress,
+            compile=config.compile,
         ),
         checks=BatchChecks(
             on_bad_batch="skip" if config.skip_bad_batches else "stop", trace_nonfinite=config.trace_nonfinite

@@ -138,6 +138,9 @@ class Trainer:
         self._train_model: nn.Module = model
         if self.world.distributed and not self.mp.sharded:
             self._train_model = wrap_ddp(model, reduce_in_fp32=update.reduce_in_fp32)
+        if run.compile:  # the training forward only: checkpoints and evaluation keep the plain module
+            # emulate_precision_casts: inductor keeps the 16-bit roundings of emulated ops, so compiled = eager
+            self._train_model = torch.compile(self._train_model, options={"emulate_precision_casts": True})
         self.optimizer, self.scheduler = optimizer, scheduler
         self.data, self.update, self.run, self.checks = data, update, run, checks
         self.out_dir = Path(run.out_dir) if run.out_dir is not None else None

@@ -96,6 +96,8 @@ class RunOptions:
         eval_every, log_every, checkpoint_every: in updates (None for eval and checkpoints: only at the end).
         keep_checkpoints: how many checkpoints to keep.
         progress: show a progress bar.
+        compile: run the training forward through ``torch.compile`` (the model and mixprec's region trace
+            without graph breaks; the first steps pay for compilation). Evaluation stays eager.
     """
 
     out_dir: str | Path | None = None
@@ -105,6 +107,7 @@ class RunOptions:
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
     progress: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.out_dir is not None and not isinstance(self.out_dir, (str, Path)):
@@ -118,6 +121,7 @@ class RunOptions:
         whole_number(self.log_every, "RunOptions(log_every=...)")
         whole_number(self.keep_checkpoints, "RunOptions(keep_checkpoints=...)")
         _check_flag(self.progress, "RunOptions(progress=...)")
+        _check_flag(self.compile, "RunOptions(compile=...)")
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,10 @@ class EmulatedAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("out") is not None:
+            # Writes into a tensor the caller owns: rounding would redirect it to a copy. Compiled code
+            # (inductor's extern kernels, which run while the mode is active) calls matmuls this way.
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", None)
         if self._only is not None:
             if self._suspended or name not in self._only:

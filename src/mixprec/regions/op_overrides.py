@@ -53,7 +53,7 @@ class FP32Ops(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) in self._names:
+        if kwargs.get("out") is None and getattr(func, "__name__", None) in self._names:  # out=: see emulation.py
             with torch.autocast(self._device_type, enabled=False):
                 args, kwargs = map_floating((args, kwargs), _to_fp32)
                 return func(*args, **kwargs)

@@ -53,6 +53,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="under torchrun: replicate the model (DDP, default) or shard it (FSDP2)",
     )
     parser.add_argument("--reduce-fp32", action="store_true", help="under torchrun: reduce gradients in FP32")
+    parser.add_argument(
+        "--compile", action="store_true", help="run the training forward through torch.compile (first steps compile)"
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -114,6 +117,7 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
         trace_nonfinite=args.trace_nonfinite,
         parallel=args.parallel,
         reduce_fp32=args.reduce_fp32,
+        compile=args.compile,
     )
 
 
