@@ -134,7 +134,8 @@ class GemmAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        # Compiled, the compiler picks its own attention kernel (the probe timed eager kernels).
+        if func is F.scaled_dot_product_attention and not torch.compiler.is_compiling():
             call = _eligible(args, kwargs)
             if call is not None:
                 return gemm_attention(*call)

@@ -30,7 +30,7 @@ from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_opt
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.policy.parse import get_policy
 
-__all__ = ["MODELS", "accuracy_suite", "gemm_suite", "memory_suite", "mixprec_step", "step_suite"]
+__all__ = ["MODELS", "accuracy_suite", "gemm_suite", "memory_suite", "mixprec_step", "step_suite", "torch_step"]
 
 _LIMIT = "torch bf16 + fp32 masters"  # the hand-written loop o2_bf16 and pure_bf16 are held to
 
@@ -112,14 +112,16 @@ def _fresh(bench: BenchModel) -> nn.Module:
     return bench.build()
 
 
-def _torch_step(bench: BenchModel, dtype: torch.dtype | None) -> Callable[[], None]:
-    """The hand-written loop: torch.autocast (or nothing), backward, AdamW, zero_grad."""
+def torch_step(bench: BenchModel, dtype: torch.dtype | None, compiled: bool = False) -> Callable[[], None]:
+    """The hand-written loop: torch.autocast (or nothing), backward, AdamW, zero_grad (``compiled``: the
+    model through torch.compile)."""
     model, (x, y) = _fresh(bench), bench.batch()
     optimizer = _optimizer(model, None)
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = bench.loss(model(x), y)
+            loss = bench.loss(forward(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -151,15 +153,20 @@ def _master_limit_step(bench: BenchModel) -> Callable[[], None]:
 
 
 def mixprec_step(
-    bench: BenchModel, policy: str, optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    bench: BenchModel,
+    policy: str,
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    compiled: bool = False,
 ) -> tuple[Callable[[], None], MixedPrecision]:
-    """One MixedPrecision training step of ``bench`` under ``policy`` (AdamW, or ``optimizer(model)``)."""
+    """One MixedPrecision training step of ``bench`` under ``policy`` (AdamW, or ``optimizer(model)``;
+    ``compiled``: the model through torch.compile, inside mixprec's region)."""
     model, (x, y) = _fresh(bench), bench.batch()
     mp = MixedPrecision(model, optimizer(model) if optimizer else _optimizer(model, policy), policy)
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         with mp.autocast():
-            loss = bench.loss(model(x), y)
+            loss = bench.loss(forward(x), y)
         mp.backward(loss)
         mp.step()
 
@@ -172,8 +179,8 @@ def step_suite(models: list[str], policies: list[str], repeats: int = 7) -> list
     for name in models:
         bench = MODELS[name]()
         steps: dict[str, Callable[[], None]] = {
-            "torch fp32": _torch_step(bench, None),
-            "torch autocast bf16": _torch_step(bench, torch.bfloat16),
+            "torch fp32": torch_step(bench, None),
+            "torch autocast bf16": torch_step(bench, torch.bfloat16),
             _LIMIT: _master_limit_step(bench),
         }
         plans = {}
