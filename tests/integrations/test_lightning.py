@@ -180,6 +180,21 @@ def test_gradient_clipping_sees_the_unscaled_gradients(algorithm):
         assert not torch.allclose(reference, unclipped, rtol=1e-3, atol=1e-5)  # the clip was active
 
 
+def test_gradient_accumulation_makes_one_update_per_window():
+    weights, steps = {}, {}
+    for name, plugin in (("fp32", None), ("scaled", MixprecPrecision("fp32", mixprec.StaticLossScaler(2.0**10)))):
+        model = Regression(gamma=0.5)
+        trainer = _trainer(plugin, accumulate_grad_batches=2)
+        trainer.fit(model, _data())
+        weights[name] = [p.detach() for p in model.parameters()]
+        steps[name] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+        if plugin is not None:
+            assert plugin.stats().steps == BATCHES // 2
+    assert steps["fp32"] == steps["scaled"] == BATCHES // 2
+    for reference, scaled in zip(weights["fp32"], weights["scaled"], strict=True):
+        torch.testing.assert_close(scaled, reference, rtol=1e-6, atol=1e-7)
+
+
 class PureBf16WithTorchAdamW(Regression):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -189,6 +204,17 @@ class Manual(Regression):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+
+
+class WithLBFGS(Regression):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class AlreadyHalf(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.half()
 
 
 class StepsEveryTwoBatches(Regression):
@@ -201,9 +227,11 @@ class StepsEveryTwoBatches(Regression):
 @pytest.mark.parametrize(
     ("policy", "module", "message"),
     [
-        ("pure_bf16", PureBf16WithTorchAdamW, r"configure_optimizers returned, AdamW: .*as mixprec\.AdamW"),
+        ("pure_bf16", PureBf16WithTorchAdamW, r"the AdamW that configure_optimizers returned: .*as mixprec\.AdamW"),
         ("mixed_bf16", Manual, r"manual optimization .* Use automatic optimization"),
         ("mixed_bf16", StepsEveryTwoBatches, r"steps every 2 batches .* Use frequency=1"),
+        ("mixed_bf16", WithLBFGS, r"LBFGS re-evaluates the loss"),
+        ("o2_bf16", AlreadyHalf, r"must be FP32 .* 'net\.0\.weight' is torch\.float16"),
     ],
 )
 def test_what_the_plugin_cannot_train_correctly_is_refused_with_the_fix(policy, module, message):

@@ -114,6 +114,7 @@ class MixprecPrecision(Precision):
         self.log_stats = log_stats
         self._mp: mixprec.MixedPrecision | None = None
         self._module: nn.Module | None = None
+        self._fitting = False
         self._backward_pending = False  # a backward since the last update: there is something to step
         self._last_applied = True  # whether the last update was applied (the schedulers' gate)
         if self.policy is not None:
@@ -136,7 +137,8 @@ class MixprecPrecision(Precision):
         """
         module = _single_device_module(model)
         self._module = module
-        if module.trainer.state.fn != TrainerFn.FITTING:
+        self._fitting = module.trainer.state.fn == TrainerFn.FITTING
+        if not self._fitting:
             self.policy = mixprec.get_policy(self._spec, device=_device_of(module))
             self.precision = _lightning_precision(self.policy)
             mixprec.cast_module(module, self.policy)
@@ -148,8 +150,8 @@ class MixprecPrecision(Precision):
             self._mp = mixprec.MixedPrecision(model, optimizers[0], self._spec, self.scaler)
         except (TypeError, ValueError) as error:
             raise ValueError(
-                f"{self!r} could not train the optimizer that configure_optimizers returned, "
-                f"{type(optimizers[0]).__name__}: {error}"
+                f"{self!r}: MixedPrecision refused the LightningModule and the {type(optimizers[0]).__name__} "
+                f"that configure_optimizers returned: {error}"
             ) from error
         self.policy = self._mp.policy
         self.precision = _lightning_precision(self.policy)
@@ -243,7 +245,7 @@ class MixprecPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore MixedPrecision's state when fitting; ignored when only evaluating (the model's own
         weights are then the policy's rounding of the masters)."""
-        if self._mp is not None:
+        if self._fitting and self._mp is not None:
             self._mp.load_state_dict(state_dict)
 
 
