@@ -1,0 +1,330 @@
+"""MixprecPrecision: a Lightning precision plugin that trains through :class:`mixprec.MixedPrecision`.
+
+    trainer = L.Trainer(plugins=[MixprecPrecision("o2_bf16")])  # the one line added
+    trainer.fit(model)                                          # the LightningModule is unchanged
+
+Lightning's hooks, mapped onto MixedPrecision (automatic optimization, one optimizer, one device):
+
+    connect(model, [optimizer], schedulers)  mp = MixedPrecision(model, optimizer, policy, scaler): casts the
+                                             model, makes FP32 masters (o2) and the loss scaler; wraps every
+                                             per-step LR scheduler in a GatedScheduler
+    train_step_context()                     mp.autocast() around training_step
+    forward_context() (val, test, predict)   mixprec.autocast(policy, model)
+    backward(loss)                           mp.backward(loss): loss * scale, then backward
+    optimizer_step(optimizer, closure)       closure() (training_step, zero_grad, backward); mp.unscale_();
+                                             on_before_optimizer_step and gradient clipping, on the true
+                                             gradients; mp.step(): update or skip, adjust the scale; log
+                                             mixprec/loss_scale and mixprec/skipped_steps
+    clip_grad_by_norm(optimizer, value)      mp.clip_grad_norm_(value): FP32 norm of the unscaled gradients
+    state_dict() / load_state_dict()         mp.state_dict() (scalers, FP32 masters, counters) in checkpoints
+
+Lightning steps LR schedulers itself after the optimizer step; a GatedScheduler's ``step()`` does nothing
+when that update was skipped (inf/NaN gradients), so the schedule counts applied updates only.
+
+Host syncs: mp.step()'s (see :mod:`mixprec.engine.mixed_precision`), then one read per update of whether it
+was applied (the scheduler gate) and, with ``log_stats``, ``mp.stats()``; all are memory loads on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+
+import mixprec
+
+__all__ = ["GatedScheduler", "MixprecPrecision"]
+
+_LIGHTNING_DTYPE_NAMES = {torch.float16: "16", torch.bfloat16: "bf16"}
+
+
+class GatedScheduler:
+    """An LR scheduler that does not advance after a skipped update; everything else is the scheduler's.
+
+    Lightning calls ``step()`` after each optimizer step; the gate passes the call on only when the
+    plugin's last update was applied. ``scheduler`` is the wrapped one (``self.lr_schedulers()`` in a
+    LightningModule returns the gate); ``state_dict()`` is the scheduler's own, so checkpoints do not change.
+    """
+
+    def __init__(self, scheduler: Any, applied: Callable[[], bool]) -> None:
+        self.scheduler = scheduler
+        self._applied = applied
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._applied():
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"GatedScheduler({self.scheduler!r})"
+
+
+class MixprecPrecision(Precision):
+    """Train a LightningModule under a mixprec policy: ``L.Trainer(plugins=[MixprecPrecision("o2_bf16")])``.
+
+    At setup (``connect``) the plugin builds :class:`mixprec.MixedPrecision` on the LightningModule and
+    the optimizer of ``configure_optimizers``; from then on the policy's casts, region, loss scaler, FP32
+    masters and skip decisions are MixedPrecision's. An update whose gradients hold inf or NaN is skipped:
+    no optimizer step, no per-step scheduler step, the scale backs off. Gradient clipping
+    (``gradient_clip_val``) sees the unscaled gradients. Checkpoints carry MixedPrecision's state, so a
+    resumed run continues bit for bit.
+
+    Args:
+        policy: a preset, policy string or :class:`mixprec.Policy` (``auto``: chosen for the model's device).
+        scaler: a :class:`mixprec.LossScaler`; default: the policy's (dynamic for fp16, none otherwise).
+        log_stats: log ``mixprec/loss_scale`` and ``mixprec/skipped_steps`` at every update
+            (``LightningModule.log``: the loggers and ``trainer.callback_metrics`` see them).
+
+    Raises (at ``trainer.fit``, with the fix in the message):
+        ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward``,
+            a multi-process strategy, a per-step LR scheduler with ``frequency`` > 1, LBFGS, a model that
+            is not FP32, or an optimizer the policy cannot use (``pure_bf16`` needs ``mixprec.AdamW``).
+    """
+
+    def __init__(
+        self, policy: mixprec.Policy | str = "auto", scaler: mixprec.LossScaler | None = None, *, log_stats: bool = True
+    ) -> None:
+        self._spec = policy
+        # resolved now unless 'auto', which depends on the model's device: a bad policy fails here
+        self.policy: mixprec.Policy | None = None if _is_auto(policy) else mixprec.get_policy(policy)
+        if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
+            raise TypeError(
+                f"MixprecPrecision(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "
+                f"(of type {type(scaler).__name__})."
+            )
+        self.scaler = scaler
+        self.log_stats = log_stats
+        self._mp: mixprec.MixedPrecision | None = None
+        self._module: nn.Module | None = None
+        self._fitting = False
+        self._backward_pending = False  # a backward since the last update: there is something to step
+        self._last_applied = True  # whether the last update was applied (the schedulers' gate)
+        if self.policy is not None:
+            self.precision = _lightning_precision(self.policy)
+
+    def __repr__(self) -> str:
+        return f"MixprecPrecision(policy={str(self._spec)!r})"
+
+    # -- setup ------------------------------------------------------------------------------------
+    @property
+    def mixed_precision(self) -> mixprec.MixedPrecision:
+        """The MixedPrecision of this fit (e.g. ``.fp32_state_dict()`` for the exact FP32 weights)."""
+        return self._require("mixed_precision")
+
+    def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]) -> tuple:
+        """Build MixedPrecision on the model and its one optimizer; gate the per-step LR schedulers.
+
+        Outside ``fit`` (``validate``/``test``/``predict``) the model is cast per the policy, as Lightning's
+        HalfPrecision does, and evaluated in the policy's region.
+        """
+        module = _single_device_module(model)
+        self._module = module
+        self._fitting = module.trainer.state.fn == TrainerFn.FITTING
+        if not self._fitting:
+            self.policy = mixprec.get_policy(self._spec, device=_device_of(module))
+            self.precision = _lightning_precision(self.policy)
+            mixprec.cast_module(module, self.policy)
+            return model, optimizers, lr_schedulers
+        _check_trainable(module, optimizers)
+        for config in lr_schedulers:
+            _check_gateable(config)
+        try:
+            self._mp = mixprec.MixedPrecision(model, optimizers[0], self._spec, self.scaler)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{self!r}: MixedPrecision refused the LightningModule and the {type(optimizers[0]).__name__} "
+                f"that configure_optimizers returned: {error}"
+            ) from error
+        self.policy = self._mp.policy
+        self.precision = _lightning_precision(self.policy)
+        self._last_applied, self._backward_pending = True, False
+        gated = [_gated(config, self._gate_open) for config in lr_schedulers]
+        return model, optimizers, gated
+
+    def _gate_open(self) -> bool:
+        return self._last_applied
+
+    def _require(self, caller: str) -> mixprec.MixedPrecision:
+        if self._mp is None:
+            raise RuntimeError(
+                f"MixprecPrecision.{caller}: the plugin has no MixedPrecision yet; it builds one when "
+                "Lightning connects it to the model and optimizer (trainer.fit)."
+            )
+        return self._mp
+
+    # -- the training step ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def train_step_context(self) -> Iterator[None]:
+        with self._require("train_step_context").autocast():
+            yield
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        if self.policy is None or self._module is None:
+            raise RuntimeError("MixprecPrecision.forward_context before Lightning connected the plugin to the model.")
+        with mixprec.autocast(self.policy, self._module):
+            yield
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """``mp.backward(loss)``: the scaled loss's backward (LightningModule.backward is not called)."""
+        retain_graph = kwargs.pop("retain_graph", None)
+        if args or kwargs:
+            raise TypeError(
+                f"MixprecPrecision.backward: received arguments MixedPrecision.backward does not take: {args} {kwargs}."
+            )
+        self._require("backward").backward(tensor, retain_graph=retain_graph)
+        self._backward_pending = True
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Run the closure, unscale, let Lightning's hooks and clipping see the true gradients, then
+        ``mp.step()``: the update, or a skip that leaves weights, optimizer and schedulers as they were."""
+        mp = self._require("optimizer_step")
+        if optimizer is not mp.optimizer:
+            raise ValueError(
+                "MixprecPrecision.optimizer_step: received an optimizer other than the one MixedPrecision wraps; "
+                "the plugin trains the single optimizer of configure_optimizers."
+            )
+        if kwargs:
+            raise TypeError(f"MixprecPrecision.optimizer_step: optimizer.step() arguments are not supported: {kwargs}.")
+        closure_result = closure()
+        if not self._backward_pending:  # training_step returned None: no gradients, nothing to update
+            self._after_closure(model, optimizer)
+            return closure_result
+        mp.unscale_()
+        self._after_closure(model, optimizer)  # on_before_optimizer_step, then clip_gradients
+        self._backward_pending = False
+        self._last_applied = bool(mp.step())  # host sync (free on the CPU): the schedulers' gate
+        if self.log_stats:
+            self._log_stats(model)
+        return closure_result
+
+    def clip_gradients(
+        self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM
+    ) -> None:
+        """Lightning's clipping (norm or value) of this update's unscaled gradients; none after a
+        training_step that returned None."""
+        if self._backward_pending:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """``mp.clip_grad_norm_``: the FP32 norm of the unscaled gradients the optimizer will use."""
+        self._require("clip_grad_by_norm").clip_grad_norm_(float(clip_val))
+
+    def _log_stats(self, module: pl.LightningModule) -> None:
+        stats = self._require("stats").stats()  # host sync (free on the CPU)
+        for name, value in (("mixprec/loss_scale", stats.scale), ("mixprec/skipped_steps", stats.skipped_steps)):
+            module.log(name, float(value), on_step=True, on_epoch=False, batch_size=1)
+
+    def stats(self) -> mixprec.Stats:
+        """``mp.stats()``: scale, step and overflow counts, bytes per parameter. Host sync."""
+        return self._require("stats").stats()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """MixedPrecision's state (scalers, FP32 masters, counters); empty before ``fit``."""
+        return self._mp.state_dict() if self._mp is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore MixedPrecision's state when fitting; ignored when only evaluating (the model's own
+        weights are then the policy's rounding of the masters)."""
+        if self._fitting and self._mp is not None:
+            self._mp.load_state_dict(state_dict)
+
+
+# -- checks and helpers ---------------------------------------------------------------------------
+def _is_auto(policy: Any) -> bool:
+    return isinstance(policy, str) and policy.strip().lower() == "auto"
+
+
+def _lightning_precision(policy: mixprec.Policy) -> str:
+    """The nearest of Lightning's precision names, for ``trainer.precision`` (informational only)."""
+    if policy.compute_dtype not in _LIGHTNING_DTYPE_NAMES:
+        return "32-true"
+    if policy.master_dtype == policy.param_dtype != torch.float32:  # pure_bf16: no FP32 copy anywhere
+        return f"{_LIGHTNING_DTYPE_NAMES[policy.param_dtype]}-true"
+    return f"{_LIGHTNING_DTYPE_NAMES[policy.compute_dtype]}-mixed"
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _single_device_module(model: nn.Module) -> pl.LightningModule:
+    if isinstance(model, pl.LightningModule):
+        return model
+    raise ValueError(
+        f"MixprecPrecision runs on a single device for now; the strategy wrapped the model in "
+        f"{type(model).__name__}. Multi-process strategies (ddp, fsdp, deepspeed) are not supported yet: "
+        "train with devices=1, or use mixprec.MixedPrecision with mixprec.parallel.wrap_ddp in your own loop "
+        "(docs/training-step.md)."
+    )
+
+
+def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Refuse, with the fix, what the plugin cannot train correctly."""
+    problem = None
+    if len(optimizers) > 1:
+        problem = (
+            f"configure_optimizers returned {len(optimizers)} optimizers; MixprecPrecision trains one. "
+            "Put the parameters in one optimizer (one param group each, if they need their own settings)."
+        )
+    elif not module.automatic_optimization:
+        problem = (
+            "the LightningModule uses manual optimization (automatic_optimization=False); MixprecPrecision "
+            "drives Lightning's automatic optimization. Use automatic optimization, or call "
+            "mixprec.MixedPrecision yourself in training_step without the plugin."
+        )
+    elif type(module).backward is not pl.LightningModule.backward:
+        problem = (
+            f"{type(module).__name__} overrides LightningModule.backward; the plugin runs the backward pass "
+            "itself (mp.backward: loss * scale, then backward), so the override would be skipped. Remove it."
+        )
+    elif isinstance(optimizers[0], torch.optim.LBFGS):
+        problem = "LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot follow."
+    else:
+        low = [name for name, p in module.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        if low:
+            problem = (
+                f"the LightningModule's trainable parameters must be FP32 (the FP32 masters are made from them); "
+                f"{low[0]!r} is {module.get_parameter(low[0]).dtype}. A previous fit under an o2/pure policy "
+                "casts the module in place: train a fresh module, or resume with trainer.fit(ckpt_path=...)."
+            )
+    if problem is not None:
+        raise ValueError(f"MixprecPrecision: {problem}")
+
+
+def _check_gateable(config: Any) -> None:
+    """A per-step scheduler stepped every ``frequency`` > 1 batches cannot skip exactly the skipped updates."""
+    if config.interval == "step" and config.frequency != 1:
+        raise ValueError(
+            f"MixprecPrecision: the LR scheduler {type(config.scheduler).__name__} steps every "
+            f"{config.frequency} batches (interval='step', frequency={config.frequency}); a skipped update "
+            "could then not be kept out of the schedule. Use frequency=1 with a schedule stretched "
+            f"{config.frequency}x (e.g. StepLR step_size x {config.frequency})."
+        )
+
+
+def _gated(config: Any, applied: Callable[[], bool]) -> Any:
+    """The same scheduler configuration, its scheduler gated if Lightning steps it after every update."""
+    if config.interval != "step":
+        return config  # stepped per epoch: a skipped update does not change what an epoch is
+    return dataclasses.replace(config, scheduler=GatedScheduler(config.scheduler, applied))

@@ -1,0 +1,263 @@
+"""MixprecPrecision, the Lightning precision plugin: skipped steps, FP32 tracking, exact resume, clipping,
+the refusals, and the example script."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+import mixprec  # noqa: E402
+from mixprec.integrations.lightning import GatedScheduler, MixprecPrecision  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_example.py"
+BATCHES = 4  # per epoch
+
+
+class Regression(L.LightningModule):
+    """A two-layer MLP on a fixed linear target; ``inf_at``: the global step whose loss is multiplied by inf."""
+
+    def __init__(self, inf_at: int | None = None, lr: float = 1e-2, gamma: float = 0.5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.inf_at, self.lr, self.gamma = inf_at, lr, gamma
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x).float(), y)
+        return loss * float("inf") if self.global_step == self.inf_at else loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x).float(), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=self.gamma)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data(batches: int = BATCHES) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(16 * batches, 8, generator=generator)
+    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def _trainer(plugin=None, epochs: int = 1, **options) -> "L.Trainer":
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_epochs=epochs,
+        plugins=[plugin] if plugin is not None else None,
+        **options,
+    )
+
+
+class Record(L.Callback):
+    """After every batch: the weights, the optimizer's step count, the scheduler's, the LR, the loss, the scale."""
+
+    def __init__(self, plugin=None) -> None:
+        self.plugin, self.rows = plugin, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        optimizer = trainer.optimizers[0]
+        state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+        self.rows.append(
+            {
+                "weights": [p.detach().clone() for p in module.parameters()],
+                "optimizer_steps": int(state["step"]) if "step" in state else 0,
+                "scheduler_steps": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+                "lr": optimizer.param_groups[0]["lr"],
+                "loss": float(outputs["loss"]),
+                "scale": self.plugin.stats().scale if self.plugin is not None else None,
+            }
+        )
+
+
+def test_an_overflowing_step_is_skipped_with_its_optimizer_and_scheduler_steps():
+    plugin = MixprecPrecision("mixed_fp16", mixprec.DynamicLossScaler(init_scale=1024.0))
+    record = Record(plugin)
+    trainer = _trainer(plugin, callbacks=[record])
+    trainer.fit(Regression(inf_at=2), _data())
+    before, skipped, after = record.rows[1], record.rows[2], record.rows[3]
+
+    assert all(torch.equal(a, b) for a, b in zip(before["weights"], skipped["weights"], strict=True))
+    assert (before["optimizer_steps"], skipped["optimizer_steps"], after["optimizer_steps"]) == (2, 2, 3)
+    assert (before["scheduler_steps"], skipped["scheduler_steps"], after["scheduler_steps"]) == (2, 2, 3)
+    assert skipped["lr"] == before["lr"] == 1e-2 * 0.5**2 and after["lr"] == 1e-2 * 0.5**3
+    assert (before["scale"], skipped["scale"]) == (1024.0, 512.0)
+    assert not any(torch.equal(a, b) for a, b in zip(skipped["weights"], after["weights"], strict=True))
+    assert isinstance(trainer.lr_scheduler_configs[0].scheduler, GatedScheduler)
+    # the user sees the scale and the skipped count as metrics
+    assert trainer.callback_metrics["mixprec/loss_scale"].item() == 512.0
+    assert trainer.callback_metrics["mixprec/skipped_steps"].item() == 1.0
+    assert plugin.stats().skipped_steps == 1 and plugin.stats().applied_steps == BATCHES - 1
+
+
+def test_o2_bf16_tracks_the_fp32_loss_curve():
+    curves = {}
+    for name, plugin in (("fp32", None), ("o2_bf16", MixprecPrecision("o2_bf16"))):
+        record = Record()
+        model = Regression(gamma=1.0)
+        trainer = _trainer(plugin, epochs=4, callbacks=[record])
+        trainer.fit(model, _data())
+        curves[name] = [row["loss"] for row in record.rows]
+        if plugin is not None:
+            assert model.net[0].weight.dtype == torch.bfloat16 and trainer.precision == "bf16-mixed"
+            trainer.validate(model, _data(1), verbose=False)  # evaluation runs in the policy's region
+            assert torch.isfinite(trainer.callback_metrics["val_loss"])
+    fp32, bf16 = curves["fp32"], curves["o2_bf16"]
+    assert fp32[-1] < 0.5 * fp32[0] and bf16[-1] < 0.5 * bf16[0]
+    last_fp32, last_bf16 = sum(fp32[-BATCHES:]), sum(bf16[-BATCHES:])
+    assert abs(last_bf16 - last_fp32) <= 0.05 * last_fp32
+
+
+def _resumable(plugin_policy: str) -> tuple:
+    plugin = MixprecPrecision(plugin_policy, mixprec.DynamicLossScaler(init_scale=2.0**14, growth_interval=2))
+    return plugin, Regression(inf_at=5, gamma=0.9)
+
+
+def test_checkpoint_and_resume_equal_the_uninterrupted_run_bit_for_bit(tmp_path):
+    plugin, model = _resumable("o2_fp16")
+    _trainer(plugin, epochs=3).fit(model, _data())  # 12 steps, one of them skipped
+
+    first_plugin, first_model = _resumable("o2_fp16")
+    first = _trainer(first_plugin, epochs=1)
+    first.fit(first_model, _data())
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    resumed_plugin, resumed_model = _resumable("o2_fp16")
+    resumed = _trainer(resumed_plugin, epochs=3)
+    resumed.fit(resumed_model, _data(), ckpt_path=tmp_path / "epoch1.ckpt")
+
+    assert resumed.global_step == 3 * BATCHES
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed_model.state_dict()[name]), name
+    exact, exact_resumed = plugin.mixed_precision.fp32_state_dict(), resumed_plugin.mixed_precision.fp32_state_dict()
+    assert all(torch.equal(exact[name], exact_resumed[name]) for name in exact)
+    assert any(not torch.equal(exact[name].half().float(), exact[name]) for name in exact)  # masters matter
+    stats, resumed_stats = plugin.stats(), resumed_plugin.stats()
+    assert (stats.scale, stats.skipped_steps, stats.steps) == (resumed_stats.scale, resumed_stats.skipped_steps, 12)
+    assert stats.skipped_steps >= 1
+    assert resumed_plugin.state_dict()["scalers"] == plugin.state_dict()["scalers"]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32"])
+def test_lightnings_own_precision_flag_with_the_plugin_is_one_clear_error(precision):
+    # Lightning refuses this itself, in Trainer(); the plugin's repr makes its message name both settings.
+    flag = {"32": "32-true"}.get(precision, precision)
+    both = rf"Received both `precision={flag}` and `plugins=MixprecPrecision\(policy='o2_bf16'\)`\. Choose one\."
+    with pytest.raises(ValueError, match=both):
+        L.Trainer(accelerator="cpu", precision=precision, plugins=[MixprecPrecision("o2_bf16")])
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_sees_the_unscaled_gradients(algorithm):
+    clip = {"norm": 0.05, "value": 0.002}[algorithm]
+    weights = {}
+    for name, plugin, clip_val in (
+        ("fp32", None, clip),
+        ("scaled", MixprecPrecision("fp32", mixprec.StaticLossScaler(2.0**20)), clip),
+        ("unclipped", None, None),
+    ):
+        model = Regression(gamma=1.0)
+        _trainer(plugin, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm).fit(model, _data())
+        weights[name] = [p.detach() for p in model.parameters()]
+    for reference, scaled, unclipped in zip(weights["fp32"], weights["scaled"], weights["unclipped"], strict=True):
+        torch.testing.assert_close(scaled, reference, rtol=1e-6, atol=1e-7)  # 2**20 is exact: same gradients
+        assert not torch.allclose(reference, unclipped, rtol=1e-3, atol=1e-5)  # the clip was active
+
+
+def test_gradient_accumulation_makes_one_update_per_window():
+    weights, steps = {}, {}
+    for name, plugin in (("fp32", None), ("scaled", MixprecPrecision("fp32", mixprec.StaticLossScaler(2.0**10)))):
+        model = Regression(gamma=0.5)
+        trainer = _trainer(plugin, accumulate_grad_batches=2)
+        trainer.fit(model, _data())
+        weights[name] = [p.detach() for p in model.parameters()]
+        steps[name] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+        if plugin is not None:
+            assert plugin.stats().steps == BATCHES // 2
+    assert steps["fp32"] == steps["scaled"] == BATCHES // 2
+    for reference, scaled in zip(weights["fp32"], weights["scaled"], strict=True):
+        torch.testing.assert_close(scaled, reference, rtol=1e-6, atol=1e-7)
+
+
+class PureBf16WithTorchAdamW(Regression):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Manual(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class WithLBFGS(Regression):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class AlreadyHalf(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.half()
+
+
+class StepsEveryTwoBatches(Regression):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
+
+
+@pytest.mark.parametrize(
+    ("policy", "module", "message"),
+    [
+        ("pure_bf16", PureBf16WithTorchAdamW, r"the AdamW that configure_optimizers returned: .*as mixprec\.AdamW"),
+        ("mixed_bf16", Manual, r"manual optimization .* Use automatic optimization"),
+        ("mixed_bf16", StepsEveryTwoBatches, r"steps every 2 batches .* Use frequency=1"),
+        ("mixed_bf16", WithLBFGS, r"LBFGS re-evaluates the loss"),
+        ("o2_bf16", AlreadyHalf, r"must be FP32 .* 'net\.0\.weight' is torch\.float16"),
+    ],
+)
+def test_what_the_plugin_cannot_train_correctly_is_refused_with_the_fix(policy, module, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(MixprecPrecision(policy)).fit(module(), _data(1))
+
+
+def test_a_multi_process_strategy_is_refused_at_setup(monkeypatch):
+    for variable in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.setenv(variable, "unset")  # restored after the test: Lightning's DDP writes some of them
+        monkeypatch.delenv(variable)
+    trainer = _trainer(MixprecPrecision("mixed_bf16"), strategy="ddp")  # one gloo process, in this one
+    try:
+        with pytest.raises(ValueError, match=r"single device for now; .* DistributedDataParallel"):
+            trainer.fit(Regression(), _data(1))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_a_bad_policy_fails_when_the_plugin_is_made():
+    with pytest.raises(ValueError, match="unknown"):
+        MixprecPrecision("o3_fp12")
+
+
+def test_the_example_runs():
+    done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipped steps" in done.stdout, done.stdout
