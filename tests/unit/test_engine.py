@@ -422,3 +422,67 @@ def test_bad_constructor_arguments():
         mp.backward(model(batch(0)[0]))
     with pytest.raises(ValueError, match=r"loss_id=...\) must be in 0..0; received 1"):
         mp.backward(model(batch(0)[0]).sum(), loss_id=1)
+
+
+FIX = r"Build the model in FP32 \(model\.float\(\).*let the policy cast it; .*use mixprec\.autocast / cast_module"
+
+
+@pytest.mark.parametrize("policy", ["o2_bf16", "o2_fp16", "mixed_bf16", "mixed_fp16", "fp32", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_is_refused_with_the_fix(policy, dtype):
+    model = make_model().to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters())
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    with pytest.raises(ValueError, match=r"MixedPrecision\(model=\.\.\.\) needs a model with FP32 parameters") as e:
+        mixprec.MixedPrecision(model, optimizer, policy)
+    assert f"received one where 6 parameters are {dtype}, e.g. '0.weight'." in str(e.value)
+    assert "master weights must start from the exact values" in str(e.value)
+    assert e.match(FIX)
+    assert all(p.dtype == dtype for p in model.parameters())  # refused before anything was changed
+    assert [list(g["params"]) for g in optimizer.param_groups] == groups
+
+
+def test_the_refusal_lists_every_wrong_dtype():
+    model = make_model()
+    model[0].half()
+    model[3].bias.data = model[3].bias.data.double()
+    wrong = r"2 parameters are torch\.float16, e\.g\. '0\.weight'; 1 parameter is torch\.float64, e\.g\. '3\.bias'"
+    with pytest.raises(ValueError, match=wrong):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16")
+
+
+def test_a_model_already_cast_for_its_policy_is_refused_where_masters_would_be_rounded():
+    model = mixprec.cast_module(make_model(), mixprec.get_policy("o2_bf16"))  # the norm stays FP32
+    with pytest.raises(ValueError, match=r"4 parameters are torch.bfloat16, e.g. '0.weight'\. Build the model"):
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "o2_bf16")
+    # cast_module leaves mixed policies' FP32 weights alone: nothing to refuse
+    model = mixprec.cast_module(make_model(), mixprec.get_policy("mixed_bf16"))
+    mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "mixed_bf16")
+
+
+def test_a_16_bit_weight_without_an_fp32_master_is_accepted_as_it_is_the_cast():
+    """pure_bf16 keeps no master, and o2 makes none of an untrained weight: such a weight already in the
+    policy's dtype holds the bits the cast would give, so the run equals one built in FP32."""
+    built_fp32, built_bf16 = make_model(), make_model().to(torch.bfloat16)
+    runs = []
+    for model in (built_fp32, built_bf16):
+        mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16")
+        for seed in range(3):
+            assert train_step(mp, model, seed)
+        runs.append(snapshot(mp, model))
+    assert_bit_identical(*runs)
+    with pytest.raises(ValueError, match=r"6 parameters are torch\.float16"):  # fp16 is not pure_bf16's dtype
+        model = make_model().half()
+        mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16")
+
+    model = make_model()
+    model[0].to(torch.bfloat16).requires_grad_(False)  # a frozen, 16-bit first layer under o2
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model[3].parameters(), lr=1e-2), "o2_bf16")
+    assert len(mp.masters) == 2 and train_step(mp, model, 0)
+
+
+@pytest.mark.parametrize("policy", [*PRESETS, "tf32", "fp8", "fp8_hybrid"])
+def test_fp32_models_are_accepted_under_every_policy(policy):
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    assert train_step(mp, model, 0)

@@ -80,6 +80,47 @@ def _check_sharding(model: nn.Module, policy: Policy) -> None:
         )
 
 
+def _check_model_and_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    lowered: list[nn.Parameter],
+    mastered: list[nn.Parameter],
+) -> None:
+    """The model holds FP32 weights, and a policy without FP32 masters gets a compensated optimizer.
+
+    FP32 masters and the policy's casts must start from the exact weights: a 16-bit weight would give a
+    master rounded from 16 bits, or be silently widened to FP32. Where the policy stores a weight in 16
+    bits and makes no FP32 master of it (``pure_bf16``, or a weight the optimizer does not train), a
+    weight already in that dtype is accepted: casting it from FP32 would give the same bits. This holds
+    for sharded models too, whose shards :func:`mixprec.fully_shard` left in the policy's dtypes.
+    """
+    as_stored = {id(p) for p in lowered} - {id(p) for p in mastered}
+    wrong: dict[torch.dtype, list[str]] = {}
+    for name, param in model.named_parameters():
+        allowed = (torch.float32, policy.param_dtype if id(param) in as_stored else torch.float32)
+        if param.dtype.is_floating_point and param.dtype not in allowed:
+            wrong.setdefault(param.dtype, []).append(name)
+    if wrong:
+        received = "; ".join(
+            f"{len(names)} parameter{'s are' if len(names) > 1 else ' is'} {dtype}, e.g. {names[0]!r}"
+            for dtype, names in wrong.items()
+        )
+        raise ValueError(
+            f"MixedPrecision(model=...) needs a model with FP32 parameters (policy {policy} casts them itself, "
+            f"and FP32 master weights must start from the exact values); received one where {received}. "
+            "Build the model in FP32 (model.float(), before any mixprec.fully_shard) and let the policy cast it; for "
+            "inference of a 16-bit model, use mixprec.autocast / cast_module instead."
+        )
+    if needs_compensated_optimizer(policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
+        raise ValueError(
+            f"policy {policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
+            "round small updates away in low precision. Build the optimizer as "
+            "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
+            "keep FP32 masters."
+        )
+
+
 class StepResult:
     """What ``step()`` did. ``bool(result)`` is True when the update was applied (may sync the host)."""
 
@@ -118,6 +159,12 @@ class MixedPrecision:
         accumulate_in_fp32: keep gradients in FP32 buffers across micro-batches (o2 policies).
         num_losses: backward passes per step with a scaler each (like Apex's ``num_losses``).
         history: how many recent overflow steps ``stats()`` lists.
+
+    Raises:
+        ValueError: the model has parameters that are not FP32 where the policy needs exact FP32 weights
+            (16-bit ones are accepted only where the policy stores them so and keeps no FP32 master: the
+            cast would give the same bits); a policy without FP32 masters gets a plain optimizer; a
+            sharded model was not sharded for this policy.
     """
 
     def __init__(
@@ -155,18 +202,12 @@ class MixedPrecision:
         self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
 
         lowered = lowered_parameters(model, self.policy) if self.policy.param_dtype != torch.float32 else []
-        if needs_compensated_optimizer(self.policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
-            raise ValueError(
-                f"policy {self.policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
-                "round small updates away in low precision. Build the optimizer as "
-                "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
-                "keep FP32 masters."
-            )
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        # sharded o2 models need no masters: their FP32 shards are the masters, FSDP2 gathers them in 16 bits
-        keeps_masters = self.policy.keeps_fp32_masters and not self.sharded
-        mastered = [p for p in lowered if id(p) in in_optimizer] if keeps_masters else []
-        self.masters = MasterWeights(optimizer, mastered) if mastered else None  # before the cast: exact values
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mastered = [p for p in lowered if id(p) in trained] if self.policy.keeps_fp32_masters else []
+        _check_model_and_optimizer(model, optimizer, self.policy, lowered, mastered)
+        # made before the cast, from the exact values; sharded o2 models need none: their FP32 shards are the
+        # masters, which FSDP2 gathers in 16 bits
+        self.masters = MasterWeights(optimizer, mastered) if mastered and not self.sharded else None
         if not self.sharded:
             cast_module(model, self.policy)
 
