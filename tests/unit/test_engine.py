@@ -310,10 +310,13 @@ def test_several_losses_have_their_own_scalers():
     assert mp.stats().scales == (2.0**10, 2.0**3)
 
 
-def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch):
+@pytest.mark.parametrize("num_losses", [1, 2])
+def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch, num_losses):
     model = make_model()
-    scalers = [mixprec.DynamicLossScaler(), mixprec.DynamicLossScaler()]
-    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scalers, num_losses=2)
+    scalers = [mixprec.DynamicLossScaler() for _ in range(num_losses)]
+    mp = mixprec.MixedPrecision(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scalers, num_losses=num_losses
+    )
     reads = []  # host reads of any tensor but the scales (the CPU snapshot of those is a free memory load)
     for method in ("item", "tolist", "__bool__", "__float__"):
         original = getattr(torch.Tensor, method)
@@ -328,14 +331,67 @@ def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch):
         x, y = batch(0)
         with mp.autocast():
             out = model(x)
-            mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
-            mp.backward(out.pow(2).mean() * overflow, loss_id=1)
+            if num_losses == 1:  # step() itself unscales this loss's gradients
+                mp.backward(F.cross_entropy(out, y) + out.pow(2).mean() * overflow)
+            else:  # the first loss's gradients were unscaled when the second's backward began
+                mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+                mp.backward(out.pow(2).mean() * overflow, loss_id=1)
         reads.clear()
         applied = mp.step()
         # one read decides the skip and tells which loss overflowed; an overflowing step's inf-or-NaN
         # statistics are read on the CPU only (elsewhere they wait on the device until stats())
         assert reads == ["tolist"] if overflow == 1.0 else reads.count("tolist") == 1, reads
         assert bool(applied) == (overflow == 1.0)
+    stats = mp.stats()  # told apart after that read: NaN (an unclassified overflow would count as inf)
+    assert (stats.skipped_steps, stats.inf_steps, stats.nan_steps) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16", "pure_bf16"])
+def test_one_loss_is_the_num_losses_1_case_of_several(policy):
+    """A run of several losses that uses only loss 0 is bit-identical to a one-loss run."""
+    runs = []
+    for num_losses in (1, 2):
+        model = make_model()
+        scalers = [mixprec.DynamicLossScaler(init_scale=2.0**10, growth_interval=2) for _ in range(num_losses)]
+        mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy, scalers, num_losses=num_losses)
+        for seed in range(4):
+            train_step(mp, model, seed, poison=float("inf") if seed == 2 else None, clip=1.0 if seed == 1 else None)
+        runs.append((snapshot(mp, model), mp.stats()))
+    assert_bit_identical(runs[0][0], runs[1][0])
+    assert runs[0][1].skipped_steps == runs[1][1].skipped_steps == 1
+    assert runs[0][1].scale == runs[1][1].scale
+
+
+def _scaled_bf16_grads(losses, scale):
+    """The bf16 gradients of ``losses(model(x))`` scaled by ``scale``, before any unscaling."""
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16", mixprec.StaticLossScaler(scale))
+    with mp.autocast():
+        mp.backward(losses(model(batch(0)[0])))
+    return mp, model, [p.grad for p in model.parameters()]
+
+
+def test_one_loss_is_unscaled_in_place_several_into_fp32_sums():
+    y = batch(0)[1]
+    mp, model, grads = _scaled_bf16_grads(lambda out: F.cross_entropy(out, y), 8.0)
+    scaled = [(g.data_ptr(), g.clone()) for g in grads]
+    mp.unscale_()
+    for param, (pointer, value) in zip(model.parameters(), scaled, strict=True):  # the same bf16 buffers: no copy
+        assert param.grad.dtype == torch.bfloat16 and param.grad.data_ptr() == pointer
+        assert torch.equal(param.grad, value / 8)
+
+    _, _, first = _scaled_bf16_grads(lambda out: F.cross_entropy(out, y), 8.0)
+    _, _, second = _scaled_bf16_grads(lambda out: out.pow(2).mean(), 2.0**-3)
+    model = make_model()
+    scalers = [mixprec.StaticLossScaler(8.0), mixprec.StaticLossScaler(2.0**-3)]
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16", scalers, num_losses=2)
+    with mp.autocast():
+        out = model(batch(0)[0])
+        mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+        mp.backward(out.pow(2).mean(), loss_id=1)
+    mp.unscale_()
+    for param, a, b in zip(model.parameters(), first, second, strict=True):  # each unscaled, summed in FP32
+        assert torch.equal(param.grad, (a.float() / 8 + b.float() * 8).bfloat16())
 
 
 def test_scaler_list_must_match_num_losses():
