@@ -394,6 +394,30 @@ def test_one_loss_is_unscaled_in_place_several_into_fp32_sums():
         assert torch.equal(param.grad, (a.float() / 8 + b.float() * 8).bfloat16())
 
 
+def test_a_fused_optimizer_skips_an_overflow_seen_in_several_micro_batches(monkeypatch):
+    """The fused path (an accelerator's, forced here on the CPU, whose fused AdamW also takes found_inf):
+    the flag it gets is 0-d and 1.0 however often a loss overflowed, as torch's fused steps require."""
+    monkeypatch.setattr(mixprec.MixedPrecision, "_skips_on_device", property(lambda self: True))
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scalers = [mixprec.DynamicLossScaler(), mixprec.DynamicLossScaler()]
+    mp = mixprec.MixedPrecision(model, optimizer, "mixed_fp16", scalers, num_losses=2, accumulation_steps=2)
+    for overflow in (1.0, float("inf")):
+        before = snapshot(mp, model)
+        for micro in range(2):
+            x, y = batch(micro)
+            with mp.autocast():
+                out = model(x)
+                mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+                mp.backward(out.pow(2).mean() * overflow, loss_id=1)  # loss 1 overflows in both micro-batches
+            result = mp.step()
+        assert bool(result) == (overflow == 1.0)
+    assert_bit_identical(before, snapshot(mp, model))  # the skipped step: weights and AdamW state, step count too
+    stats = mp.stats()
+    assert (stats.steps, stats.skipped_steps, stats.inf_steps, stats.nan_steps) == (2, 1, 0, 1)
+    assert stats.scales == (2.0**16, 2.0**15)
+
+
 def test_scaler_list_must_match_num_losses():
     model = make_model()
     scaler = mixprec.DynamicLossScaler()

@@ -394,7 +394,7 @@ class MixedPrecision:
         """The optimizer step unless a gradient overflowed, then the masters rounded into the model."""
         if flags.host is None:  # the fused optimizer skips on the device; no sync
             self.optimizer.grad_scale = None  # gradients are already unscaled
-            self.optimizer.found_inf = flags.found
+            self.optimizer.found_inf = flags.found.reshape(())  # 0-d, as GradScaler's: it is subtracted from steps
             try:
                 self.optimizer.step()
             finally:
