@@ -310,10 +310,13 @@ def test_several_losses_have_their_own_scalers():
     assert mp.stats().scales == (2.0**10, 2.0**3)
 
 
-def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch):
+@pytest.mark.parametrize("num_losses", [1, 2])
+def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch, num_losses):
     model = make_model()
-    scalers = [mixprec.DynamicLossScaler(), mixprec.DynamicLossScaler()]
-    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scalers, num_losses=2)
+    scalers = [mixprec.DynamicLossScaler() for _ in range(num_losses)]
+    mp = mixprec.MixedPrecision(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", scalers, num_losses=num_losses
+    )
     reads = []  # host reads of any tensor but the scales (the CPU snapshot of those is a free memory load)
     for method in ("item", "tolist", "__bool__", "__float__"):
         original = getattr(torch.Tensor, method)
@@ -328,14 +331,91 @@ def test_step_reads_the_overflow_flags_once_however_many_losses(monkeypatch):
         x, y = batch(0)
         with mp.autocast():
             out = model(x)
-            mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
-            mp.backward(out.pow(2).mean() * overflow, loss_id=1)
+            if num_losses == 1:  # step() itself unscales this loss's gradients
+                mp.backward(F.cross_entropy(out, y) + out.pow(2).mean() * overflow)
+            else:  # the first loss's gradients were unscaled when the second's backward began
+                mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+                mp.backward(out.pow(2).mean() * overflow, loss_id=1)
         reads.clear()
         applied = mp.step()
         # one read decides the skip and tells which loss overflowed; an overflowing step's inf-or-NaN
         # statistics are read on the CPU only (elsewhere they wait on the device until stats())
         assert reads == ["tolist"] if overflow == 1.0 else reads.count("tolist") == 1, reads
         assert bool(applied) == (overflow == 1.0)
+    stats = mp.stats()  # told apart after that read: NaN (an unclassified overflow would count as inf)
+    assert (stats.skipped_steps, stats.inf_steps, stats.nan_steps) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16", "pure_bf16"])
+def test_one_loss_is_the_num_losses_1_case_of_several(policy):
+    """A run of several losses that uses only loss 0 is bit-identical to a one-loss run."""
+    runs = []
+    for num_losses in (1, 2):
+        model = make_model()
+        scalers = [mixprec.DynamicLossScaler(init_scale=2.0**10, growth_interval=2) for _ in range(num_losses)]
+        mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy, scalers, num_losses=num_losses)
+        for seed in range(4):
+            train_step(mp, model, seed, poison=float("inf") if seed == 2 else None, clip=1.0 if seed == 1 else None)
+        runs.append((snapshot(mp, model), mp.stats()))
+    assert_bit_identical(runs[0][0], runs[1][0])
+    assert runs[0][1].skipped_steps == runs[1][1].skipped_steps == 1
+    assert runs[0][1].scale == runs[1][1].scale
+
+
+def _scaled_bf16_grads(losses, scale):
+    """The bf16 gradients of ``losses(model(x))`` scaled by ``scale``, before any unscaling."""
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16", mixprec.StaticLossScaler(scale))
+    with mp.autocast():
+        mp.backward(losses(model(batch(0)[0])))
+    return mp, model, [p.grad for p in model.parameters()]
+
+
+def test_one_loss_is_unscaled_in_place_several_into_fp32_sums():
+    y = batch(0)[1]
+    mp, model, grads = _scaled_bf16_grads(lambda out: F.cross_entropy(out, y), 8.0)
+    scaled = [(g.data_ptr(), g.clone()) for g in grads]
+    mp.unscale_()
+    for param, (pointer, value) in zip(model.parameters(), scaled, strict=True):  # the same bf16 buffers: no copy
+        assert param.grad.dtype == torch.bfloat16 and param.grad.data_ptr() == pointer
+        assert torch.equal(param.grad, value / 8)
+
+    _, _, first = _scaled_bf16_grads(lambda out: F.cross_entropy(out, y), 8.0)
+    _, _, second = _scaled_bf16_grads(lambda out: out.pow(2).mean(), 2.0**-3)
+    model = make_model()
+    scalers = [mixprec.StaticLossScaler(8.0), mixprec.StaticLossScaler(2.0**-3)]
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16", scalers, num_losses=2)
+    with mp.autocast():
+        out = model(batch(0)[0])
+        mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+        mp.backward(out.pow(2).mean(), loss_id=1)
+    mp.unscale_()
+    for param, a, b in zip(model.parameters(), first, second, strict=True):  # each unscaled, summed in FP32
+        assert torch.equal(param.grad, (a.float() / 8 + b.float() * 8).bfloat16())
+
+
+def test_a_fused_optimizer_skips_an_overflow_seen_in_several_micro_batches(monkeypatch):
+    """The fused path (an accelerator's, forced here on the CPU, whose fused AdamW also takes found_inf):
+    the flag it gets is 0-d and 1.0 however often a loss overflowed, as torch's fused steps require."""
+    monkeypatch.setattr(mixprec.MixedPrecision, "_skips_on_device", property(lambda self: True))
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scalers = [mixprec.DynamicLossScaler(), mixprec.DynamicLossScaler()]
+    mp = mixprec.MixedPrecision(model, optimizer, "mixed_fp16", scalers, num_losses=2, accumulation_steps=2)
+    for overflow in (1.0, float("inf")):
+        before = snapshot(mp, model)
+        for micro in range(2):
+            x, y = batch(micro)
+            with mp.autocast():
+                out = model(x)
+                mp.backward(F.cross_entropy(out, y), loss_id=0, retain_graph=True)
+                mp.backward(out.pow(2).mean() * overflow, loss_id=1)  # loss 1 overflows in both micro-batches
+            result = mp.step()
+        assert bool(result) == (overflow == 1.0)
+    assert_bit_identical(before, snapshot(mp, model))  # the skipped step: weights and AdamW state, step count too
+    stats = mp.stats()
+    assert (stats.steps, stats.skipped_steps, stats.inf_steps, stats.nan_steps) == (2, 1, 0, 1)
+    assert stats.scales == (2.0**16, 2.0**15)
 
 
 def test_scaler_list_must_match_num_losses():
@@ -422,3 +502,67 @@ def test_bad_constructor_arguments():
         mp.backward(model(batch(0)[0]))
     with pytest.raises(ValueError, match=r"loss_id=...\) must be in 0..0; received 1"):
         mp.backward(model(batch(0)[0]).sum(), loss_id=1)
+
+
+FIX = r"Build the model in FP32 \(model\.float\(\).*let the policy cast it; .*use mixprec\.autocast / cast_module"
+
+
+@pytest.mark.parametrize("policy", ["o2_bf16", "o2_fp16", "mixed_bf16", "mixed_fp16", "fp32", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_is_refused_with_the_fix(policy, dtype):
+    model = make_model().to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters())
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    with pytest.raises(ValueError, match=r"MixedPrecision\(model=\.\.\.\) needs a model with FP32 parameters") as e:
+        mixprec.MixedPrecision(model, optimizer, policy)
+    assert f"received one where 6 parameters are {dtype}, e.g. '0.weight'." in str(e.value)
+    assert "master weights must start from the exact values" in str(e.value)
+    assert e.match(FIX)
+    assert all(p.dtype == dtype for p in model.parameters())  # refused before anything was changed
+    assert [list(g["params"]) for g in optimizer.param_groups] == groups
+
+
+def test_the_refusal_lists_every_wrong_dtype():
+    model = make_model()
+    model[0].half()
+    model[3].bias.data = model[3].bias.data.double()
+    wrong = r"2 parameters are torch\.float16, e\.g\. '0\.weight'; 1 parameter is torch\.float64, e\.g\. '3\.bias'"
+    with pytest.raises(ValueError, match=wrong):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16")
+
+
+def test_a_model_already_cast_for_its_policy_is_refused_where_masters_would_be_rounded():
+    model = mixprec.cast_module(make_model(), mixprec.get_policy("o2_bf16"))  # the norm stays FP32
+    with pytest.raises(ValueError, match=r"4 parameters are torch.bfloat16, e.g. '0.weight'\. Build the model"):
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "o2_bf16")
+    # cast_module leaves mixed policies' FP32 weights alone: nothing to refuse
+    model = mixprec.cast_module(make_model(), mixprec.get_policy("mixed_bf16"))
+    mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "mixed_bf16")
+
+
+def test_a_16_bit_weight_without_an_fp32_master_is_accepted_as_it_is_the_cast():
+    """pure_bf16 keeps no master, and o2 makes none of an untrained weight: such a weight already in the
+    policy's dtype holds the bits the cast would give, so the run equals one built in FP32."""
+    built_fp32, built_bf16 = make_model(), make_model().to(torch.bfloat16)
+    runs = []
+    for model in (built_fp32, built_bf16):
+        mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16")
+        for seed in range(3):
+            assert train_step(mp, model, seed)
+        runs.append(snapshot(mp, model))
+    assert_bit_identical(*runs)
+    with pytest.raises(ValueError, match=r"6 parameters are torch\.float16"):  # fp16 is not pure_bf16's dtype
+        model = make_model().half()
+        mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16")
+
+    model = make_model()
+    model[0].to(torch.bfloat16).requires_grad_(False)  # a frozen, 16-bit first layer under o2
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model[3].parameters(), lr=1e-2), "o2_bf16")
+    assert len(mp.masters) == 2 and train_step(mp, model, 0)
+
+
+@pytest.mark.parametrize("policy", [*PRESETS, "tf32", "fp8", "fp8_hybrid"])
+def test_fp32_models_are_accepted_under_every_policy(policy):
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    assert train_step(mp, model, 0)

@@ -14,6 +14,9 @@ Host syncs, all of them:
       on an accelerator. On the CPU the read is a memory load.
     - ``bool(step_result)``, ``step_scheduler()``, ``stats()`` and ``state_dict()`` read device values.
     - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
+On the CPU, where a read is a memory load, the statistics also read a flag where gradients are unscaled
+outside step() (``unscale_()``, ``clip_grad_norm_()``, a backward() after another loss's), so that only
+overflowing gradients pay for telling inf from NaN; elsewhere that check runs on the device.
 In a torch.distributed run step() also all-reduces the found-inf flags (max over ranks) before deciding,
 so every rank skips the same steps; that is a collective, not a host sync. With FSDP2-sharded parameters
 (:func:`mixprec.fully_shard`) each rank unscales and checks its own shards, and clip_grad_norm_ sums the
@@ -33,11 +36,10 @@ from mixprec.checks import whole_number
 from mixprec.compute.device import device_type_of
 from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
 from mixprec.engine.call_order import CallOrder
-from mixprec.engine.overflow_log import OverflowLog, StepRecord
+from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.weights import MasterWeights
-from mixprec.numerics.finite import nonfinite_kinds
 from mixprec.parallel.fsdp import is_sharded, sharded_with
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
@@ -80,6 +82,47 @@ def _check_sharding(model: nn.Module, policy: Policy) -> None:
         )
 
 
+def _check_model_and_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    lowered: list[nn.Parameter],
+    mastered: list[nn.Parameter],
+) -> None:
+    """The model holds FP32 weights, and a policy without FP32 masters gets a compensated optimizer.
+
+    FP32 masters and the policy's casts must start from the exact weights: a 16-bit weight would give a
+    master rounded from 16 bits, or be silently widened to FP32. Where the policy stores a weight in 16
+    bits and makes no FP32 master of it (``pure_bf16``, or a weight the optimizer does not train), a
+    weight already in that dtype is accepted: casting it from FP32 would give the same bits. This holds
+    for sharded models too, whose shards :func:`mixprec.fully_shard` left in the policy's dtypes.
+    """
+    as_stored = {id(p) for p in lowered} - {id(p) for p in mastered}
+    wrong: dict[torch.dtype, list[str]] = {}
+    for name, param in model.named_parameters():
+        allowed = (torch.float32, policy.param_dtype if id(param) in as_stored else torch.float32)
+        if param.dtype.is_floating_point and param.dtype not in allowed:
+            wrong.setdefault(param.dtype, []).append(name)
+    if wrong:
+        received = "; ".join(
+            f"{len(names)} parameter{'s are' if len(names) > 1 else ' is'} {dtype}, e.g. {names[0]!r}"
+            for dtype, names in wrong.items()
+        )
+        raise ValueError(
+            f"MixedPrecision(model=...) needs a model with FP32 parameters (policy {policy} casts them itself, "
+            f"and FP32 master weights must start from the exact values); received one where {received}. "
+            "Build the model in FP32 (model.float(), before any mixprec.fully_shard) and let the policy cast it; for "
+            "inference of a 16-bit model, use mixprec.autocast / cast_module instead."
+        )
+    if needs_compensated_optimizer(policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
+        raise ValueError(
+            f"policy {policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
+            "round small updates away in low precision. Build the optimizer as "
+            "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
+            "keep FP32 masters."
+        )
+
+
 class StepResult:
     """What ``step()`` did. ``bool(result)`` is True when the update was applied (may sync the host)."""
 
@@ -118,6 +161,12 @@ class MixedPrecision:
         accumulate_in_fp32: keep gradients in FP32 buffers across micro-batches (o2 policies).
         num_losses: backward passes per step with a scaler each (like Apex's ``num_losses``).
         history: how many recent overflow steps ``stats()`` lists.
+
+    Raises:
+        ValueError: the model has parameters that are not FP32 where the policy needs exact FP32 weights
+            (16-bit ones are accepted only where the policy stores them so and keeps no FP32 master: the
+            cast would give the same bits); a policy without FP32 masters gets a plain optimizer; a
+            sharded model was not sharded for this policy.
     """
 
     def __init__(
@@ -155,31 +204,21 @@ class MixedPrecision:
         self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
 
         lowered = lowered_parameters(model, self.policy) if self.policy.param_dtype != torch.float32 else []
-        if needs_compensated_optimizer(self.policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
-            raise ValueError(
-                f"policy {self.policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
-                "round small updates away in low precision. Build the optimizer as "
-                "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
-                "keep FP32 masters."
-            )
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        # sharded o2 models need no masters: their FP32 shards are the masters, FSDP2 gathers them in 16 bits
-        keeps_masters = self.policy.keeps_fp32_masters and not self.sharded
-        mastered = [p for p in lowered if id(p) in in_optimizer] if keeps_masters else []
-        self.masters = MasterWeights(optimizer, mastered) if mastered else None  # before the cast: exact values
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mastered = [p for p in lowered if id(p) in trained] if self.policy.keeps_fp32_masters else []
+        _check_model_and_optimizer(model, optimizer, self.policy, lowered, mastered)
+        # made before the cast, from the exact values; sharded o2 models need none: their FP32 shards are the
+        # masters, which FSDP2 gathers in 16 bits
+        self.masters = MasterWeights(optimizer, mastered) if mastered and not self.sharded else None
         if not self.sharded:
             cast_module(model, self.policy)
         self._region = Region(self.policy, model, self.device)  # prepared once: entering it only enters contexts
 
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
-        # Bookkeeping is read on the host every step on the CPU (free), in batches elsewhere.
-        self._read_every_step = self.device.type == "cpu"
-        self._log = OverflowLog(self.scalers, history, flush_every=1 if self._read_every_step else 64)
-        self._found_per_loss: list[torch.Tensor] | None = None  # this window's overflow flags, per loss
-        self._kinds: tuple[torch.Tensor, torch.Tensor] | None = None  # (has_inf, has_nan) of this window
-        self._accumulators: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # several losses: FP32 grads
+        self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
         self._last: StepResult | None = None
+        self._new_window()
 
     @staticmethod
     def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
@@ -212,6 +251,9 @@ class MixedPrecision:
         """``(loss / accumulation_steps * scale).backward()`` with the scaler of ``loss_id``.
 
         ``retain_graph`` as in ``Tensor.backward``: needed when several losses share one forward graph.
+        With several losses, the previous backward's gradients are first unscaled by their own loss's scaler
+        into FP32 sums, so that no two scales mix; with one loss, gradients add up at their scale until the
+        window's end, where they are unscaled once, in place.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -219,31 +261,15 @@ class MixedPrecision:
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
             raise ValueError(f"backward(loss_id=...) must be in 0..{self.num_losses - 1}; received {loss_id!r}.")
         self._order.on_backward()
+        if self._scaled_by is not None and self.num_losses > 1:
+            self._unscale_scaled(into_sums=True)
+            self._check_kinds()
+        self._scaled_by = loss_id
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
-        if self.num_losses > 1:
-            self._harvest(loss_id)
-        elif self.accumulate_in_fp32:
+        if self.accumulate_in_fp32:
             self.masters.grads_to_masters()
-
-    def _harvest(self, loss_id: int) -> None:
-        """Several losses: unscale this loss's fresh gradients with its own scaler into FP32 accumulators."""
-        if self.masters is not None:
-            self.masters.grads_to_masters()
-        params = [p for p in self._optimizer_params() if p.grad is not None]
-        fresh = [p.grad.float() for p in params]
-        found = self.scalers[loss_id].unscale_(fresh)
-        self._classify(fresh, found)
-        if self._found_per_loss is None:
-            self._found_per_loss = [torch.zeros_like(found) for _ in range(self.num_losses)]
-        self._found_per_loss[loss_id] += found
-        for param, grad in zip(params, fresh, strict=True):
-            if id(param) in self._accumulators:
-                self._accumulators[id(param)][1].add_(grad)
-            else:
-                self._accumulators[id(param)] = (param, grad)
-            param.grad = None
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -256,32 +282,44 @@ class MixedPrecision:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
         self._order.on_unscale("unscale_()")
         self._unscale()
+        self._check_kinds()  # now: the caller may change the gradients next
 
     def _unscale(self) -> None:
-        if self.num_losses > 1:
-            for param, grad in self._accumulators.values():
-                param.grad = grad if param.dtype == torch.float32 else grad.to(param.dtype)
-            self._accumulators = {}
-            return
+        """At the window's end, unscale the last loss's gradients: in place (with one loss, the window's only
+        unscale, no copy), or into the FP32 sums of the losses before, which then become the gradients."""
+        self._unscale_scaled(into_sums=bool(self._sums))
+        for param, grad in self._sums.values():
+            param.grad = grad if param.dtype == torch.float32 else grad.to(param.dtype)
+        self._sums = {}
+
+    def _unscale_scaled(self, into_sums: bool) -> None:
+        """Unscale the gradients in ``.grad`` (the masters' for o2) with the scaler of the loss that made them,
+        in place, or into FP32 sums that gradients of another scale can join; note the loss's found-inf flag."""
+        loss_id, self._scaled_by = self._scaled_by, None
         if self.masters is not None:
             self.masters.grads_to_masters()
-        grads = self._optimizer_grads()
-        found = self.scalers[0].unscale_(grads)
-        self._classify(grads, found)
-        self._found_per_loss = [found]
+        params = [p for p in self._optimizer_params() if p.grad is not None]
+        grads = [p.grad.float() if into_sums else p.grad for p in params]  # float(): a copy of 16-bit ones only
+        unscaled = [local(g) for g in grads]
+        found = self.scalers[loss_id].unscale_(unscaled)
+        before = self._found[loss_id]
+        self._found[loss_id] = found if before is None else torch.maximum(before, found)  # 0 or 1, as fused steps need
+        self._unchecked = (unscaled, found)
+        if into_sums:
+            for param, grad in zip(params, grads, strict=True):
+                if id(param) in self._sums:
+                    self._sums[id(param)][1].add_(grad)
+                else:
+                    self._sums[id(param)] = (param, grad)
+                param.grad = None
 
-    def _classify(self, grads: list[torch.Tensor], found: torch.Tensor) -> None:
-        """Tell inf from NaN for the statistics, before clipping can turn one into the other.
-
-        On the CPU only overflowing steps pay for it (reading ``found`` is free); elsewhere it runs on the
-        device every step, so that nothing waits.
-        """
-        if self._read_every_step and not found.item():
-            return
-        has_inf, has_nan = nonfinite_kinds(grads, self.device)
-        if self._kinds is not None:
-            has_inf, has_nan = has_inf | self._kinds[0], has_nan | self._kinds[1]
-        self._kinds = (has_inf, has_nan)
+    def _check_kinds(self, host: bool | None = None) -> None:
+        """Hand the gradients unscaled last to the statistics, which tell inf from NaN (``host``: their flag,
+        if read already); done before anything can change them, and once."""
+        if self._unchecked is not None:
+            grads, found = self._unchecked
+            self._unchecked = None
+            self._log.classify(grads, found, host)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
@@ -293,6 +331,7 @@ class MixedPrecision:
         if not self._order.unscaled:
             self._order.on_unscale("clip_grad_norm_()")
             self._unscale()
+            self._check_kinds()  # before clipping can turn an inf into a NaN
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
@@ -311,7 +350,7 @@ class MixedPrecision:
         return total
 
     def step(self) -> StepResult:
-        """Finish the step: unscale (if not done), apply the update or skip it, adjust the scale, zero grads.
+        """Finish the step: unscale (if not done), check, apply the update or skip it, adjust the scale, zero grads.
 
         Inside an accumulation window only counts the micro-batch. Returns a StepResult, truthy when the
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
@@ -322,64 +361,70 @@ class MixedPrecision:
             return self._last
         if not already_unscaled:
             self._unscale()
-        found_per_loss = agree_max(self._found_per_loss or [torch.zeros(1, device=self.device)])
-        found = found_per_loss[0] if len(found_per_loss) == 1 else torch.stack(found_per_loss).amax(0)
+        flags = self._check()
+        self._update_or_skip(flags)
+        scales_before = self._log.scales()
+        for scaler, flag in zip(self.scalers, flags.per_loss, strict=True):
+            scaler.update(flag)
+        self._zero_grad()
+        self._log.record(flags, scales_before)
+        self._last = StepResult(True, flags.found)
+        return self._last
 
-        if getattr(self.optimizer, "_step_supports_amp_scaling", False) and self.device.type != "cpu":
-            found_host = None  # the fused optimizer skips on device; no sync
+    def _check(self) -> FoundInf:
+        """Every loss's found-inf flag, the maximum over ranks, read on the host once (not at all where a
+        fused optimizer takes the flag itself); the statistics then tell an overflow's inf from NaN."""
+        per_loss = self._found
+        if any(flag is None for flag in per_loss):  # a loss without gradients in this window
+            zero = torch.zeros(1, dtype=torch.float32, device=self.device)
+            per_loss = [zero if flag is None else flag for flag in per_loss]
+        per_loss = agree_max(per_loss)
+        host = None
+        if not self._skips_on_device:
+            # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
+            host = [flag != 0 for flag in torch.cat(per_loss).tolist()]
+        self._check_kinds(None if host is None else any(host))
+        return FoundInf(per_loss, host)
+
+    @property
+    def _skips_on_device(self) -> bool:
+        """A fused optimizer (``torch.optim.AdamW(fused=True)`` etc.) on an accelerator takes ``found_inf``."""
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False) and self.device.type != "cpu"
+
+    def _update_or_skip(self, flags: FoundInf) -> None:
+        """The optimizer step unless a gradient overflowed, then the masters rounded into the model."""
+        if flags.host is None:  # the fused optimizer skips on the device; no sync
             self.optimizer.grad_scale = None  # gradients are already unscaled
-            self.optimizer.found_inf = found
+            self.optimizer.found_inf = flags.found.reshape(())  # 0-d, as GradScaler's: it is subtracted from steps
             try:
                 self.optimizer.step()
             finally:
                 del self.optimizer.grad_scale, self.optimizer.found_inf
-            if self.masters is not None:
-                self.masters.copy_to_model()  # unchanged masters on a skipped step: the same values
+        elif not any(flags.host):
+            self.optimizer.step()
         else:
-            # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
-            per_loss_host = [flag != 0 for flag in torch.cat(found_per_loss).tolist()]
-            found_host = any(per_loss_host)
-            if not found_host:
-                self.optimizer.step()
-                if self.masters is not None:
-                    self.masters.copy_to_model()
-
-        kinds = self._kinds or (False, False)
-        scales_before = [self._scale_snapshot(s) for s in self.scalers]
-        for scaler, found_i in zip(self.scalers, found_per_loss, strict=True):
-            scaler.update(found_i)
-        record = StepRecord(
-            step=self._log.next_step,
-            found=found if found_host is None else found_host,
-            has_inf=kinds[0],
-            has_nan=kinds[1],
-            scales_before=scales_before,
-            scales_after=[self._scale_snapshot(s) for s in self.scalers],
-            found_per_loss=[f.clone() for f in found_per_loss] if found_host is None else per_loss_host,
-        )
-        self._log.add(record)
-        self._zero_grad()
-        self._last = StepResult(True, found if found_host is None else found_host)
-        return self._last
-
-    def _scale_snapshot(self, scaler: LossScaler) -> torch.Tensor | float:
-        tensor = scaler.scale_tensor
-        if tensor is None:
-            return scaler.get_scale()
-        return float(tensor.item()) if self._read_every_step else tensor.clone()  # CPU read: free
+            return
+        if self.masters is not None:
+            self.masters.copy_to_model()  # after a skip on the device: unchanged masters, the same values
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.model.parameters():
             param.grad = None
-        self._found_per_loss = None
-        self._kinds = None
-        self._accumulators = {}
+        self._new_window()
+
+    def _new_window(self) -> None:
+        """No gradients yet in this update window."""
+        self._scaled_by: int | None = None  # the loss whose gradients, at its scale, are in .grad
+        self._found: list[torch.Tensor | None] = [None] * self.num_losses  # each loss's found-inf flag
+        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unscaled FP32 sums, by id(param)
+        self._unchecked: tuple[list[torch.Tensor], torch.Tensor] | None = None  # awaiting the inf/NaN check
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""
         self._zero_grad()
         self._order.reset()
+        self._log.forget_window()
 
     def step_scheduler(self, scheduler: Any) -> bool:
         """Step ``scheduler`` only if the last ``step()`` applied an update; returns whether it did.
@@ -400,20 +445,13 @@ class MixedPrecision:
     # -- reporting and state ---------------------------------------------------------------------
     def stats(self) -> Stats:
         """Scale, step and overflow counts, and bytes of model state per parameter. Host sync."""
-        self._log.flush()
         masters = self.masters.state() if self.masters is not None else []
         scales = tuple(s.get_scale() for s in self.scalers)
         return Stats(
             policy=str(self.policy),
             scale=scales[0],
             scales=scales,
-            steps=self._log.steps,
-            applied_steps=self._log.steps - self._log.skipped_steps,
-            skipped_steps=self._log.skipped_steps,
-            inf_steps=self._log.inf_steps,
-            nan_steps=self._log.nan_steps,
-            recent_overflow_steps=tuple(self._log.recent_overflow_steps),
-            diagnosis=self._log.diagnosis,
+            **self._log.counts(),
             bytes_per_param=model_state_bytes(self.model, masters, self.optimizer, self.accumulate_in_fp32),
         )
 

@@ -1,27 +1,48 @@
-"""Bookkeeping of applied and skipped steps: counts, recent overflows, log lines and the floor diagnosis.
+"""Bookkeeping of applied and skipped steps: counts, recent overflows, inf or NaN, log lines, the floor diagnosis.
 
-Records may arrive as device tensors; they are read on the host when flushed (every step on CPU,
-where reading is free; in batches on accelerators, so that training never waits on them).
+MixedPrecision hands over what a step found (:class:`FoundInf`), the gradients it unscaled (to tell inf from
+NaN) and the scales around their update; everything here exists for ``stats()`` and the log. Records may
+arrive as device tensors; they are read on the host when flushed (every step on CPU, where reading is free;
+in batches on accelerators, so that training never waits on them).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.checks import whole_number
+from mixprec.numerics.finite import nonfinite_kinds
 
-__all__ = ["OverflowLog", "StepRecord"]
+__all__ = ["FoundInf", "OverflowLog", "StepRecord"]
 
 logger = logging.getLogger("mixprec")
 
 _FIRST_MESSAGES = 10  # overflow lines logged in full before rate limiting starts
 _MIN_SECONDS_BETWEEN = 30.0
+_FLUSH_EVERY = 64  # steps between host reads of the records on accelerators
+
+
+@dataclass(frozen=True)
+class FoundInf:
+    """One update's found-inf flags: per loss on the device (agreed over ranks), and their one host read."""
+
+    per_loss: list[torch.Tensor]
+    host: list[bool] | None  # None: not read, because a fused optimizer skips on the device
+
+    @functools.cached_property
+    def found(self) -> bool | torch.Tensor:
+        """Whether any loss overflowed: a bool once read, else a device flag."""
+        if self.host is not None:
+            return any(self.host)
+        return self.per_loss[0] if len(self.per_loss) == 1 else torch.stack(self.per_loss).amax(0)
 
 
 @dataclass
@@ -42,20 +63,81 @@ def _host(value: Any) -> Any:
 
 
 class OverflowLog:
-    def __init__(self, scalers: list, history: int = 32, flush_every: int = 1) -> None:
+    """The statistics of the steps so far, and the inf-or-NaN kinds of the update window in progress.
+
+    Args:
+        scalers: the loss scalers, one per loss (their scales are snapshot around each update).
+        history: how many recent overflow steps to keep.
+        device: the training device; on the CPU every value is read at once (a memory load).
+    """
+
+    def __init__(self, scalers: list, history: int = 32, device: torch.device | None = None) -> None:
         self._scalers = scalers
-        self._flush_every = flush_every
+        self._device = device if device is not None else torch.device("cpu")
+        self._reads_free = self._device.type == "cpu"
+        self._flush_every = 1 if self._reads_free else _FLUSH_EVERY
         self.steps = 0
         self.skipped_steps = 0
         self.inf_steps = 0
         self.nan_steps = 0
         self.recent_overflow_steps: deque[int] = deque(maxlen=history)
         self.diagnosis: str | None = None
+        self._kinds: tuple[torch.Tensor, torch.Tensor] | None = None  # (has_inf, has_nan) of this window
         self._pending: list[StepRecord] = []
         self._logged = 0
         self._suppressed = 0
         self._last_log = float("-inf")
 
+    # -- the window in progress ---------------------------------------------------------------
+    def classify(self, grads: Sequence[torch.Tensor], found: torch.Tensor, host: bool | None = None) -> None:
+        """Tell inf from NaN in just-unscaled ``grads`` (``found``: their flag), before clipping or summing
+        can turn one into the other.
+
+        Only flagged gradients need the pass: clean ones cost nothing where the flag is known (``host``,
+        read already) or free to read (the CPU); elsewhere it runs on the device every time, so that
+        nothing waits.
+        """
+        if host is None and self._reads_free:
+            host = bool(found.item())  # a memory load on the CPU
+        if host is not None and not host:
+            return
+        has_inf, has_nan = nonfinite_kinds(grads, self._device)
+        if self._kinds is not None:
+            has_inf, has_nan = has_inf | self._kinds[0], has_nan | self._kinds[1]
+        self._kinds = (has_inf, has_nan)
+
+    def forget_window(self) -> None:
+        """The window's gradients were dropped without a step (``MixedPrecision.zero_grad()``)."""
+        self._kinds = None
+
+    def scales(self) -> list[torch.Tensor | float]:
+        """Every scaler's scale now: read on the CPU (a memory load), a device copy elsewhere."""
+        snapshots: list[torch.Tensor | float] = []
+        for scaler in self._scalers:
+            tensor = scaler.scale_tensor
+            if tensor is None:
+                snapshots.append(scaler.get_scale())
+            else:
+                snapshots.append(float(tensor.item()) if self._reads_free else tensor.clone())
+        return snapshots
+
+    def record(self, flags: FoundInf, scales_before: list[torch.Tensor | float]) -> None:
+        """Account for the update step just finished: its flags, this window's kinds, the scales around it."""
+        kinds, self._kinds = self._kinds or (False, False), None
+        per_loss = list(flags.host) if flags.host is not None else [f.clone() for f in flags.per_loss]
+        self.add(
+            StepRecord(
+                step=self.next_step,
+                found=flags.found,
+                has_inf=kinds[0],
+                has_nan=kinds[1],
+                scales_before=scales_before,
+                scales_after=self.scales(),
+                found_per_loss=per_loss,
+            )
+        )
+
+    # -- the steps so far ---------------------------------------------------------------------
     @property
     def next_step(self) -> int:
         """The index the next record will have (records still on the device included)."""
@@ -65,6 +147,19 @@ class OverflowLog:
         self._pending.append(record)
         if len(self._pending) >= self._flush_every:
             self.flush()
+
+    def counts(self) -> dict[str, Any]:
+        """The step counters of :class:`~mixprec.engine.stats.Stats`, by field name (reads pending records)."""
+        self.flush()
+        return {
+            "steps": self.steps,
+            "applied_steps": self.steps - self.skipped_steps,
+            "skipped_steps": self.skipped_steps,
+            "inf_steps": self.inf_steps,
+            "nan_steps": self.nan_steps,
+            "recent_overflow_steps": tuple(self.recent_overflow_steps),
+            "diagnosis": self.diagnosis,
+        }
 
     def flush(self) -> None:
         """Read pending records on the host (a sync on accelerators) and account for them."""
