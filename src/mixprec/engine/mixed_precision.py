@@ -43,7 +43,13 @@ from mixprec.master.weights import MasterWeights
 from mixprec.parallel.fsdp import is_sharded, sharded_with
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.autocast import ComputePlan, Region, check_device_supports, compute_plan
+from mixprec.regions.autocast import (
+    ComputePlan,
+    Region,
+    check_device_supports,
+    compute_plan,
+    refuse_foreign_autocast,
+)
 from mixprec.regions.casting import cast_module, lowered_parameters
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.scaling.base import LossScaler
@@ -189,6 +195,7 @@ class MixedPrecision:
             )
         for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
             whole_number(value, f"MixedPrecision({name}=...)")
+        refuse_foreign_autocast(model)  # before anything is cast
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device(device_type_of(None))
         self.policy = get_policy(policy, device=self.device)

@@ -48,7 +48,15 @@ from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.regions.fp8.region import fp8_region
 from mixprec.regions.op_overrides import FP32Ops
 
-__all__ = ["ComputePlan", "Region", "autocast", "check_device_supports", "compute_plan", "tf32_matmuls"]
+__all__ = [
+    "ComputePlan",
+    "Region",
+    "autocast",
+    "check_device_supports",
+    "compute_plan",
+    "refuse_foreign_autocast",
+    "tf32_matmuls",
+]
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,7 @@ class Region:
             )
         self._output_hook = None
         if model is not None:
+            refuse_foreign_autocast(model)
             self._output_hook = _install_output_cast(model)
             self._fp32_modules = _hooked_fp32_modules(model, self.policy)
 
@@ -206,6 +215,8 @@ class Region:
         """The region itself: a context manager that yields the policy. One ``with`` statement, with a
         null context for each part the policy does not use, so torch.compile can trace it."""
         policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
+        if model is not None:
+            refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
         emulation = None
         if plan.mode == "emulated":
             emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops)
@@ -239,6 +250,20 @@ class Region:
         if self.plan.mode == "hybrid":
             return functools.partial(_fp32_in_hybrid, emulation, self.device_type)
         return functools.partial(torch.autocast, self.device_type, enabled=False)
+
+
+def refuse_foreign_autocast(model: nn.Module) -> None:
+    """Raise ValueError when another framework already runs ``model`` under its own autocast: Accelerate's
+    ``Accelerator(mixed_precision="fp16"|"bf16")`` replaces ``model.forward`` and keeps the original as
+    ``_original_forward`` (on the model, or on the module a DDP wrapper holds)."""
+    for module in (model, getattr(model, "module", None)):
+        if isinstance(module, nn.Module) and "_original_forward" in vars(module):
+            raise ValueError(
+                "mixprec: the model's forward already runs under another framework's autocast (Accelerate's "
+                "Accelerator(mixed_precision='fp16' or 'bf16') replaced model.forward); two mixed-precision "
+                "systems would fight (autocast twice, two loss scalers). Use Accelerator(mixed_precision='no') "
+                "and let the mixprec policy set the precision."
+            )
 
 
 # The model's outputs are cast by one forward hook, installed once and kept: while a region is active

@@ -1,0 +1,60 @@
+"""mixprec inside an Accelerate loop: two CPU processes agree on every skip; Accelerate's own mixed
+precision together with mixprec is refused, whichever was set up first."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_example.py"
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    yield
+    AcceleratorState._reset_state(True)  # Accelerate keeps one process-wide state
+
+
+def test_two_processes_skip_the_same_step_and_stay_identical():
+    done = subprocess.run(
+        [TORCHRUN, "--nproc_per_node", "2", str(EXAMPLE), "--inject-inf-at", "3"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the two ranks' lines may interleave on the shared stdout
+    ranks = re.findall(r"rank (\d)/2: (\d+) steps, (\d+) skipped, scale (\d+), checksum (-?[\d.]+)", done.stdout)
+    assert sorted(r[0] for r in ranks) == ["0", "1"], done.stdout
+    for _, steps, skipped, scale, _ in ranks:  # rank 1's loss was finite: it skipped with rank 0
+        assert (steps, skipped, scale) == ("8", "1", "32768"), done.stdout
+    assert len({r[4] for r in ranks}) == 1, done.stdout  # the replicas are identical
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def test_accelerate_mixed_precision_prepared_first_is_refused():
+    model = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(_model())
+    with pytest.raises(ValueError, match=r"Accelerator\(mixed_precision='no'\)"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything was cast
+
+
+def test_accelerate_mixed_precision_prepared_after_mixprec_is_refused_at_the_region():
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+    with pytest.raises(ValueError, match="another framework's autocast"), mp.autocast():
+        pass
