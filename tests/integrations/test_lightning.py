@@ -261,3 +261,14 @@ def test_the_example_runs():
     done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped steps" in done.stdout, done.stdout
+
+
+def test_validate_before_fit_leaves_the_weights_for_exact_masters():
+    model = Regression(gamma=1.0)
+    plugin = MixprecPrecision("o2_bf16")
+    trainer = _trainer(plugin, epochs=1)
+    trainer.validate(model, _data(1), verbose=False)  # in the policy's region, parameters untouched
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    trainer = _trainer(MixprecPrecision("o2_bf16"), epochs=1)
+    trainer.fit(model, _data())  # MixedPrecision would refuse 16-bit parameters (masters rounded from bf16)
+    assert model.net[0].weight.dtype == torch.bfloat16

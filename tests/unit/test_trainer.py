@@ -224,6 +224,7 @@ def test_options_are_frozen_values_with_the_old_defaults():
         "checkpoint_every": None,
         "keep_checkpoints": 3,
         "progress": True,
+        "compile": False,
     }
     assert dataclasses.asdict(UpdateOptions()) == {
         "scaler": None,

@@ -79,9 +79,10 @@ class NonFiniteTracer:
         if self._handles:
             return self
         self._handles.append(self.model.register_forward_pre_hook(self._model_inputs))
-        self._handles.append(self.model.register_forward_hook(self._model_outputs))
+        # prepend: observe what forward returned, before a region's output cast (a hook kept on the model)
+        self._handles.append(self.model.register_forward_hook(self._model_outputs, prepend=True))
         for module, name in self._names.items():
-            self._handles.append(module.register_forward_hook(self._module_hook(name)))
+            self._handles.append(module.register_forward_hook(self._module_hook(name), prepend=True))
             for param in module.parameters(recurse=False):
                 if param.requires_grad:
                     self._handles.append(param.register_hook(self._record_grad(name, "weight gradient")))

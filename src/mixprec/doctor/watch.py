@@ -101,7 +101,8 @@ class RangeWatch:
             return self
         for name, module in self._modules:
             if "forward" in self.phases or "backward" in self.phases:
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+                # prepend: the module's own output, before a region's output cast on the root
+                self._handles.append(module.register_forward_hook(self._forward_hook(name), prepend=True))
             if "weight_grad" in self.phases:
                 for param in module.parameters(recurse=False):
                     if param.requires_grad:

@@ -132,8 +132,8 @@ class MixprecPrecision(Precision):
     def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]) -> tuple:
         """Build MixedPrecision on the model and its one optimizer; gate the per-step LR schedulers.
 
-        Outside ``fit`` (``validate``/``test``/``predict``) the model is cast per the policy, as Lightning's
-        HalfPrecision does, and evaluated in the policy's region.
+        Outside ``fit`` (``validate``/``test``/``predict``) the model is evaluated in the policy's region
+        with its parameters left as they are, so a later ``fit`` still builds exact FP32 masters from them.
         """
         module = _single_device_module(model)
         self._module = module
@@ -141,7 +141,6 @@ class MixprecPrecision(Precision):
         if not self._fitting:
             self.policy = mixprec.get_policy(self._spec, device=_device_of(module))
             self.precision = _lightning_precision(self.policy)
-            mixprec.cast_module(module, self.policy)
             return model, optimizers, lr_schedulers
         _check_trainable(module, optimizers)
         for config in lr_schedulers:
