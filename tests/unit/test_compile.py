@@ -140,3 +140,21 @@ def test_the_trainer_compiles_its_training_forward_and_tracks_eager():
         finals.append([p.detach().clone() for p in model.parameters()])
     for eager, compiled in zip(*finals, strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-2, rtol=1e-2)
+
+
+def test_the_compile_example_runs_without_graph_breaks():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "compile_example.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--backend", "aot_eager", "--policy", "o2_bf16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "graph breaks: 0" in done.stdout
+    losses = [float(line.split("loss ")[1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 5 and losses[-1] < losses[0]
