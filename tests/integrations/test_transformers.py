@@ -337,6 +337,24 @@ def test_load_best_model_at_end_brings_the_masters_of_that_checkpoint(tmp_path):
         assert torch.equal(exact[name].to(param.dtype), param), name
 
 
+def test_evaluate_before_train_and_a_second_train_continue_the_same_run(tmp_path, monkeypatch):
+    # a fresh kernel cache: the bf16 probe runs inside the Trainer's evaluation, under no_grad
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path / "unmeasured"))
+    trainer = MixprecTrainer(
+        model=Regression(),
+        args=_args(tmp_path, label_names=["y"]),
+        train_dataset=Pairs(),
+        eval_dataset=Pairs(16),
+        policy="o2_bf16",
+    )
+    before = trainer.evaluate()["eval_loss"]  # in the policy's region, on the model as it is (FP32)
+    assert trainer.model.net[0].weight.dtype == torch.float32
+    trainer.train()
+    trainer.train()  # the same MixedPrecision and optimizer: 4 more updates
+    assert trainer.stats().steps == 8 and trainer.model.net[0].weight.dtype == torch.bfloat16
+    assert trainer.evaluate()["eval_loss"] < before
+
+
 class Bf16Model(Regression):
     def __init__(self) -> None:
         super().__init__()
