@@ -400,6 +400,13 @@ def test_what_mixed_precision_refuses_is_refused_at_train_with_the_trainer_named
         _train(tmp_path, policy, model=model(), **options)
 
 
+def test_a_model_with_activation_checkpointing_on_is_refused_at_train(tmp_path):
+    model = _gpt2()
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"activation checkpointing on .* model\.activation_checkpointing_disable\(\)"):
+        _train(tmp_path, "mixed_bf16", model=model, data=Counting())
+
+
 def test_lbfgs_a_bad_policy_and_a_bad_scaler_are_refused(tmp_path):
     model = Regression()
     lbfgs = (torch.optim.LBFGS(model.parameters()), None)

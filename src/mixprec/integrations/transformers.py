@@ -213,6 +213,12 @@ class MixprecTrainer(transformers.Trainer):
                 f"{self!r}: LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot "
                 "follow; use a first-order optimizer."
             )
+        if _checkpoints_activations(self.model):
+            raise ValueError(
+                f"{self!r}: the model has activation checkpointing on (model.activation_checkpointing_enable()); "
+                "its recomputed forward would run outside the policy's region. Call "
+                "model.activation_checkpointing_disable()."
+            )
         try:
             return mixprec.MixedPrecision(
                 self.model,
@@ -393,6 +399,14 @@ class MixprecTrainer(transformers.Trainer):
 def _refuse(problem: str | None) -> None:
     if problem is not None:
         raise ValueError(f"MixprecTrainer: {problem}")
+
+
+def _checkpoints_activations(model: nn.Module) -> bool:
+    """transformers 5 names it is_activation_checkpointing; is_gradient_checkpointing before (deprecated)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def _is_auto(policy: Any) -> bool:
