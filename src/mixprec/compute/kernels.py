@@ -265,12 +265,15 @@ def _probe_timer(dtype: torch.dtype) -> Timer:
         work["attention"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def run(family: str, candidate: str) -> float:
-        if not work:
-            build()
-        start = time.perf_counter()
-        with _region(dtype, candidate):
-            out = work[family]()
-        out.float().sum().backward()
+        # The first region of a dtype may be entered under no_grad or inference mode (an evaluation loop): the
+        # leaves and the backward need autograd too, not only the timed forward.
+        with torch.inference_mode(False), torch.enable_grad():
+            if not work:
+                build()
+            start = time.perf_counter()
+            with _region(dtype, candidate):
+                out = work[family]()
+            out.float().sum().backward()
         return (time.perf_counter() - start) * 1e3
 
     return run

@@ -40,41 +40,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 import mixprec
+from mixprec.integrations.gated_scheduler import GatedScheduler
 
 __all__ = ["GatedScheduler", "MixprecPrecision"]
 
 _LIGHTNING_DTYPE_NAMES = {torch.float16: "16", torch.bfloat16: "bf16"}
-
-
-class GatedScheduler:
-    """An LR scheduler that does not advance after a skipped update; everything else is the scheduler's.
-
-    Lightning calls ``step()`` after each optimizer step; the gate passes the call on only when the
-    plugin's last update was applied. ``scheduler`` is the wrapped one (``self.lr_schedulers()`` in a
-    LightningModule returns the gate); ``state_dict()`` is the scheduler's own, so checkpoints do not change.
-    """
-
-    def __init__(self, scheduler: Any, applied: Callable[[], bool]) -> None:
-        self.scheduler = scheduler
-        self._applied = applied
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._applied():
-            self.scheduler.step(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-    def __repr__(self) -> str:
-        return f"GatedScheduler({self.scheduler!r})"
 
 
 class MixprecPrecision(Precision):

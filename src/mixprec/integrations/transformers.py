@@ -1,0 +1,483 @@
+"""MixprecTrainer: the Hugging Face ``transformers.Trainer``, training through :class:`mixprec.MixedPrecision`.
+
+    trainer = MixprecTrainer(model=model, args=args, train_dataset=data, policy="o2_bf16")  # was Trainer(...)
+    trainer.train()                                       # TrainingArguments keep fp16=False, bf16=False
+
+The Trainer's hooks, mapped onto MixedPrecision (one device):
+
+    create_optimizer()                the Trainer's optimizer (for pure_bf16 its AdamW is built as mixprec.AdamW);
+                                      mp = MixedPrecision(model, optimizer, policy, scaler) casts the model and
+                                      makes the FP32 masters (o2) and the loss scaler; the Trainer then holds a
+                                      MixprecOptimizer, whose step() is mp.step()
+    create_scheduler()                the Trainer's (or your) scheduler inside a GatedScheduler
+    autocast_smart_context_manager()  mp.autocast() around compute_loss, in training and evaluation
+    training_step()                   Trainer.training_step's single-device path, with mp.backward(loss) (loss *
+                                      scale, then backward) in place of accelerator.backward(loss)
+    _clip_grad_norm(), _get_grad_norm()  mp.clip_grad_norm_(max_grad_norm): unscale once, the FP32 norm of the
+                                      true gradients, clip; that norm is the logged grad_norm
+    optimizer.step()                  MixprecOptimizer.step() = mp.step(): the update, or a skip (inf/NaN) that
+                                      leaves weights, masters and optimizer state as they were; the scale adapts
+    lr_scheduler.step()               GatedScheduler: passed on only if that update was applied
+    _save_scaler(), _load_scaler()    mp.state_dict() (scalers, FP32 masters, counters) in each checkpoint
+    log()                             loss_scale and skipped_steps in every training log
+
+The Trainer steps the scheduler unless ``accelerator.optimizer_step_was_skipped``; Accelerate sets that flag
+only inside its own GradScaler branch of ``AcceleratedOptimizer.step()``, so mixprec could use it only by
+writing Accelerate's private ``_is_overflow`` or by running a second loss scaler. The adapter gates the
+scheduler itself instead.
+
+Host syncs: mp.step()'s (see :mod:`mixprec.engine.mixed_precision`), one read per update of whether it was
+applied (the scheduler gate), ``mp.stats()`` at each log and the Trainer's own ``grad_norm.item()`` there.
+On the CPU all are memory loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils.memory import clear_device_cache
+from torch import nn
+from transformers.optimization import GreedyLR
+
+import mixprec
+from mixprec.engine import needs_compensated_optimizer
+from mixprec.integrations.gated_scheduler import GatedScheduler
+
+__all__ = ["STATE_NAME", "GatedScheduler", "MixprecOptimizer", "MixprecTrainer"]
+
+STATE_NAME = "mixprec_state.pt"  # beside the Trainer's optimizer.pt and scheduler.pt in checkpoint-N/
+_log = logging.getLogger(__name__)
+
+# Trainer methods this adapter overrides or calls beyond the documented ones; a transformers whose loop does
+# not route through them would step behind MixedPrecision's back, so importing the adapter fails instead.
+_TRAINER_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_save_scaler", "_load_scaler", "_prepare_inputs")
+_missing = [name for name in _TRAINER_HOOKS if not callable(getattr(transformers.Trainer, name, None))]
+if _missing:
+    raise ImportError(
+        f"mixprec.integrations.transformers maps transformers.Trainer's hooks onto MixedPrecision, and transformers "
+        f"{transformers.__version__} has no Trainer.{_missing[0]}; install transformers 5 (tested with 5.23)."
+    )
+# stepped on evaluation metrics, not after updates: the Trainer never steps them in its update loop
+_METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
+_TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused")  # the Trainer's AdamW, built as mixprec.AdamW for pure_bf16
+
+
+class MixprecOptimizer(torch.optim.Optimizer):
+    """The optimizer the Trainer steps: ``step()`` is MixedPrecision's update; everything else is ``optimizer``'s.
+
+    Like Accelerate's ``AcceleratedOptimizer`` it wraps rather than subclasses the optimizer: ``param_groups``,
+    ``state``, ``defaults``, ``state_dict()``, ``load_state_dict()`` and ``zero_grad()`` are the wrapped
+    optimizer's (under o2 its parameters are the FP32 masters), so LR schedulers and checkpoints see it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:  # no super().__init__
+        self.optimizer = optimizer
+        self._step = step
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """``mp.step()``: unscale (if clipping has not), check, update or skip, adjust the scale, zero grads."""
+        if closure is not None:
+            raise ValueError(
+                "MixprecOptimizer.step(closure=...): an optimizer that re-evaluates the loss inside step() "
+                "(LBFGS) cannot follow loss scaling and skipped steps; use a first-order optimizer."
+            )
+        self._step()
+
+    def __repr__(self) -> str:
+        return f"MixprecOptimizer({self.optimizer!r})"
+
+
+class MixprecTrainer(transformers.Trainer):
+    """``transformers.Trainer`` under a mixprec policy: the same arguments, plus ``policy`` and ``scaler``.
+
+    When the Trainer creates its optimizer, the adapter builds :class:`mixprec.MixedPrecision` on the model and
+    that optimizer; from then on the policy's casts, region, loss scaler, FP32 masters and skip decisions are
+    MixedPrecision's. An update whose gradients hold inf or NaN is skipped: no optimizer step, no scheduler
+    step, the scale backs off. ``max_grad_norm`` clips the unscaled gradients, and the logged ``grad_norm`` is
+    their true norm. Gradient accumulation sums 16-bit gradients in FP32 (o2). Checkpoints carry
+    MixedPrecision's state, so ``train(resume_from_checkpoint=...)`` continues bit for bit.
+
+    Args:
+        *args, **kwargs: those of ``transformers.Trainer`` (``TrainingArguments`` with fp16=False, bf16=False).
+        policy: a preset, policy string or :class:`mixprec.Policy` (``auto``: chosen for ``args.device``).
+        scaler: a :class:`mixprec.LossScaler`; default: the policy's (dynamic for fp16, none otherwise).
+
+    Raises:
+        ValueError (when made, with the fix): fp16/bf16 (or their full_eval) in TrainingArguments, DeepSpeed,
+            FSDP, several processes or devices, torch_compile, activation checkpointing, auto_find_batch_size,
+            LOMO or layer-wise optimizers, Accelerate's own mixed precision. At ``train()``: a model that is not
+            FP32, an optimizer the policy cannot use, a checkpoint saved under another policy.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: transformers.TrainingArguments | None = None,
+        *trainer_args: Any,
+        policy: mixprec.Policy | str = "o2_bf16",
+        scaler: mixprec.LossScaler | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
+            raise TypeError(
+                f"MixprecTrainer(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "
+                f"(of type {type(scaler).__name__})."
+            )
+        self._spec = policy
+        # resolved now unless 'auto', which depends on the Trainer's device: a bad policy fails here
+        resolved = None if _is_auto(policy) else mixprec.get_policy(policy)
+        if args is not None:  # before the Trainer builds its Accelerator from them: one clear error
+            _refuse(_argument_problem(args, policy))
+        self.scaler = scaler
+        self._mp: mixprec.MixedPrecision | None = None
+        self._stepper: MixprecOptimizer | None = None
+        self._unscaled = False  # the Trainer asked for this update's gradient norm: gradients are unscaled
+        self._last_applied = True  # whether the last update was applied (the scheduler's gate)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        _refuse(_setup_problem(self))
+        self.policy: mixprec.Policy = resolved or mixprec.get_policy(policy, device=self.args.device)
+
+    def __repr__(self) -> str:
+        return f"MixprecTrainer(policy={str(self._spec)!r})"
+
+    # -- setup ------------------------------------------------------------------------------------
+    @property
+    def mixed_precision(self) -> mixprec.MixedPrecision:
+        """The MixedPrecision of this run (e.g. ``.fp32_state_dict()`` for the exact FP32 weights)."""
+        return self._require("mixed_precision")
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, then ``MixedPrecision(model, optimizer, policy, scaler)`` on it."""
+        current = self.optimizer.optimizer if isinstance(self.optimizer, AcceleratedOptimizer) else self.optimizer
+        if self._stepper is not None and current is self._stepper:
+            return self.optimizer  # a later train() on the same trainer: the same run continues
+        origin = "you passed (optimizers=...)" if self.optimizer is not None else "the Trainer built"
+        if self.optimizer is None and self._builds_compensated_adamw():
+            self.optimizer = self._compensated_adamw()
+        optimizer = super().create_optimizer(model)
+        if origin == "the Trainer built":
+            origin += f" (optim={_optim_name(self.args)!r})"
+        self._mp = self._mixed_precision(optimizer, origin)
+        self._stepper = MixprecOptimizer(optimizer, self._optimizer_step)
+        self._unscaled, self._last_applied = False, True
+        self.optimizer = self._stepper
+        return self.optimizer
+
+    def _mixed_precision(self, optimizer: torch.optim.Optimizer, origin: str) -> mixprec.MixedPrecision:
+        """MixedPrecision on the model and ``optimizer``; its refusals name the trainer and the optimizer."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                f"{self!r}: LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot "
+                "follow; use a first-order optimizer."
+            )
+        if _checkpoints_activations(self.model):
+            raise ValueError(
+                f"{self!r}: the model has activation checkpointing on (model.activation_checkpointing_enable()); "
+                "its recomputed forward would run outside the policy's region. Call "
+                "model.activation_checkpointing_disable()."
+            )
+        try:
+            return mixprec.MixedPrecision(
+                self.model,
+                optimizer,
+                self.policy,
+                self.scaler,
+                accumulate_in_fp32=self.args.gradient_accumulation_steps > 1,  # o2: micro-batches summed in FP32
+            )
+        except (TypeError, ValueError) as error:
+            hint = (
+                " With MixprecTrainer: optim='adamw_torch' (built as mixprec.AdamW), or "
+                "optimizers=(mixprec.AdamW(model.parameters(), ...), None)."
+                if needs_compensated_optimizer(self.policy)
+                else ""
+            )
+            raise ValueError(
+                f"{self!r}: MixedPrecision refused the model and the {type(optimizer).__name__} {origin}: {error}{hint}"
+            ) from error
+
+    def _builds_compensated_adamw(self) -> bool:
+        """pure_bf16 with the Trainer's own AdamW: build it as mixprec.AdamW, which compensates bf16 rounding."""
+        return (
+            needs_compensated_optimizer(self.policy)
+            and self.optimizer_cls_and_kwargs is None
+            and _optim_name(self.args) in _TRAINER_ADAMW
+        )
+
+    def _compensated_adamw(self) -> mixprec.AdamW:
+        """mixprec.AdamW with the Trainer's groups (no weight decay for biases and norms) and hyperparameters."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        trained = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for name, p in trained if name in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for name, p in trained if name not in decay], "weight_decay": 0.0},
+        ]
+        return mixprec.AdamW(
+            groups,
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+        )
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The Trainer's scheduler, gated: it does not advance after a skipped update."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(scheduler, (GatedScheduler, *_METRIC_SCHEDULERS)):
+            self.lr_scheduler = GatedScheduler(scheduler, self._gate_open)
+        return self.lr_scheduler
+
+    def _gate_open(self) -> bool:
+        return self._last_applied
+
+    def _require(self, caller: str) -> mixprec.MixedPrecision:
+        if self._mp is None:
+            raise RuntimeError(
+                f"MixprecTrainer.{caller}: there is no MixedPrecision yet; it is built when the Trainer creates "
+                "its optimizer (trainer.train(), or trainer.create_optimizer())."
+            )
+        return self._mp
+
+    # -- the training step ------------------------------------------------------------------------
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
+        """The policy's region around ``compute_loss``: ``mp.autocast()``, or before training (evaluation
+        only) ``mixprec.autocast(policy, model)`` on the model as it is."""
+        if self._mp is not None:
+            return self._mp.autocast()
+        return mixprec.autocast(self.policy, self.model)
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """Trainer.training_step on one device, with ``mp.backward(loss)`` in place of ``accelerator.backward``.
+
+        The loss is divided for gradient accumulation exactly as the Trainer does (unless ``compute_loss``
+        already normalized it over the accumulated batch); the returned, logged loss is unscaled.
+        """
+        mp = self._require("training_step")
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()  # schedule-free optimizers
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            clear_device_cache()
+        if not self._loss_is_scaled_for_ga(num_items_in_batch):
+            loss = loss / self.current_gradient_accumulation_steps
+        mp.backward(loss)
+        return loss.detach()
+
+    def _loss_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
+        """The Trainer's rule: set by the user, or the loss was normalized by num_items_in_batch."""
+        if getattr(self, "loss_is_scaled_for_ga", None) is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        by_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        return bool(by_items or self.compute_loss_func is not None)
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """``mp.clip_grad_norm_(max_grad_norm)``: the FP32 norm of the unscaled gradients the optimizer uses."""
+        norm = self._require("_clip_grad_norm").clip_grad_norm_(float(self.args.max_grad_norm))
+        self._unscaled = True
+        return norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """The true gradient norm (``max_grad_norm=0``: measured by ``mp.clip_grad_norm_(inf)``, no clip)."""
+        if grad_norm is None:
+            grad_norm = self._require("_get_grad_norm").clip_grad_norm_(math.inf)
+            self._unscaled = True
+        return grad_norm
+
+    def _optimizer_step(self) -> None:
+        """What ``trainer.optimizer.step()`` runs: ``mp.step()``, remembered for the scheduler's gate."""
+        mp = self._require("optimizer.step")
+        if not self._unscaled:
+            raise RuntimeError(
+                f"MixprecTrainer: transformers {transformers.__version__} stepped the optimizer without asking for "
+                "the gradient norm first (Trainer._clip_grad_norm / _get_grad_norm), so it may have clipped scaled "
+                "gradients behind MixedPrecision's back. Its training loop differs from the one this adapter maps "
+                "(transformers 5.23); use that version, or mixprec.MixedPrecision in a loop of your own."
+            )
+        self._unscaled = False
+        self._last_applied = bool(mp.step())  # host sync (free on the CPU): the scheduler's gate
+
+    # -- logs, statistics, checkpoints --------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Every training log (the one with ``loss``) also gets ``loss_scale`` and ``skipped_steps``."""
+        if self._mp is not None and "loss" in logs:
+            stats = self._mp.stats()  # host sync (free on the CPU)
+            logs = {**logs, "loss_scale": float(stats.scale), "skipped_steps": stats.skipped_steps}
+        super().log(logs, start_time)
+
+    def stats(self) -> mixprec.Stats:
+        """``mp.stats()``: scale, step and overflow counts, bytes per parameter. Host sync."""
+        return self._require("stats").stats()
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """The Trainer's scaler slot of a checkpoint: MixedPrecision's state, in ``STATE_NAME``."""
+        super()._save_scaler(output_dir)
+        if self._mp is not None and self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self._mp.state_dict(), os.path.join(output_dir, STATE_NAME))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Restore MixedPrecision's state after the Trainer restored the model, optimizer and scheduler."""
+        super()._load_scaler(checkpoint)
+        if checkpoint is not None:
+            self._load_state(checkpoint)
+
+    def _load_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, STATE_NAME)
+        if not os.path.isfile(path):
+            _log.warning(
+                "%s has no %s (a checkpoint of transformers.Trainer, or saved with save_only_model): MixprecTrainer "
+                "continues with a fresh loss scaler and FP32 masters made from the checkpoint's weights.",
+                checkpoint,
+                STATE_NAME,
+            )
+            return
+        state = torch.load(path, map_location=self.args.device, weights_only=True)  # tensors, plain values: no code
+        try:
+            self._require("_load_scaler").load_state_dict(state)
+        except ValueError as error:
+            raise ValueError(f"{self!r}: cannot resume from {path}: {error}") from error
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; with ``load_best_model_at_end``, MixedPrecision's state is the best checkpoint's
+        too, so the masters (``fp32_state_dict()``) match the weights the Trainer loaded."""
+        output = super().train(*args, **kwargs)
+        best = self.state.best_model_checkpoint
+        if self.args.load_best_model_at_end and best is not None and os.path.isdir(best) and self._mp is not None:
+            self._load_state(best)
+        return output
+
+
+# -- refusals -------------------------------------------------------------------------------------
+def _refuse(problem: str | None) -> None:
+    if problem is not None:
+        raise ValueError(f"MixprecTrainer: {problem}")
+
+
+def _checkpoints_activations(model: nn.Module) -> bool:
+    """transformers 5 names it is_activation_checkpointing; is_gradient_checkpointing before (deprecated)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _is_auto(policy: Any) -> bool:
+    return isinstance(policy, str) and policy.strip().lower() == "auto"
+
+
+def _optim_name(args: transformers.TrainingArguments) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def _argument_problem(args: transformers.TrainingArguments, policy: Any) -> str | None:
+    """What in TrainingArguments would fight mixprec or that the adapter cannot guarantee; None if nothing."""
+    halves = [f"{name}=True" for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name)]
+    if halves:
+        return (
+            f"received TrainingArguments({', '.join(halves)}) together with policy={str(policy)!r}; two "
+            "mixed-precision systems would fight (Accelerate's autocast and GradScaler, mixprec's region and loss "
+            "scaler). The policy is the precision: set fp16=False and bf16=False (and their *_full_eval)."
+        )
+    if getattr(args, "mixed_precision", "no") != "no":
+        return (
+            f"Accelerate's mixed precision is on (mixed_precision={args.mixed_precision!r}, from the launcher or "
+            "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
+        )
+    optim = _optim_name(args)
+    checks = [
+        (args.deepspeed, "a DeepSpeed config (args.deepspeed)"),
+        (args.fsdp, f"FSDP (fsdp={args.fsdp!r})"),
+        (args.parallelism_config, "a parallelism_config"),
+    ]
+    for value, what in checks:
+        if value:
+            return (
+                f"received {what}; MixprecTrainer runs on one device for now (DeepSpeed and FSDP keep their own "
+                "precision and optimizer step). Train on one device, or use mixprec.fully_shard / mixprec.parallel "
+                "with mixprec.MixedPrecision in a loop of your own (docs/training-step.md)."
+            )
+    unsupported = {
+        "torch_compile=True": args.torch_compile,
+        "activation_checkpointing=True": args.activation_checkpointing or args.gradient_checkpointing,
+        "auto_find_batch_size=True": args.auto_find_batch_size,
+        f"optim={optim!r}": optim in ("lomo", "adalomo") or optim.endswith("layerwise"),
+    }
+    why = {
+        "torch_compile=True": "the compiled model is not yet tested with MixprecTrainer; set torch_compile=False",
+        "activation_checkpointing=True": "the recomputed forward would run outside the policy's region (its casts "
+        "and FP32 ops), so backward would differ from forward; set activation_checkpointing=False",
+        "auto_find_batch_size=True": "a retry after running out of memory would restart a half-trained mixed-"
+        "precision run; set per_device_train_batch_size yourself",
+        f"optim={optim!r}": "this optimizer updates inside the backward pass, before gradients can be unscaled "
+        "and checked; choose another optim (e.g. 'adamw_torch')",
+    }
+    for name, present in unsupported.items():
+        if present:
+            return f"received TrainingArguments({name}), which MixprecTrainer does not support: {why[name]}."
+    return None
+
+
+def _setup_problem(trainer: transformers.Trainer) -> str | None:
+    """What the Trainer set up that the adapter cannot guarantee (launcher environment, devices)."""
+    if trainer.accelerator.mixed_precision != "no":
+        return (
+            f"Accelerate runs its own mixed precision ({trainer.accelerator.mixed_precision!r}, from the launcher or "
+            "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
+        )
+    if trainer.args.world_size > 1 or trainer.args.n_gpu > 1 or trainer.is_model_parallel:
+        return (
+            f"the run spans {max(trainer.args.world_size, trainer.args.n_gpu)} processes or devices (or a model split "
+            "across devices); MixprecTrainer runs on one device for now. Train on one device, or use "
+            "mixprec.MixedPrecision with mixprec.parallel.wrap_ddp in a loop of your own (docs/training-step.md)."
+        )
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        return "Accelerate enabled DeepSpeed or FSDP; MixprecTrainer runs on one device for now."
+    return None
