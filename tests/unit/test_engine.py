@@ -1,6 +1,7 @@
 import copy
 import dataclasses
 import logging
+import typing
 
 import pytest
 import torch
@@ -566,3 +567,34 @@ def test_fp32_models_are_accepted_under_every_policy(policy):
     model = make_model()
     mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
     assert train_step(mp, model, 0)
+
+
+class _RecordPrecision(torch.autograd.Function):
+    """Identity that records torch's float32 matmul precision in its forward and in its backward."""
+
+    seen: typing.ClassVar[list[str]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        _RecordPrecision.seen.append(torch.get_float32_matmul_precision())
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RecordPrecision.seen.append(torch.get_float32_matmul_precision())
+        return grad
+
+
+def test_tf32_covers_the_backward_matmuls_too(device):
+    if not mixprec.device_caps(device).tf32:
+        pytest.skip(f"{device} has no TF32 units: the tf32 policy leaves FP32 matmuls alone there")
+    model = torch.nn.Linear(4, 4).to(device)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "tf32")
+    before = torch.get_float32_matmul_precision()
+    _RecordPrecision.seen.clear()
+    with mp.autocast():
+        loss = _RecordPrecision.apply(model(torch.randn(2, 4, device=device))).sum()
+    mp.backward(loss)
+    assert _RecordPrecision.seen == ["high", "high"]  # TF32 allowed in the backward, as in the forward
+    assert torch.get_float32_matmul_precision() == before  # and restored after
+    mp.step()

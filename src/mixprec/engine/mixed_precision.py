@@ -49,6 +49,7 @@ from mixprec.regions.autocast import (
     check_device_supports,
     compute_plan,
     refuse_foreign_autocast,
+    tf32_matmuls,
 )
 from mixprec.regions.casting import cast_module, lowered_parameters
 from mixprec.regions.fp8.region import fp8_state
@@ -274,7 +275,9 @@ class MixedPrecision:
         self._scaled_by = loss_id
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
+        # tf32: the backward's matmuls too, not only the region's forward (float32_matmul_precision is global)
+        with tf32_matmuls(self.device.type) if self.policy.allow_tf32 else contextlib.nullcontext():
+            self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
         if self.accumulate_in_fp32:
             self.masters.grads_to_masters()
 
