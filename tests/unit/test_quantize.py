@@ -82,6 +82,14 @@ def test_stochastic_picks_a_neighbour_and_is_reproducible():
     assert (a > 1).float().mean().item() == pytest.approx(0.25, abs=0.02)
 
 
+def test_stochastic_rounding_takes_a_cpu_generator_on_every_device(device):
+    # the same seed gives the same draws whatever device the tensor is on
+    x = torch.full((1000,), 1 + 2**-12)
+    on_cpu = mixprec.quantize(x, "fp16", rounding="stochastic", generator=torch.Generator().manual_seed(5))
+    there = mixprec.quantize(x.to(device), "fp16", rounding="stochastic", generator=torch.Generator().manual_seed(5))
+    assert there.device.type == device and torch.equal(there.cpu(), on_cpu)
+
+
 def test_stochastic_leaves_representable_values_alone():
     x = torch.tensor([1.0, 0.5, -65504.0, 2.0**-24])
     assert torch.equal(mixprec.quantize(x, "fp16", rounding="stochastic"), x)

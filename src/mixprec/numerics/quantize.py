@@ -109,7 +109,9 @@ def _quantize(
         lower = torch.floor(scaled)
         # Round up when u < frac: probability frac, up to the generator's resolution (torch.rand draws
         # multiples of 2**-24 in fp32, 2**-53 in fp64), so the bias is at most that resolution times an ulp.
-        u = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=scaled.dtype)
+        # Drawn where the generator lives (a CPU generator for CUDA tensors: one host-to-device copy).
+        where = generator.device if generator is not None else scaled.device
+        u = torch.rand(scaled.shape, generator=generator, device=where, dtype=scaled.dtype).to(scaled.device)
         rounded = lower + (u < scaled - lower).to(scaled.dtype)
     result = _times_pow2(rounded, ulp_exponent)
 
