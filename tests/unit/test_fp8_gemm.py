@@ -1,12 +1,21 @@
 """PyTorch's real FP8 GEMM (torch._scaled_mm) held to mixprec's exact emulation, on every device that has it."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import mixprec
 from mixprec.policy import Fp8Recipe
-from mixprec.regions.fp8 import Fp8LinearState, fp8_linear, fp8_matmul, power_of_two_scale, scaled_mm_available
+from mixprec.regions.fp8 import (
+    Fp8LinearState,
+    ScaleState,
+    fp8_linear,
+    fp8_matmul,
+    power_of_two_scale,
+    scaled_mm_available,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -111,3 +120,24 @@ def test_a_model_trains_identically_enough_with_the_kernel():
         losses[gemm] = history
     assert losses["scaled_mm"][-1] < 0.7 * losses["scaled_mm"][0]
     assert max(abs(a - b) for a, b in zip(losses["scaled_mm"], losses["emulated"], strict=True)) < 1e-3
+
+
+def test_the_compute_plan_says_which_fp8_gemm_runs():
+    def plan(policy: str) -> str:
+        model = nn.Linear(16, 16)
+        return mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy).compute_plan.reason
+
+    assert "emulated with FP32 arithmetic" in plan("fp8")  # auto: the emulation on a CPU
+    kernel = "torch._scaled_mm" if scaled_mm_available(torch.device("cpu")) else "emulated with FP32 arithmetic"
+    assert kernel in plan("base=fp8,fp8=(gemm=scaled_mm)")
+
+
+def test_a_delayed_history_loaded_on_the_cpu_is_kept_on_the_tensors_device(device):
+    recipe = Fp8Recipe(history=4)
+    state = ScaleState("fp8_e4m3", recipe)
+    state.load_state_dict({"history": torch.tensor([3.0, 2.0, 1.0, 0.0]), "recorded": 3})
+    scale = state.scale_for(torch.full((8,), 5.0, device=device))
+    assert scale.device.type == device
+    assert state.history.device.type == device
+    assert state.history.cpu().tolist() == [5.0, 3.0, 2.0, 1.0]  # the loaded amaxes kept, the new one first
+    assert scale.item() == 2.0 ** math.floor(math.log2(448.0 / 3.0))  # scaled from the loaded history's max

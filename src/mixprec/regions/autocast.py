@@ -45,6 +45,7 @@ from mixprec.compute.nest import map_floating
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
+from mixprec.regions.fp8.gemm import uses_kernel
 from mixprec.regions.fp8.region import fp8_region
 from mixprec.regions.op_overrides import FP32Ops
 
@@ -83,13 +84,18 @@ class ComputePlan:
 def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     """16-bit compute on CPUs as the per-machine timing probe chose it (:mod:`mixprec.compute.kernels`), each
     op family native or emulated; native on GPUs unless the policy says ``kernels=emulated``.
-    FP8 Linear layers are always emulated exactly (FP8-rounded operands, FP32 arithmetic)."""
+    FP8 Linear layers run on PyTorch's FP8 GEMM where the recipe picks it, else emulated exactly."""
     plan = _compute_plan(policy, device_type)
     if policy.fp8 is None:
         return plan
     recipe = policy.fp8
+    how = (
+        "on PyTorch's FP8 GEMM (torch._scaled_mm)"
+        if uses_kernel(recipe.gemm, torch.device(device_type))
+        else "emulated with FP32 arithmetic"
+    )
     note = (
-        f"Linear layers in FP8 emulated with FP32 arithmetic ({recipe.forward} inputs and weights, {recipe.backward} "
+        f"Linear layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
         f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
     )
     return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")

@@ -56,16 +56,17 @@ def fp8_matmul(
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
         # It wants ``a`` row-major and ``b`` column-major.
         b = b if b.stride(0) == 1 else b.t().contiguous().t()
-        return torch._scaled_mm(
+        out = torch._scaled_mm(
             a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=torch.float32
         )
+        return out[0] if isinstance(out, tuple) else out  # older torch returns (out, amax)
     return torch.matmul(a.float(), b.float()) / (a_scale * b_scale)
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device.type != "cuda":
         return True
-    # CUDA's kernel: every dimension a multiple of 16, and no e5m2 × e5m2 product
-    if any(size % _CUDA_ALIGNMENT for size in (*a.shape, b.shape[1])):
+    # CUDA's kernel: the inner and output widths (K, N) multiples of 16, any row count M; no e5m2 × e5m2
+    if any(size % _CUDA_ALIGNMENT for size in (a.shape[1], b.shape[1])):
         return False
     return not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)

@@ -68,8 +68,10 @@ class ScaleState:
     def _record(self, amax: torch.Tensor) -> None:
         if self.recipe.scaling != "delayed":
             return
-        if self.history is None or self.history.device != amax.device:
+        if self.history is None:
             self.history = torch.zeros(self.recipe.history, device=amax.device)
+        elif self.history.device != amax.device:  # a history loaded on the CPU: keep it, on the tensors' device
+            self.history = self.history.to(amax.device)
         self.history = torch.cat([amax.reshape(1), self.history[:-1]])
         self.recorded += 1
 
