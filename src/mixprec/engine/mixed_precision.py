@@ -345,9 +345,9 @@ class MixedPrecision:
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(self.device) for g in grads]
-        )
+        # one kernel launch per device and dtype (as torch.nn.utils.clip_grad_norm_), not one per gradient
+        per_grad = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+        norms = torch.stack([norm.to(self.device) for norm in per_grad])
         if self.sharded:  # each rank holds a part of every gradient: combine the parts' norms over ranks
             if norm_type == float("inf"):
                 total = reduce_across_ranks(norms.amax(), op="max")

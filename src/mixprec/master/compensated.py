@@ -106,8 +106,8 @@ class AdamW(torch.optim.Optimizer):
                     state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             elif lowp and state["step"].device != param.device:
                 state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
-            state["step"] += 1
         states = [self.state[p] for p in params]
+        torch._foreach_add_([state["step"] for state in states], 1.0)  # one launch, not one per parameter
         if not lowp:
             self._update_fp32(params, states, group)
             return
