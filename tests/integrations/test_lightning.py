@@ -1,6 +1,7 @@
 """MixprecPrecision, the Lightning precision plugin: skipped steps, FP32 tracking, exact resume, clipping,
 the refusals, and the example script."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -239,13 +240,13 @@ def test_what_the_plugin_cannot_train_correctly_is_refused_with_the_fix(policy, 
         _trainer(MixprecPrecision(policy)).fit(module(), _data(1))
 
 
-def test_a_multi_process_strategy_is_refused_at_setup(monkeypatch):
+def test_ddp_with_16_bit_parameters_is_refused_at_setup(monkeypatch):
     for variable in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         monkeypatch.setenv(variable, "unset")  # restored after the test: Lightning's DDP writes some of them
         monkeypatch.delenv(variable)
-    trainer = _trainer(MixprecPrecision("mixed_bf16"), strategy="ddp")  # one gloo process, in this one
+    trainer = _trainer(MixprecPrecision("o2_bf16"), strategy="ddp")  # one gloo process, in this one
     try:
-        with pytest.raises(ValueError, match=r"single device for now; .* DistributedDataParallel"):
+        with pytest.raises(ValueError, match=r"DDP cannot take after it wrapped the FP32 model.*FP32 parameters"):
             trainer.fit(Regression(), _data(1))
     finally:
         if torch.distributed.is_initialized():
@@ -272,3 +273,22 @@ def test_validate_before_fit_leaves_the_weights_for_exact_masters():
     trainer = _trainer(MixprecPrecision("o2_bf16"), epochs=1)
     trainer.fit(model, _data())  # MixedPrecision would refuse 16-bit parameters (masters rounded from bf16)
     assert model.net[0].weight.dtype == torch.bfloat16
+
+
+def _ddp_run(policy: str) -> subprocess.CompletedProcess:
+    worker = Path(__file__).with_name("lightning_ddp_worker.py")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return subprocess.run(
+        [torchrun, "--nproc_per_node", "2", str(worker), policy], capture_output=True, text=True, timeout=240
+    )
+
+
+def test_ddp_ranks_skip_the_same_update_and_stay_identical():
+    done = _ddp_run("mixed_fp16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = re.findall(r"RANK (\d) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) checksum (\S+)", done.stdout)
+    assert sorted(r[0] for r in ranks) == ["0", "1"], done.stdout
+    for _, steps, skipped, scale, lr, _ in ranks:  # rank 1's loss was finite: it skipped with rank 0
+        assert (steps, skipped, scale) == ("8", "1", "32768")
+        assert float(lr) == pytest.approx(1e-2 * 0.9**7, rel=1e-4)  # 7 applied updates moved the schedule, not 8
+    assert ranks[0][5] == ranks[1][5]  # identical replicas

@@ -3,7 +3,7 @@
     trainer = L.Trainer(plugins=[MixprecPrecision("o2_bf16")])  # the one line added
     trainer.fit(model)                                          # the LightningModule is unchanged
 
-Lightning's hooks, mapped onto MixedPrecision (automatic optimization, one optimizer, one device):
+Lightning's hooks, mapped onto MixedPrecision (automatic optimization, one optimizer, one device or DDP):
 
     connect(model, [optimizer], schedulers)  mp = MixedPrecision(model, optimizer, policy, scaler): casts the
                                              model, makes FP32 masters (o2) and the loss scaler; wraps every
@@ -65,8 +65,9 @@ class MixprecPrecision(Precision):
 
     Raises (at ``trainer.fit``, with the fix in the message):
         ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward``,
-            a multi-process strategy, a per-step LR scheduler with ``frequency`` > 1, LBFGS, a model that
-            is not FP32, or an optimizer the policy cannot use (``pure_bf16`` needs ``mixprec.AdamW``).
+            an FSDP/DeepSpeed strategy, ``strategy="ddp"`` with a policy that stores 16-bit parameters,
+            a per-step LR scheduler with ``frequency`` > 1, LBFGS, a model that is not FP32, or an
+            optimizer the policy cannot use (``pure_bf16`` needs ``mixprec.AdamW``).
     """
 
     def __init__(
@@ -105,7 +106,7 @@ class MixprecPrecision(Precision):
         Outside ``fit`` (``validate``/``test``/``predict``) the model is evaluated in the policy's region
         with its parameters left as they are, so a later ``fit`` still builds exact FP32 masters from them.
         """
-        module = _single_device_module(model)
+        module = _single_device_module(model, self._spec)
         self._module = module
         self._fitting = module.trainer.state.fn == TrainerFn.FITTING
         if not self._fitting:
@@ -237,13 +238,24 @@ def _device_of(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _single_device_module(model: nn.Module) -> pl.LightningModule:
+def _single_device_module(model: nn.Module, policy: Any) -> pl.LightningModule:
+    """The LightningModule, also inside DDP (``strategy="ddp"``) when the policy keeps FP32 parameters."""
     if isinstance(model, pl.LightningModule):
         return model
+    inner = getattr(model, "module", None)
+    if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, pl.LightningModule):
+        lowered = mixprec.get_policy(policy, device=_device_of(inner)).param_dtype != torch.float32
+        if not lowered:
+            return inner
+        raise ValueError(
+            f"MixprecPrecision: policy {policy!r} stores parameters in 16 bits, which DDP cannot take after it "
+            "wrapped the FP32 model (its gradient buckets are built per dtype). With strategy='ddp' use a policy "
+            "with FP32 parameters (mixed_bf16, mixed_fp16, fp8), or devices=1 for o2/pure policies."
+        )
     raise ValueError(
-        f"MixprecPrecision runs on a single device for now; the strategy wrapped the model in "
-        f"{type(model).__name__}. Multi-process strategies (ddp, fsdp, deepspeed) are not supported yet: "
-        "train with devices=1, or use mixprec.MixedPrecision with mixprec.parallel.wrap_ddp in your own loop "
+        f"MixprecPrecision runs on one device or under strategy='ddp'; the strategy wrapped the model in "
+        f"{type(model).__name__}. FSDP and DeepSpeed strategies are not supported: train with devices=1 or "
+        "strategy='ddp', or use mixprec.MixedPrecision with mixprec.fully_shard in your own loop "
         "(docs/training-step.md)."
     )
 
