@@ -47,7 +47,6 @@ from mixprec.regions.autocast import (
     ComputePlan,
     Region,
     check_device_supports,
-    compute_plan,
     refuse_foreign_autocast,
     tf32_matmuls,
 )
@@ -200,8 +199,7 @@ class MixedPrecision:
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device(device_type_of(None))
         self.policy = get_policy(policy, device=self.device)
-        check_device_supports(self.policy, self.device.type)
-        self.compute_plan: ComputePlan = compute_plan(self.policy, self.device.type)  # native or emulated, and why
+        check_device_supports(self.policy, self.device.type)  # before anything is cast
         self.model = model
         self.optimizer = optimizer
         self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included
@@ -221,6 +219,7 @@ class MixedPrecision:
         if not self.sharded:
             cast_module(model, self.policy)
         self._region = Region(self.policy, model, self.device)  # prepared once: entering it only enters contexts
+        self.compute_plan: ComputePlan = self._region.plan  # native or emulated, and why
 
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
