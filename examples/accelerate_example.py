@@ -53,6 +53,7 @@ def main() -> None:
         f"rank {accelerator.process_index}/{accelerator.num_processes}: {stats.steps} steps, "
         f"{stats.skipped_steps} skipped, scale {stats.scale:g}, checksum {checksum:.10f}, loss {loss.item():.4f}"
     )
+    accelerator.end_training()  # destroys the process group: a gloo group left to interpreter exit can abort
 
 
 if __name__ == "__main__":

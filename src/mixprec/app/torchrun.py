@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mixprec.compute.nest import map_tensors
 
-__all__ = ["init_from_env", "shard"]
+__all__ = ["init_from_env", "leave_group", "shard"]
 
 
 def init_from_env(device: str) -> str:
@@ -38,6 +38,13 @@ def init_from_env(device: str) -> str:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     return device
+
+
+def leave_group() -> None:
+    """Destroy the process group, if one was joined: a gloo group left alive until interpreter exit
+    can abort the process ("terminate called without an active exception") after a finished run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shard(batch: Any, rank: int, size: int) -> Any:

@@ -133,6 +133,7 @@ def slug(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from mixprec.app.config import TrainConfig
     from mixprec.app.run import run_training  # needs the 'train' extra (plots)
+    from mixprec.app.torchrun import leave_group
     from mixprec.app.trainer import TrainingInterrupted
     from mixprec.distributed.ranks import world
 
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{run_stamp()}")
     try:
         outcome = run_training(config, out, resume=args.resume, progress=not args.quiet)
+        main = world().is_main  # read before the group is left
     except TrainingInterrupted as stop:
         where = f"; checkpoint saved to {stop.checkpoint}" if stop.checkpoint else ""
         print(
@@ -155,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED
-    if world().is_main:  # under torchrun, one summary
+    finally:
+        leave_group()
+    if main:  # under torchrun, one summary
         print(summary(outcome))
     return 0
 
