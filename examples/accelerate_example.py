@@ -2,7 +2,8 @@
 mixprec sets the precision. Keep Accelerate's own mixed precision off.
 
     python examples/accelerate_example.py                          # one process
-    torchrun --nproc_per_node 2 examples/accelerate_example.py     # two CPU processes (gloo)
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_example.py  # two processes (gloo on CPUs)
+    torchrun --nproc_per_node 2 examples/accelerate_example.py     # the same, through torchrun
 
 `--inject-inf-at STEP` makes rank 0's loss infinite at that step: every rank skips the same update
 (mixprec agrees the overflow flag across ranks), and the replicas stay identical.

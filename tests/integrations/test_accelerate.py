@@ -16,7 +16,11 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_example.py"
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# Accelerate's multi-process launcher (torch elastic underneath; `--multi_gpu` is its name, and the
+# example's Accelerator(cpu=True) keeps it on the CPU with gloo). `--cpu` alone starts one process.
+LAUNCH = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+LAUNCH += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +31,7 @@ def fresh_accelerator_state():
 
 def test_two_processes_skip_the_same_step_and_stay_identical():
     done = subprocess.run(
-        [TORCHRUN, "--nproc_per_node", "2", str(EXAMPLE), "--inject-inf-at", "3"],
+        [*LAUNCH, str(EXAMPLE), "--inject-inf-at", "3"],
         capture_output=True,
         text=True,
         timeout=180,
