@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import mixprec
 from mixprec.integrations.lightning import MixprecPrecision
 
 
@@ -28,7 +29,8 @@ class TinyClassifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        adamw = mixprec.AdamW if sys.argv[1] == "pure_bf16" else torch.optim.AdamW  # pure_bf16: compensated
+        opt = adamw(self.parameters(), lr=1e-2)
         schedule = torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -50,7 +52,9 @@ trainer = L.Trainer(
 )
 trainer.fit(model, DataLoader(data, batch_size=16))
 s = plugin.stats()
-checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+masters = plugin.mixed_precision.fp32_state_dict()  # the exact weights (o2: the FP32 masters)
+checksum = sum(v.double().sum().item() for v in masters.values() if v.is_floating_point())
+dtypes = sorted({str(p.dtype) for p in model.parameters()})
 lr = trainer.optimizers[0].param_groups[0]["lr"]
 print(f"RANK {trainer.global_rank} steps {s.steps} skipped {s.skipped_steps} scale {s.scale:g} lr {lr:.6f} "
-      f"checksum {checksum:.10f}", flush=True)  # fmt: skip
+      f"checksum {checksum:.10f} params {','.join(dtypes)}", flush=True)  # fmt: skip

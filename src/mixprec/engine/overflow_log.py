@@ -20,6 +20,7 @@ import torch
 
 from mixprec.checks import whole_number
 from mixprec.numerics.finite import nonfinite_kinds
+from mixprec.scaling.dynamic import DynamicLossScaler
 
 __all__ = ["FoundInf", "OverflowLog", "StepRecord"]
 
@@ -189,7 +190,7 @@ class OverflowLog:
                 f"Gradient overflow ({kind}) at step {record.step}. Skipping step, loss scaler {loss_id} {change}"
             )
             if self.diagnosis is None and self._scalers[loss_id].is_floor(before):
-                self.diagnosis = self._diagnose(before)
+                self.diagnosis = self._diagnose(before, isinstance(self._scalers[loss_id], DynamicLossScaler))
                 logger.warning(self.diagnosis)
 
     def _log(self, message: str) -> None:
@@ -204,15 +205,23 @@ class OverflowLog:
         else:
             self._suppressed += 1
 
-    def _diagnose(self, scale: float) -> str:
+    def _diagnose(self, scale: float, dynamic: bool) -> str:
+        counts = f"{self.nan_steps} of {self.skipped_steps} skipped steps so far had NaN, {self.inf_steps} had inf"
+        causes = (
+            "Likely causes: NaN or inf in the inputs or produced by the forward pass (log, sqrt or division of "
+            "bad values, exploding activations)"
+        )
+        doctor = "run `mixprec doctor` to find the first layer that produces a non-finite value."
+        if not dynamic:  # a fixed scale (1 under bf16 policies): nothing was scaled that backing off could cure
+            return (
+                f"Gradients overflow at the fixed loss scale {scale}, so the overflow does not come from loss "
+                f"scaling ({counts}). {causes}. Training continues safely with these steps skipped. Remedy: {doctor}"
+            )
         return (
             f"Gradients still overflow at loss scale {scale}, where backing off further cannot cure them: the "
-            f"overflow does not come from loss scaling ({self.nan_steps} of {self.skipped_steps} skipped steps "
-            f"so far had NaN, {self.inf_steps} had inf). Likely causes: NaN or inf in the inputs or produced by "
-            "the forward pass (log, sqrt or division of bad values, exploding activations); weights trained in "
-            "bf16 that exceed fp16's range (max 65504). Training continues safely with these steps skipped. "
-            "Remedies: use a bf16 policy (mixed_bf16), or run `mixprec doctor` to find the first layer that "
-            "produces a non-finite value."
+            f"overflow does not come from loss scaling ({counts}). {causes}; weights trained in bf16 that exceed "
+            "fp16's range (max 65504). Training continues safely with these steps skipped. Remedies: use a bf16 "
+            f"policy (mixed_bf16), or {doctor}"
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ Lightning's hooks, mapped onto MixedPrecision (automatic optimization, one optim
 
     connect(model, [optimizer], schedulers)  mp = MixedPrecision(model, optimizer, policy, scaler): casts the
                                              model, makes FP32 masters (o2) and the loss scaler; wraps every
-                                             per-step LR scheduler in a GatedScheduler
+                                             per-step LR scheduler in a GatedScheduler; under DDP with
+                                             16-bit parameters (o2, pure), DDP again around the cast model
     train_step_context()                     mp.autocast() around training_step
     forward_context() (val, test, predict)   mixprec.autocast(policy, model)
     backward(loss)                           mp.backward(loss): loss * scale, then backward
@@ -65,7 +66,7 @@ class MixprecPrecision(Precision):
 
     Raises (at ``trainer.fit``, with the fix in the message):
         ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward``,
-            an FSDP/DeepSpeed strategy, ``strategy="ddp"`` with a policy that stores 16-bit parameters,
+            an FSDP/DeepSpeed strategy,
             a per-step LR scheduler with ``frequency`` > 1, LBFGS, a model that is not FP32, or an
             optimizer the policy cannot use (``pure_bf16`` needs ``mixprec.AdamW``).
     """
@@ -106,7 +107,7 @@ class MixprecPrecision(Precision):
         Outside ``fit`` (``validate``/``test``/``predict``) the model is evaluated in the policy's region
         with its parameters left as they are, so a later ``fit`` still builds exact FP32 masters from them.
         """
-        module = _single_device_module(model, self._spec)
+        module = _lightning_module(model)
         self._module = module
         self._fitting = module.trainer.state.fn == TrainerFn.FITTING
         if not self._fitting:
@@ -123,6 +124,7 @@ class MixprecPrecision(Precision):
                 f"{self!r}: MixedPrecision refused the LightningModule and the {type(optimizers[0]).__name__} "
                 f"that configure_optimizers returned: {error}"
             ) from error
+        model = _rewrap_ddp(model, module)  # o2/pure under strategy="ddp": buckets for 16-bit gradients
         self.policy = self._mp.policy
         self.precision = _lightning_precision(self.policy)
         self._last_applied, self._backward_pending = True, False
@@ -238,26 +240,39 @@ def _device_of(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _single_device_module(model: nn.Module, policy: Any) -> pl.LightningModule:
-    """The LightningModule, also inside DDP (``strategy="ddp"``) when the policy keeps FP32 parameters."""
+def _lightning_module(model: nn.Module) -> pl.LightningModule:
+    """The LightningModule, also inside DDP (``strategy="ddp"``)."""
     if isinstance(model, pl.LightningModule):
         return model
     inner = getattr(model, "module", None)
     if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, pl.LightningModule):
-        lowered = mixprec.get_policy(policy, device=_device_of(inner)).param_dtype != torch.float32
-        if not lowered:
-            return inner
-        raise ValueError(
-            f"MixprecPrecision: policy {policy!r} stores parameters in 16 bits, which DDP cannot take after it "
-            "wrapped the FP32 model (its gradient buckets are built per dtype). With strategy='ddp' use a policy "
-            "with FP32 parameters (mixed_bf16, mixed_fp16, fp8), or devices=1 for o2/pure policies."
-        )
+        return inner
     raise ValueError(
         f"MixprecPrecision runs on one device or under strategy='ddp'; the strategy wrapped the model in "
         f"{type(model).__name__}. FSDP and DeepSpeed strategies are not supported: train with devices=1 or "
         "strategy='ddp', or use mixprec.MixedPrecision with mixprec.fully_shard in your own loop "
         "(docs/training-step.md)."
     )
+
+
+def _rewrap_ddp(old: nn.Module, module: pl.LightningModule) -> nn.Module:
+    """DDP again around a module whose parameters MixedPrecision cast to 16 bits: DDP builds its gradient
+    buckets per dtype when it wraps, so the FP32 wrapper Lightning made cannot take 16-bit gradients.
+
+    The strategy wraps it with its own arguments and hooks; the old wrapper's autograd hooks are removed
+    (they would be inert anyway: a reducer only acts after its own wrapper's forward).
+    """
+    if not isinstance(old, nn.parallel.DistributedDataParallel) or all(
+        p.dtype == torch.float32 for p in module.parameters()
+    ):
+        return old
+    remove_hooks = getattr(old, "_remove_autograd_hooks", None)
+    if remove_hooks is not None:
+        remove_hooks()
+    strategy = module.trainer.strategy
+    strategy.model = module
+    strategy.configure_ddp()  # DDPStrategy: DistributedDataParallel(module, **its kwargs), comm hooks
+    return strategy.model
 
 
 def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
