@@ -468,7 +468,21 @@ def test_overflow_in_bf16_is_diagnosed_at_once():
     model = NaNForward()
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
     train_step(mp, model, 0)
-    assert "does not come from loss scaling" in mp.stats().diagnosis
+    diagnosis = mp.stats().diagnosis
+    assert "fixed loss scale 1.0" in diagnosis and "does not come from loss scaling" in diagnosis
+    assert "fp16" not in diagnosis  # nothing was scaled, and the policy is already bf16: no fp16 advice
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
+def test_a_model_cast_after_setup_is_refused_before_the_update(policy):
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    train_step(mp, model, 0)
+    model.half()  # e.g. another framework's precision setting, after mixprec prepared the model
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' is now torch\.float16, but the policy set it to"):
+        train_step(mp, model, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(
