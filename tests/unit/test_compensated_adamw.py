@@ -174,3 +174,63 @@ def test_single_pass_true_refuses_where_it_cannot_run(monkeypatch):
     optimizer = mixprec.AdamW([param])
     optimizer.step()  # the default takes the eager path
     assert optimizer.state[param]["kahan_comp"].abs().sum() > 0
+
+
+AMP_CASES = [  # (parameter dtype, update mode, single_pass): the fused-kernel path and the host-read paths
+    (torch.bfloat16, "kahan", False),
+    (torch.bfloat16, "kahan", None),
+    (torch.bfloat16, "nearest", None),
+    (torch.bfloat16, "stochastic", None),
+    (torch.float32, "kahan", None),
+]
+
+
+def _stepped_twice(dtype, update, single_pass, scale=None, found=None):
+    """Two steps: a plain one, then one with gradients times ``scale`` handed over as GradScaler does."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7).to(dtype)), torch.nn.Parameter(torch.randn(5).to(dtype))]
+    optimizer = mixprec.AdamW(params, lr=1e-2, update=update, single_pass=single_pass, generator=torch.Generator())
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape).to(dtype)
+        if step == 1 and scale is not None:
+            for p in params:
+                p.grad *= scale  # a power of two: unscaling is exact
+            optimizer.grad_scale, optimizer.found_inf = torch.tensor(scale), torch.tensor([float(found)])
+        optimizer.step()
+        optimizer.__dict__.pop("grad_scale", None), optimizer.__dict__.pop("found_inf", None)
+        if step == 0:
+            before = _snapshot(params, optimizer)
+    return before, _snapshot(params, optimizer)
+
+
+def _snapshot(params, optimizer):
+    tensors = [p.detach().clone() for p in params]
+    for p in params:
+        tensors += [v.clone() for v in optimizer.state[p].values()]  # moments, compensation, step
+    return tensors
+
+
+@pytest.mark.parametrize(("dtype", "update", "single_pass"), AMP_CASES)
+def test_found_inf_handed_to_step_leaves_everything_as_it_was(dtype, update, single_pass):
+    before, after = _stepped_twice(dtype, update, single_pass, scale=1024.0, found=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize(("dtype", "update", "single_pass"), AMP_CASES)
+def test_grad_scale_handed_to_step_equals_the_unscaled_step_bit_for_bit(dtype, update, single_pass):
+    _, reference = _stepped_twice(dtype, update, single_pass)
+    _, scaled = _stepped_twice(dtype, update, single_pass, scale=1024.0, found=0)
+    assert all(torch.equal(a, b) for a, b in zip(reference, scaled, strict=True))
+
+
+def test_torch_grad_scaler_drives_it_through_the_same_protocol():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    optimizer = mixprec.AdamW([weight], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale((weight * float("inf")).sum()).backward()
+    scaler.step(optimizer)  # GradScaler hands found_inf and its scale to step(), which skips
+    scaler.update()
+    assert not optimizer.state[weight] or optimizer.state[weight]["step"].item() == 0
+    assert scaler.get_scale() == 2.0**9

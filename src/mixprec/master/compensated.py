@@ -10,6 +10,12 @@ moments in the parameters' dtype and computes each step in FP32, then writes the
     stochastic  p' = stochastic_round(p + update): unbiased on average, no extra memory.
     nearest     plain rounding (what a bf16 torch optimizer does); for comparison.
 
+Skipping on the device: like torch's fused optimizers, the optimizer takes ``found_inf`` (and
+``grad_scale``) as attributes set just before ``step()`` (``_step_supports_amp_scaling``), as
+``MixedPrecision`` and ``torch.amp.GradScaler`` do; the fused kernel then leaves parameters, moments,
+compensation and step counts as they were when ``found_inf`` is nonzero, with no host sync. FP32
+parameters and the CPU single-pass kernel read the flag on the host instead (free on the CPU).
+
 Model state with bf16 parameters: 2 (param) + 2 (grad) + 4 (moments) + 2 (kahan) = 10 bytes/param,
 against 16 for FP32 AdamW. For FP32 parameters every mode is plain AdamW and follows
 ``torch.optim.AdamW``'s arithmetic op for op.
@@ -48,6 +54,8 @@ class AdamW(torch.optim.Optimizer):
             (:mod:`mixprec.master.single_pass`); None (default): where a C++ compiler is present.
     """
 
+    _step_supports_amp_scaling = True  # step() honours found_inf / grad_scale (see the module docstring)
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -81,6 +89,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # set by MixedPrecision or GradScaler just before step(); absent otherwise
+        scaling = _AmpScaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in params):
@@ -89,13 +99,16 @@ class AdamW(torch.optim.Optimizer):
             for param in params:
                 by_dtype.setdefault(param.dtype, []).append(param)
             for same_dtype in by_dtype.values():
-                self._update(same_dtype, group)
+                self._update(same_dtype, group, scaling)
         return loss
 
-    def _update(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+    def _update(self, params: list[torch.Tensor], group: dict[str, Any], scaling: _AmpScaling) -> None:
         """One AdamW step for parameters of one dtype."""
         lowp = params[0].dtype != torch.float32
         kahan = lowp and group["update"] == "kahan"
+        on_device = lowp and not (kahan and self._single_pass_runs(params))  # the fused kernel takes the flag
+        if not on_device and scaling.skip_on_host():
+            return
         for param in params:
             state = self.state[param]
             if not state:
@@ -107,12 +120,20 @@ class AdamW(torch.optim.Optimizer):
             elif lowp and state["step"].device != param.device:
                 state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
         states = [self.state[p] for p in params]
-        torch._foreach_add_([state["step"] for state in states], 1.0)  # one launch, not one per parameter
-        if not lowp:
-            self._update_fp32(params, states, group)
-            return
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1.0)  # one launch, not one per parameter
+        if not on_device:  # found_inf was read above; unscale here, the kernels below do not
+            scaling.unscale([local(p.grad) for p in params])
+            if not lowp:
+                self._update_fp32(params, states, group)
+                return
+            if self._run_single_pass(*_shards(params, states), states, group):
+                return
+            scaling = _AmpScaling(None, None)  # a tensor the CPU kernel cannot take: the eager path, settled
         for chunk in _chunks(list(zip(params, states, strict=True))):
-            self._update_low_precision([p for p, _ in chunk], [s for _, s in chunk], group)
+            self._update_low_precision([p for p, _ in chunk], [s for _, s in chunk], group, scaling)
+        if scaling.found_inf is not None:  # a skipped step does not count, as in torch's fused AdamW
+            torch._foreach_sub_(steps, [scaling.found_inf.to(steps[0].device).reshape(())] * len(steps))
 
     def _update_fp32(self, params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any]) -> None:
         """FP32 parameters: torch.optim.AdamW's single-tensor arithmetic, op for op, in foreach kernels."""
@@ -134,7 +155,7 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
 
     def _update_low_precision(
-        self, params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any]
+        self, params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any], scaling: _AmpScaling
     ) -> None:
         """16-bit parameters: torch's fused AdamW kernel computes the step in FP32.
 
@@ -152,13 +173,12 @@ class AdamW(torch.optim.Optimizer):
             "eps": group["eps"],
             "amsgrad": False,
             "maximize": False,
+            **scaling.kernel_arguments(params[0].device),
         }
         steps = [s["step"] for s in states]
         params, grads, exp_avgs, exp_avg_sqs = _shards(params, states)
         if update == "nearest":
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, **hyper)
-            return
-        if update == "kahan" and self._run_single_pass(params, grads, exp_avgs, exp_avg_sqs, states, group):
             return
         wide = [[t.float() for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
         weights, wide_grads, wide_avgs, wide_avg_sqs = wide
@@ -176,19 +196,44 @@ class AdamW(torch.optim.Optimizer):
             for param, target in zip(params, weights, strict=True):
                 param.copy_(quantize(target, param.dtype, rounding="stochastic", generator=self._generator))
 
-    def _run_single_pass(self, params, grads, exp_avgs, exp_avg_sqs, states, group) -> bool:
-        """The Kahan step in one compiled pass per parameter, on CPUs; False where it cannot run."""
+    def _single_pass_runs(self, params: list[torch.Tensor]) -> bool:
+        """Whether the Kahan step runs as the compiled CPU kernel (one pass per parameter)."""
         if self._single_pass is False or any(p.device.type != "cpu" for p in params):
             return False
-        kernel = kahan_adamw_kernel()
-        if kernel is None:
+        if kahan_adamw_kernel() is None:
             if self._single_pass:
                 raise RuntimeError("AdamW(single_pass=True): the compiled kernel is unavailable on this machine.")
             return False
+        return True
+
+    def _run_single_pass(self, params, grads, exp_avgs, exp_avg_sqs, states, group) -> bool:
+        """The Kahan step in one compiled pass per parameter, on CPUs; False (nothing changed) where a
+        tensor is not contiguous."""
         compensations = [local(s["kahan_comp"]) for s in states]
         steps = [s["step"].item() for s in states]  # CPU tensors: a memory read
         tensors = (params, compensations, grads, exp_avgs, exp_avg_sqs)
-        return run_kahan_adamw(kernel, tensors, steps, group)
+        return run_kahan_adamw(kahan_adamw_kernel(), tensors, steps, group)
+
+
+class _AmpScaling:
+    """``grad_scale`` and ``found_inf`` as GradScaler's protocol hands them to an optimizer (either None)."""
+
+    def __init__(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        self.grad_scale, self.found_inf = grad_scale, found_inf
+
+    def skip_on_host(self) -> bool:
+        """Whether ``found_inf`` says skip, read on the host (a sync on accelerators; free on the CPU)."""
+        return self.found_inf is not None and bool(self.found_inf.item())
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        """Divide the gradients by ``grad_scale`` in place, for the paths whose kernel does not take it."""
+        if self.grad_scale is not None:
+            torch._foreach_div_(grads, self.grad_scale.to(grads[0].device))
+
+    def kernel_arguments(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """``grad_scale=`` / ``found_inf=`` for torch's fused AdamW kernel, on the parameters' device."""
+        given = {"grad_scale": self.grad_scale, "found_inf": self.found_inf}
+        return {name: value.to(device).reshape(()) for name, value in given.items() if value is not None}
 
 
 def _shards(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[list[torch.Tensor], ...]:
