@@ -185,18 +185,19 @@ AMP_CASES = [  # (parameter dtype, update mode, single_pass): the fused-kernel p
 ]
 
 
-def _stepped_twice(dtype, update, single_pass, scale=None, found=None):
+def _stepped_twice(device, dtype, update, single_pass, scale=None, found=None):
     """Two steps: a plain one, then one with gradients times ``scale`` handed over as GradScaler does."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(33, 7).to(dtype)), torch.nn.Parameter(torch.randn(5).to(dtype))]
+    params = [torch.nn.Parameter(torch.randn(shape).to(device, dtype)) for shape in ((33, 7), (5,))]
     optimizer = mixprec.AdamW(params, lr=1e-2, update=update, single_pass=single_pass, generator=torch.Generator())
     for step in range(2):
         for p in params:
-            p.grad = torch.randn(p.shape).to(dtype)
+            p.grad = torch.randn(p.shape).to(device, dtype)
         if step == 1 and scale is not None:
             for p in params:
                 p.grad *= scale  # a power of two: unscaling is exact
-            optimizer.grad_scale, optimizer.found_inf = torch.tensor(scale), torch.tensor([float(found)])
+            optimizer.grad_scale = torch.tensor(scale, device=device)
+            optimizer.found_inf = torch.tensor([float(found)], device=device)
         optimizer.step()
         optimizer.__dict__.pop("grad_scale", None), optimizer.__dict__.pop("found_inf", None)
         if step == 0:
@@ -212,15 +213,15 @@ def _snapshot(params, optimizer):
 
 
 @pytest.mark.parametrize(("dtype", "update", "single_pass"), AMP_CASES)
-def test_found_inf_handed_to_step_leaves_everything_as_it_was(dtype, update, single_pass):
-    before, after = _stepped_twice(dtype, update, single_pass, scale=1024.0, found=1)
+def test_found_inf_handed_to_step_leaves_everything_as_it_was(device, dtype, update, single_pass):
+    before, after = _stepped_twice(device, dtype, update, single_pass, scale=1024.0, found=1)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize(("dtype", "update", "single_pass"), AMP_CASES)
-def test_grad_scale_handed_to_step_equals_the_unscaled_step_bit_for_bit(dtype, update, single_pass):
-    _, reference = _stepped_twice(dtype, update, single_pass)
-    _, scaled = _stepped_twice(dtype, update, single_pass, scale=1024.0, found=0)
+def test_grad_scale_handed_to_step_equals_the_unscaled_step_bit_for_bit(device, dtype, update, single_pass):
+    _, reference = _stepped_twice(device, dtype, update, single_pass)
+    _, scaled = _stepped_twice(device, dtype, update, single_pass, scale=1024.0, found=0)
     assert all(torch.equal(a, b) for a, b in zip(reference, scaled, strict=True))
 
 

@@ -85,25 +85,25 @@ def test_recommend_scale_on_a_known_histogram():
     assert reached is False and k == 5 and kept == 0.5  # 2**10 * 2**5 = 32768 fits, 2**6 would overflow
 
 
-def test_first_nan_in_forward_is_named_with_its_module():
+def test_first_nan_in_forward_is_named_with_its_module(device):
     class InjectNaN(nn.Module):
         def forward(self, x):
-            return x.masked_fill(torch.arange(x.shape[-1]) == 1, float("nan"))
+            return x.masked_fill(torch.arange(x.shape[-1], device=x.device) == 1, float("nan"))
 
     model = nn.Sequential(
         nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 4)), nn.Linear(4, 1)
-    )
+    ).to(device)
     with NonFiniteTracer(model) as tracer:
-        model(torch.randn(3, 4)).sum().backward()
+        model(torch.randn(3, 4, device=device)).sum().backward()
         assert tracer.check() is not None
-        model(torch.randn(3, 4)).sum().backward()
+        model(torch.randn(3, 4, device=device)).sum().backward()
         second = tracer.check()
     assert tracer.first.module == "1.1" and tracer.first.phase == "forward" and tracer.first.kind == "nan"
     assert tracer.first.step == 0 and second.step == 1
     assert not model[1][1]._forward_hooks  # removed on exit
 
 
-def test_first_inf_in_backward_is_named_with_the_module_that_produced_it():
+def test_first_inf_in_backward_is_named_with_the_module_that_produced_it(device):
     class OverflowingBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -118,9 +118,9 @@ def test_first_inf_in_backward_is_named_with_the_module_that_produced_it():
             return OverflowingBackward.apply(x)
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), Amplify()), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), Amplify()), nn.Linear(4, 1)).to(device)
     tracer = NonFiniteTracer(model).attach()
-    model(torch.randn(3, 4)).sum().backward()
+    model(torch.randn(3, 4, device=device)).sum().backward()
     event = tracer.check()
     tracer.detach()
     assert (event.module, event.phase, event.tensor, event.kind) == ("1.1", "backward", "input gradient", "inf")

@@ -15,11 +15,16 @@ DIGITS = load_digits_split()
 
 
 def make_trainer(
-    out_dir, policy="o2_bf16", loss_fn=torch.nn.functional.cross_entropy, accumulation_steps=1, eval_every=None
+    out_dir,
+    policy="o2_bf16",
+    loss_fn=torch.nn.functional.cross_entropy,
+    accumulation_steps=1,
+    eval_every=None,
+    device="cpu",
 ):
     train_x, train_y, test_x, test_y = DIGITS
     torch.manual_seed(0)
-    model = DigitsCNN(width=8)
+    model = DigitsCNN(width=8).to(device)
     train = DataLoader(TensorDataset(train_x, train_y), batch_size=64, shuffle=True, generator=torch.Generator())
     test = DataLoader(TensorDataset(test_x, test_y), batch_size=512)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -48,13 +53,13 @@ def assert_bit_identical(a, b):
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_resume_continues_bit_identically(tmp_path, accumulation_steps):
+def test_resume_continues_bit_identically(tmp_path, accumulation_steps, device):
     # 30 updates straight, against 15 (mid-epoch), stop, resume, 15 more: the run crosses an epoch boundary.
-    straight = make_trainer(tmp_path / "straight", accumulation_steps=accumulation_steps)
+    straight = make_trainer(tmp_path / "straight", accumulation_steps=accumulation_steps, device=device)
     straight.fit(steps=30)
-    first = make_trainer(tmp_path / "split", accumulation_steps=accumulation_steps)
+    first = make_trainer(tmp_path / "split", accumulation_steps=accumulation_steps, device=device)
     first.fit(steps=15)
-    resumed = make_trainer(tmp_path / "split", accumulation_steps=accumulation_steps)
+    resumed = make_trainer(tmp_path / "split", accumulation_steps=accumulation_steps, device=device)
     result = resumed.fit(steps=30, resume=True)
     assert result.steps == 30
     assert_bit_identical(parameters(straight), parameters(resumed))
