@@ -120,7 +120,9 @@ def test_language_model_tasks(tmp_path, task):
     assert 0 < float(summary(result.stdout)["eval bits_per_char"]) < 8.5  # below uniform over bytes is 8
 
 
-def test_ctrl_c_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
+def test_sigterm_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
+    # what Slurm preemption, Kubernetes, docker stop and systemd send first
+    stop, code, said = signal.SIGTERM, 143, "interrupted by SIGTERM at step "
     args = ["train", "digits", "--policy", "mixed_bf16", "--steps", "150", "--checkpoint-every", "10", "--quiet"]
     process = subprocess.Popen(
         [MIXPREC, *args, "--out", str(tmp_path / "stopped")],
@@ -132,18 +134,46 @@ def test_ctrl_c_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
     deadline = time.monotonic() + 120
     while not list_checkpoints(tmp_path / "stopped" / "checkpoints") and time.monotonic() < deadline:
         time.sleep(0.1)
-    process.send_signal(signal.SIGINT)  # wherever it is: mid-step, mid-checkpoint, between steps
+    process.send_signal(stop)  # wherever it is: mid-step, mid-checkpoint, between steps
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr
-    assert "interrupted at step" in stderr and f"mixprec train --out {tmp_path / 'stopped'} --resume" in stderr
+    assert process.returncode == code, stderr
+    assert said in stderr and f"mixprec train --out {tmp_path / 'stopped'} --resume" in stderr
     assert "Traceback" not in stderr
-    step = int(stderr.split("interrupted at step ")[1].split(";")[0])
+    step = int(stderr.split(said)[1].split(";")[0])
     assert 0 < step < 150
     assert list_checkpoints(tmp_path / "stopped" / "checkpoints")[-1].name == f"step-{step:08d}.safetensors"
     assert run("train", "--out", tmp_path / "stopped", "--resume", "--quiet").returncode == 0
     assert run(*args, "--out", tmp_path / "straight").returncode == 0
     final = "checkpoints/step-00000150.safetensors"
     assert_same_weights(load_checkpoint(tmp_path / "straight" / final), load_checkpoint(tmp_path / "stopped" / final))
+
+
+def _started(tmp_path, *extra):
+    args = ["train", "digits", "--policy", "fp32", "--steps", "100000", "--quiet", *extra]
+    process = subprocess.Popen([MIXPREC, *args, "--out", str(tmp_path)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_each_stop_signal_ends_in_a_checkpoint_with_the_shells_exit_code(tmp_path, stop, code):
+    process = _started(tmp_path)
+    process.send_signal(stop)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr
+    by = "" if stop == signal.SIGINT else f" by {stop.name}"
+    assert f"mixprec train: interrupted{by} at step " in stderr and "checkpoint saved" in stderr
+    assert list_checkpoints(tmp_path / "checkpoints")
+
+
+def test_a_signal_left_out_of_stop_signals_keeps_its_usual_effect(tmp_path):
+    process = _started(tmp_path, "--stop-signals", "SIGINT")
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGTERM  # terminated by the signal itself: no handler, no checkpoint
+    assert not list_checkpoints(tmp_path / "checkpoints")
 
 
 def nan_factory_file(tmp_path):

@@ -21,6 +21,7 @@ def make_trainer(
     accumulation_steps=1,
     eval_every=None,
     device="cpu",
+    **run_options,
 ):
     train_x, train_y, test_x, test_y = DIGITS
     torch.manual_seed(0)
@@ -36,7 +37,7 @@ def make_trainer(
         policy,
         scheduler=scheduler,
         update=UpdateOptions(max_grad_norm=1.0, accumulation_steps=accumulation_steps),
-        run=RunOptions(out_dir=out_dir, progress=False, log_every=5, eval_every=eval_every),
+        run=RunOptions(out_dir=out_dir, progress=False, log_every=5, eval_every=eval_every, **run_options),
     )
 
 
@@ -204,6 +205,13 @@ _LOSS = torch.nn.functional.mse_loss
         (lambda: RunOptions(checkpoint_every=2.5), ValueError, ["RunOptions(checkpoint_every=...)", "2.5"]),
         (lambda: RunOptions(keep_checkpoints=True), ValueError, ["RunOptions(keep_checkpoints=...)", "True"]),
         (lambda: RunOptions(progress=None), TypeError, ["RunOptions(progress=...)", "None (of type NoneType)"]),
+        (
+            lambda: RunOptions(checkpoint_every_minutes=float("inf")),
+            ValueError,
+            ["RunOptions(checkpoint_every_minutes=...)", "inf", "Pass None"],
+        ),
+        (lambda: RunOptions(stop_signals=("SIGKILL",)), ValueError, ["RunOptions(stop_signals=...)", "'SIGKILL'"]),
+        (lambda: RunOptions(stop_signals="SIGTERM"), TypeError, ["RunOptions(stop_signals=...)", "'SIGTERM'"]),
         (lambda: BatchChecks(check_inputs=1), TypeError, ["BatchChecks(check_inputs=...)", "1 (of type int)"]),
         (
             lambda: BatchChecks(on_bad_batch="ignore"),
@@ -228,6 +236,8 @@ def test_options_are_frozen_values_with_the_old_defaults():
         "log_every": 10,
         "checkpoint_every": None,
         "keep_checkpoints": 3,
+        "checkpoint_every_minutes": None,
+        "stop_signals": ("SIGINT", "SIGTERM", "SIGUSR1"),
         "progress": True,
         "compile": False,
     }
@@ -278,3 +288,16 @@ def test_a_nan_made_by_the_forward_pass_stops_naming_the_module_or_drops_the_bat
     clean = _poisoned_run("stop", poison=False)
     clean.fit(steps=4)
     assert_bit_identical(parameters(skipping), parameters(clean))
+
+
+def test_checkpoints_by_wall_clock_as_well_as_by_updates(tmp_path, monkeypatch):
+    clock = {"now": 0.0}
+    monkeypatch.setattr("mixprec.app.trainer.time.monotonic", lambda: clock["now"])
+
+    def slow_loss(outputs, targets):  # each micro-batch "takes" 20 seconds of wall clock
+        clock["now"] += 20.0
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    make_trainer(tmp_path, "fp32", slow_loss, checkpoint_every_minutes=1.0, keep_checkpoints=100).fit(steps=7)
+    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert names == [f"step-{step:08d}.safetensors" for step in (3, 6, 7)]  # every 60 s, and at the end

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mixprec.app.stop_signals import check_stop_signals
+
 __all__ = ["CONFIG_FILE", "TrainConfig"]
 
 CONFIG_FILE = "config.json"
@@ -42,6 +44,8 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
+    checkpoint_every_minutes: float | None = None  # also checkpoint by wall clock
+    stop_signals: str = "SIGINT,SIGTERM,SIGUSR1"  # stop after the current update, with a checkpoint
     skip_bad_batches: bool = False
     device: str = "auto"
     loss_scale: float | None = None
@@ -77,8 +81,14 @@ class TrainConfig:
             raise ValueError(f"config 'loss_scale': received {self.loss_scale!r}; use a positive number such as 1024.")
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"config '{name}' must be >= 0; received {value}.")
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"config '{name}' must be a finite number >= 0; received {value}.")
+        minutes = self.checkpoint_every_minutes
+        if minutes is not None and not 0 < minutes < math.inf:
+            raise ValueError(
+                f"config 'checkpoint_every_minutes' must be a positive finite number of minutes; received {minutes}."
+            )
+        check_stop_signals(self.stop_signal_names, "config 'stop_signals'")
         if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
             raise ValueError(
                 f"config 'max_grad_norm' must be a positive finite number; received {self.max_grad_norm} "
@@ -88,6 +98,11 @@ class TrainConfig:
             raise ValueError(f"config 'parallel': received {self.parallel!r}; use one of {', '.join(PARALLEL_MODES)}.")
         if self.size not in SIZES:
             raise ValueError(f"config 'size': received {self.size!r}; use one of {', '.join(SIZES)}.")
+
+    @property
+    def stop_signal_names(self) -> tuple[str, ...]:
+        """``stop_signals`` as a tuple of names (empty: no graceful stop)."""
+        return tuple(name.strip().upper() for name in self.stop_signals.split(",") if name.strip())
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -106,6 +106,8 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
             log_every=config.log_every,
             checkpoint_every=config.checkpoint_every,
             keep_checkpoints=config.keep_checkpoints,
+            checkpoint_every_minutes=config.checkpoint_every_minutes,
+            stop_signals=config.stop_signal_names,
             progress=progress,
             compile=config.compile,
         ),

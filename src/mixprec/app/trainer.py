@@ -22,8 +22,6 @@ import contextlib
 import logging
 import math
 import random
-import signal
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from mixprec.app.checkpoint import load_latest, save_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.progress import ProgressBar
+from mixprec.app.stop_signals import StopRequest
 from mixprec.app.torchrun import shard
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 from mixprec.checks import whole_number
@@ -55,12 +54,16 @@ logger = logging.getLogger("mixprec")
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C during fit(): a checkpoint was saved (when the run has a folder); ``checkpoint`` is its path."""
+    """A stop signal during fit() (Ctrl-C, SIGTERM, SIGUSR1): a checkpoint was saved (when the run has a
+    folder); ``checkpoint`` is its path, ``signal`` the signal's name."""
 
-    def __init__(self, step: int, checkpoint: Path | None) -> None:
-        super().__init__(f"interrupted at step {step}" + (f"; checkpoint saved to {checkpoint}" if checkpoint else ""))
+    def __init__(self, step: int, checkpoint: Path | None, signal: str = "SIGINT") -> None:
+        by = "" if signal == "SIGINT" else f" by {signal}"
+        saved = f"; checkpoint saved to {checkpoint}" if checkpoint else ""
+        super().__init__(f"interrupted{by} at step {step}{saved}")
         self.step = step
         self.checkpoint = checkpoint
+        self.signal = signal
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class Trainer:
         self._committed = (0, 0)  # (epoch, batch_in_epoch) after the last completed update: where a resume starts
         self._committed_rng: dict[str, Any] | None = None  # the random state there
         self._committed_buffers: list[torch.Tensor] = []  # and the model's buffers (e.g. batch-norm statistics)
-        self._stop_requested = False
+        self._stop = StopRequest(run.stop_signals)  # set by a stop signal (Ctrl-C, SIGTERM, SIGUSR1)
+        self._saved_at = time.monotonic()  # for RunOptions(checkpoint_every_minutes=...)
         self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,11 +175,12 @@ class Trainer:
         """Train for ``epochs`` passes or ``steps`` updates (exactly one of them); ``resume`` continues from
         the newest valid checkpoint in the run folder.
 
-        Ctrl-C stops after the current update and saves a checkpoint there; a second Ctrl-C stops at once
-        and saves the state of the last completed update (position, random state, buffers).
+        A stop signal (``RunOptions.stop_signals``: Ctrl-C, SIGTERM, SIGUSR1) stops after the current update
+        and saves a checkpoint there; a second one stops at once and saves the state of the last completed
+        update (position, random state, buffers).
 
         Raises:
-            TrainingInterrupted: on Ctrl-C, after saving a checkpoint.
+            TrainingInterrupted: on a stop signal, after saving a checkpoint.
             ValueError: bad arguments, or a batch with non-finite inputs under ``on_bad_batch="stop"``.
         """
         total = self._total_steps(epochs, steps)
@@ -185,26 +190,28 @@ class Trainer:
             self.check_new_run()
             self._seed_everything()
         first_step = self.step
+        self._stop, self._saved_at = StopRequest(self.run.stop_signals), time.monotonic()
         bar = ProgressBar(total, "training", self.run.progress and self.world.is_main)
         window = _Window(time.perf_counter())
         start = time.perf_counter()
         try:
-            with _stop_on_first_ctrl_c(self), self.tracer or contextlib.nullcontext():
-                while self.step < total and not self._stop_requested:
+            with self._stop.handlers(), self.tracer or contextlib.nullcontext():
+                while self.step < total and not self._stop.requested:
                     self._run_epoch(total, window, bar)
-        except KeyboardInterrupt:  # a second Ctrl-C, or one raised from inside a step
+        except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
             bar.close()
             self._restore_committed()
+            name = self._stop.signal or "SIGINT"
             if self.mp.sharded and self.world.distributed:
                 # gathering shards is a collective the other ranks may never join now: keep the last
                 # periodic checkpoint rather than hang
                 logger.warning("Stopped at once: FSDP2 shards cannot be gathered; the last checkpoint stands")
-                raise TrainingInterrupted(self.step, None) from None
-            raise TrainingInterrupted(self.step, self.save_checkpoint()) from None
+                raise TrainingInterrupted(self.step, None, name) from None
+            raise TrainingInterrupted(self.step, self.save_checkpoint(), name) from None
         finally:
             bar.close()
-        if self._stop_requested:
-            raise TrainingInterrupted(self.step, self.save_checkpoint())
+        if self._stop.requested:
+            raise TrainingInterrupted(self.step, self.save_checkpoint(), self._stop.signal)
         seconds = time.perf_counter() - start
         self.save_checkpoint()
         evaluation = self._final_evaluation()
@@ -304,17 +311,18 @@ class Trainer:
                 self.mp.step_scheduler(self.scheduler)
             self.step += 1
             self._commit()
+            due = self._checkpoint_due()
             if self.world.distributed:
-                self._agree_on_stop()
+                due = self._stop.agree(self.device, due)  # the same stop and checkpoint on every rank
             window.updates += 1
             if self.step % self.run.log_every == 0 or self.step == total:
                 record = self._train_record(window)
                 bar.update(self.step, loss=record["loss"], scale=record["scale"])
             if self.run.eval_every and self.step % self.run.eval_every == 0 and self.data.eval_data is not None:
                 self._evaluate_and_log()
-            if self.run.checkpoint_every and self.step % self.run.checkpoint_every == 0:
+            if due or (self.run.checkpoint_every and self.step % self.run.checkpoint_every == 0):
                 self.save_checkpoint()
-            if self.step >= total or self._stop_requested:
+            if self.step >= total or self._stop.requested:
                 break
         else:
             self._next_epoch()
@@ -322,11 +330,10 @@ class Trainer:
         if self.batch_in_epoch == _length(self.data.train_data):  # stopped on the epoch's last batch: it is complete
             self._next_epoch()
 
-    def _agree_on_stop(self) -> None:
-        """Ctrl-C reaches each rank at its own moment: stop all of them after the same update, or the
-        ranks would wait on each other's collectives (one all-reduce of a flag per update)."""
-        flag = torch.tensor([float(self._stop_requested)], device=self.device)
-        self._stop_requested = bool(agree_max([flag])[0].item())  # host sync, once per update
+    def _checkpoint_due(self) -> bool:
+        """Whether ``RunOptions(checkpoint_every_minutes=...)`` of wall clock passed since the last save."""
+        minutes = self.run.checkpoint_every_minutes
+        return minutes is not None and time.monotonic() - self._saved_at >= minutes * 60
 
     def _commit(self) -> None:
         """Remember where a resume would start: position, random state, buffers (after each update)."""
@@ -499,6 +506,7 @@ class Trainer:
         if self.checkpoint_dir is None or not (self.world.is_main or self.mp.sharded):
             return None
         state = self.state_dict()
+        self._saved_at = time.monotonic()
         if not self.world.is_main:
             return None
         return save_checkpoint(self.checkpoint_dir, self.step, state, keep=self.run.keep_checkpoints)
@@ -546,26 +554,6 @@ def _length(data: Iterable) -> int | None:
         return len(data)  # type: ignore[arg-type]
     except TypeError:
         return None
-
-
-@contextlib.contextmanager
-def _stop_on_first_ctrl_c(trainer: Trainer):
-    """The first Ctrl-C asks the loop to stop after the current update; a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-
-    def handler(signum, frame):
-        if trainer._stop_requested:
-            raise KeyboardInterrupt
-        trainer._stop_requested = True
-        logger.warning("Stopping after the current step; press Ctrl-C again to stop at once")
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _get_rng() -> dict[str, Any]:

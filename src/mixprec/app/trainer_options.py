@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS, check_stop_signals
 from mixprec.app.task import Metric
 from mixprec.checks import positive_number, whole_number
 from mixprec.scaling.base import LossScaler
@@ -95,6 +97,10 @@ class RunOptions:
         seed: seeds the data order of every epoch (via the data's ``generator``) and the global RNGs.
         eval_every, log_every, checkpoint_every: in updates (None for eval and checkpoints: only at the end).
         keep_checkpoints: how many checkpoints to keep.
+        checkpoint_every_minutes: also checkpoint when this much wall-clock time passed since the last
+            save (None: by updates only). Under torchrun the ranks agree on it.
+        stop_signals: signal names that stop the run after the current update with a checkpoint
+            (default Ctrl-C, SIGTERM, SIGUSR1); the others keep their usual effect.
         progress: show a progress bar.
         compile: run the training forward through ``torch.compile`` (the model and mixprec's region trace
             without graph breaks; the first steps pay for compilation). Evaluation stays eager.
@@ -106,6 +112,8 @@ class RunOptions:
     log_every: int = 10
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
+    checkpoint_every_minutes: float | None = None
+    stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS
     progress: bool = True
     compile: bool = False
 
@@ -120,6 +128,16 @@ class RunOptions:
                 _with_hint(whole_number, value, f"RunOptions({name}=...)", f"{end} only at the end")
         whole_number(self.log_every, "RunOptions(log_every=...)")
         whole_number(self.keep_checkpoints, "RunOptions(keep_checkpoints=...)")
+        minutes = self.checkpoint_every_minutes
+        if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))):
+            what = "RunOptions(checkpoint_every_minutes=...)"
+            raise TypeError(_expected(what, minutes, "a number of minutes or None"))
+        if minutes is not None and not 0 < minutes < math.inf:
+            raise ValueError(
+                f"RunOptions(checkpoint_every_minutes=...) must be a positive, finite number of minutes; received "
+                f"{minutes!r}. Pass None to checkpoint by updates only."
+            )
+        object.__setattr__(self, "stop_signals", check_stop_signals(self.stop_signals, "RunOptions(stop_signals=...)"))
         _check_flag(self.progress, "RunOptions(progress=...)")
         _check_flag(self.compile, "RunOptions(compile=...)")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,6 @@ if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
     from mixprec.app.run import RunOutcome
 
-INTERRUPTED = 130
 # The built-in tasks' names, for --help without importing torch (mixprec.app.task.BUILTIN_TASKS; a
 # test holds the two equal).
 TASK_NAMES = ("digits", "charlm", "hf")
@@ -37,7 +37,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, help="evaluate every N updates (default: at the end)")
     parser.add_argument("--log-every", type=int, default=10, help="log metrics every N updates (default 10)")
     parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N updates (default: at the end)")
+    parser.add_argument(
+        "--checkpoint-every-minutes", type=float, help="also checkpoint after this much wall-clock time"
+    )
     parser.add_argument("--keep", type=int, default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)")
+    parser.add_argument(
+        "--stop-signals",
+        default="SIGINT,SIGTERM,SIGUSR1",
+        help="signals that stop after the current update with a checkpoint (default SIGINT,SIGTERM,SIGUSR1)",
+    )
     parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs or loss")
     parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
     parser.add_argument("--loss-scale", type=float, help="initial dynamic loss scale (default 65536 for fp16)")
@@ -111,6 +119,8 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
+        checkpoint_every_minutes=args.checkpoint_every_minutes,
+        stop_signals=args.stop_signals,
         skip_bad_batches=args.skip_bad_batches,
         device=args.device,
         loss_scale=loss_scale,
@@ -151,12 +161,9 @@ def run(args: argparse.Namespace) -> int:
         outcome = run_training(config, out, resume=args.resume, progress=not args.quiet)
         main = world().is_main  # read before the group is left
     except TrainingInterrupted as stop:
-        where = f"; checkpoint saved to {stop.checkpoint}" if stop.checkpoint else ""
-        print(
-            f"mixprec train: interrupted at step {stop.step}{where}. Resume with: mixprec train --out {out} --resume",
-            file=sys.stderr,
-        )
-        return INTERRUPTED
+        if world().is_main:  # rank 0 saved the checkpoint: one line, from it
+            print(f"mixprec train: {stop}. Resume with: mixprec train --out {out} --resume", file=sys.stderr)
+        return 128 + signal.Signals[stop.signal].value  # the shell's convention: 130 Ctrl-C, 143 SIGTERM
     finally:
         leave_group()
     if main:  # under torchrun, one summary

@@ -1,0 +1,90 @@
+"""Graceful stops: the signals that end a run after the current update, with a checkpoint.
+
+Ctrl-C (SIGINT), SIGTERM (what Slurm preemption and time limits, Kubernetes, ``docker stop`` and
+systemd send first) and SIGUSR1 (Slurm's usual pre-timeout signal, ``#SBATCH --signal=USR1@120``) by
+default. The first one asks the loop to stop after the current update; the Trainer then saves a
+checkpoint and raises :class:`~mixprec.app.trainer.TrainingInterrupted` naming the signal. A second
+one stops at once (the checkpoint then holds the last completed update).
+
+Under torchrun each rank receives its signal at its own moment; :meth:`StopRequest.agree` makes every
+rank stop after the same update (the signal's number is all-reduced with max, so a rank that received
+nothing learns which signal stopped the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT_STOP_SIGNALS", "StopRequest", "check_stop_signals"]
+
+logger = logging.getLogger("mixprec")
+
+DEFAULT_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+def check_stop_signals(names: Sequence[str], what: str) -> tuple[str, ...]:
+    """The signal names as a tuple; ValueError naming ``what`` for an unknown or uncatchable one."""
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"{what} needs a sequence of signal names such as ('SIGTERM',); received {names!r}.")
+    for name in names:
+        if name in _UNCATCHABLE or not isinstance(getattr(signal, name, None), signal.Signals):
+            raise ValueError(
+                f"{what}: {name!r} is not a signal a run can catch; use names such as SIGINT, SIGTERM, SIGUSR1."
+            )
+    return tuple(names)
+
+
+class StopRequest:
+    """Which stop signal arrived (if any): set by the handlers, read by the training loop."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self.signal: str | None = None  # the first stop signal received
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def agree(self, device: torch.device, checkpoint_due: bool) -> bool:
+        """Make every rank see the same stop request and checkpoint decision (one all-reduce per update,
+        a host sync); returns whether a checkpoint is due on any rank."""
+        import torch  # here: the config checks signal names without loading torch (`mixprec --help`)
+
+        from mixprec.distributed.ranks import agree_max
+
+        number = signal.Signals[self.signal].value if self.signal else 0
+        flags = [torch.tensor([float(value)], device=device) for value in (number, checkpoint_due)]
+        number, due = (int(flag.item()) for flag in agree_max(flags))
+        if number and self.signal is None:
+            self.signal = signal.Signals(number).name
+        return bool(due)
+
+    @contextlib.contextmanager
+    def handlers(self) -> Iterator[None]:
+        """Install the handlers for the duration of a fit (main thread only: elsewhere signals stay as they are)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            if self.signal is not None:
+                raise KeyboardInterrupt  # a second stop signal: stop at once
+            self.signal = signal.Signals(signum).name
+            logger.warning("%s received: stopping after the current step, then saving a checkpoint; send it "
+                           "again to stop at once", self.signal)  # fmt: skip
+
+        previous = {name: signal.signal(getattr(signal, name), handler) for name in self.names}
+        try:
+            yield
+        finally:
+            for name, old in previous.items():
+                signal.signal(getattr(signal, name), old)
