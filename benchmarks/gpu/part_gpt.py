@@ -75,7 +75,10 @@ def _largest_batch(settings: Settings, config: GPTConfig) -> tuple[int, dict]:
 def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
     names = list(TORCH_LOOPS) + list(DRY_RUN_POLICIES if settings.dry_run else POLICIES)
     if settings.dry_run:
-        names.remove("torch autocast fp16")  # PyTorch's CPU fp16 kernels are what mixprec avoids
+        names.remove("torch autocast fp16")
+        part.leave_out("torch autocast fp16", "dry run: PyTorch's CPU fp16 kernels are 10-100x slower than FP32")
+        others = [name for name in POLICIES if name not in DRY_RUN_POLICIES]
+        part.leave_out(", ".join(others), "dry run: a few policies show that the code runs")
     modes = [_mode(name, work, settings.device) for name in names]
     # the dry run compiles one case with the "eager" backend: dynamo traces mixprec's region (the
     # part that can break), without Inductor's tens of seconds of code generation on a CPU

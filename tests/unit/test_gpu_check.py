@@ -197,3 +197,24 @@ def test_test_files_needing_a_missing_package_are_named(gpu_check, tmp_path):
     (tests / "unit" / "test_needs.py").write_text("import torch\nfrom not_installed_anywhere.sub import y\n")
     (tests / "unit" / "test_lazy.py").write_text("def test_a():\n    import not_installed_anywhere\n")
     assert missing_imports(tests) == {"tests/unit/test_needs.py": "not_installed_anywhere"}
+
+
+def test_syncs_are_counted_per_source_line_and_the_debug_mode_restored(gpu_check, monkeypatch):
+    # torch's sync debug mode needs CUDA; stand-ins record the mode, and the step warns as torch would
+    import warnings
+
+    import torch
+    from benchmarks.gpu.part_syncs import count_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    sites = count_syncs(step, 3, REPO)
+    assert modes == ["warn", 0]
+    assert len(sites) == 1 and sum(sites.values()) == 3  # the same line every step: counted every time
+    assert next(iter(sites)).startswith("tests/unit/test_gpu_check.py:")
