@@ -1,0 +1,76 @@
+"""Measuring modes side by side: first call (compile) time, peak memory as if alone, interleaved timing.
+
+Several modes live on the device at once so that they can be timed in interleaved rounds; the peak
+memory of a mode is therefore taken as if it ran alone: the bytes it keeps between steps (model,
+gradients, optimizer state, masters: the growth of ``memory_allocated`` over its first step) plus its
+second step's peak above what was allocated before that step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from benchmarks.gpu.common import describe, free_memory, sync
+from benchmarks.gpu.steps import Mode
+
+from mixprec.app.bench.timing import Timing, interleaved
+
+__all__ = ["Prepared", "prepare", "time_modes"]
+
+_MB = 2**20
+
+
+class Prepared:
+    """A mode made and stepped twice: its step, its MixedPrecision (or None) and the build figures."""
+
+    def __init__(self, mode: Mode, step: Callable[[], None], mp: object, figures: dict) -> None:
+        self.mode, self.step, self.mp, self.figures = mode, step, mp, figures
+
+
+def prepare(mode: Mode, device: torch.device) -> Prepared:
+    """Make ``mode``, run its first step (optimizer state; compiling, if compiled) and a second, measured."""
+    cuda = device.type == "cuda"
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    start = time.perf_counter()
+    step, mp = mode.make()
+    step()
+    sync(device)
+    figures: dict = {"first_call_s": round(time.perf_counter() - start, 3)}
+    if not cuda:
+        step()
+        return Prepared(mode, step, mp, {**figures, "peak_memory_mb": None})
+    resident = torch.cuda.memory_allocated(device) - base
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    sync(device)
+    transient = torch.cuda.max_memory_allocated(device) - before
+    figures["resident_mb"] = round(resident / _MB, 1)
+    figures["peak_memory_mb"] = round((resident + transient) / _MB, 1)
+    return Prepared(mode, step, mp, figures)
+
+
+def time_modes(prepared: list[Prepared], repeats: int, warmup: int) -> tuple[dict[str, Timing], dict[str, dict]]:
+    """Interleaved timing of every prepared mode (median, spread); a mode that raises is dropped, not fatal.
+
+    Returns the timings of the modes that ran throughout, and the error of each that did not.
+    """
+    failed: dict[str, dict] = {}
+
+    def guarded(name: str, step: Callable[[], None]) -> Callable[[], None]:
+        def call() -> None:
+            if name in failed:
+                return
+            try:
+                step()
+            except Exception as error:  # recorded against the mode; the others keep running
+                failed[name] = describe(error)
+                free_memory()
+
+        return call
+
+    steps = {p.mode.name: guarded(p.mode.name, p.step) for p in prepared}
+    timings = interleaved(steps, repeats=repeats, warmup=warmup)
+    return {name: t for name, t in timings.items() if name not in failed}, failed

@@ -1,0 +1,169 @@
+"""Part ``gpt``: step time, tokens/s, MFU and peak memory of a GPT-2-sized model, per precision.
+
+The model is mixprec's TinyGPT at GPT-2 small's shape (12 layers, width 768, 12 heads, context 1024;
+its byte vocabulary of 256 makes it ~85M parameters, not 124M). The batch is the largest of a short
+list whose FP32 step stays under 40% of the device's memory, so that every mode (each with its own
+model and optimizer state) fits beside it. Every policy runs beside the hand-written loops
+(``torch.autocast`` bf16, fp16 + GradScaler, FP32; fused AdamW), eager, and a subset compiled while
+the compile budget lasts; all are timed in interleaved rounds, median of N.
+
+MFU = 6 * N * tokens / step time / dense bf16 peak (N: parameters; the 6 counts the forward's 2 and
+backward's 4 FLOPs per parameter and token). ``mfu_with_attention`` adds attention's 12 * L * D * T
+per token (PaLM's appendix B), which 6N leaves out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, free_memory, log
+from benchmarks.gpu.measure import Prepared, prepare, time_modes
+from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
+
+from mixprec.app.tasks.byte_corpus import lm_loss
+from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
+
+__all__ = ["run"]
+
+BATCHES = (64, 32, 16, 8, 4, 2, 1)
+_MEMORY_SHARE = 0.40
+POLICIES = ("fp32", "tf32", "mixed_bf16", "mixed_fp16", "o2_bf16", "pure_bf16", "fp8", "fp8_hybrid")
+TORCH_LOOPS = {"torch fp32": None, "torch autocast bf16": torch.bfloat16, "torch autocast fp16": torch.float16}
+TWINS = {"fp32": "torch fp32", "mixed_bf16": "torch autocast bf16", "mixed_fp16": "torch autocast fp16"}
+# compiled while the budget lasts, most telling first: the loop users write, then mixprec's counterpart
+COMPILED = ("torch autocast bf16", "mixed_bf16", "torch autocast fp16", "mixed_fp16", "o2_bf16", "pure_bf16")
+DRY_RUN_POLICIES = ("fp32", "mixed_bf16", "fp8")
+
+
+def _workload(config: GPTConfig, batch: int) -> Workload:
+    def tokens(device: torch.device):
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randint(0, 256, (2, batch, config.context), generator=gen)
+        return x.to(device), y.to(device)
+
+    return Workload(lambda: TinyGPT(config), tokens, lm_loss)
+
+
+def _mode(name: str, work: Workload, device: torch.device, backend: str | None = None) -> Mode:
+    label = f"{name}, compiled" if backend else name
+    if name in TORCH_LOOPS:
+        return Mode(label, lambda: torch_step(work, device, TORCH_LOOPS[name], backend), backend is not None)
+    optimizer = "mixprec" if name == "pure_bf16" else "fused"
+    twin = TWINS.get(name)
+    twin = f"{twin}, compiled" if backend and twin else twin
+    return Mode(label, lambda: mixprec_step(work, device, name, optimizer, backend), backend is not None, twin)
+
+
+def _largest_batch(settings: Settings, config: GPTConfig) -> tuple[int, dict]:
+    """The largest batch in BATCHES whose FP32 step peaks under _MEMORY_SHARE of the device's memory."""
+    total = torch.cuda.get_device_properties(settings.device).total_memory
+    tried: dict[int, object] = {}
+    for batch in BATCHES:
+        try:
+            made = prepare(_mode("torch fp32", _workload(config, batch), settings.device), settings.device)
+            tried[batch] = made.figures["peak_memory_mb"]
+            del made  # its model and optimizer state go before the next size is tried
+        except torch.cuda.OutOfMemoryError:
+            tried[batch] = "out of memory"
+        free_memory()
+        if isinstance(tried[batch], float) and tried[batch] * 2**20 <= _MEMORY_SHARE * total:
+            return batch, tried
+    raise RuntimeError(f"no batch in {BATCHES} fits: FP32 peak MB per batch {tried}")
+
+
+def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
+    names = list(TORCH_LOOPS) + list(DRY_RUN_POLICIES if settings.dry_run else POLICIES)
+    if settings.dry_run:
+        names.remove("torch autocast fp16")
+        part.leave_out("torch autocast fp16", "dry run: PyTorch's CPU fp16 kernels are 10-100x slower than FP32")
+        others = [name for name in POLICIES if name not in DRY_RUN_POLICIES]
+        part.leave_out(", ".join(others), "dry run: a few policies show that the code runs")
+    modes = [_mode(name, work, settings.device) for name in names]
+    # the dry run compiles one case with the "eager" backend: dynamo traces mixprec's region (the
+    # part that can break), without Inductor's tens of seconds of code generation on a CPU
+    compiled = ("mixed_bf16",) if settings.dry_run else COMPILED
+    backend = "eager" if settings.dry_run else "inductor"
+    part.meta["compile_backend"] = backend
+    return modes + [_mode(name, work, settings.device, backend) for name in compiled]
+
+
+def _prepare_all(settings: Settings, modes: list[Mode], part: Part) -> list[Prepared]:
+    """Make every mode and step it twice (compiling the compiled ones while the compile budget lasts)."""
+    ready, compiling = [], 0.0
+    for mode in modes:
+        if mode.compiled and compiling > settings.compile_budget_s:
+            part.leave_out(mode.name, f"compile budget of {settings.compile_budget_s:.0f} s spent ({compiling:.0f} s)")
+            continue
+        start = time.perf_counter()
+        made = part.attempt({"mode": mode.name}, lambda m=mode: prepare(m, settings.device))
+        compiling += time.perf_counter() - start if mode.compiled else 0.0
+        if made is not None:
+            log(f"  {mode.name}: ready, first call {made.figures['first_call_s']:.1f} s")
+            ready.append(made)
+    return ready
+
+
+def _size(settings: Settings, part: Part) -> tuple[GPTConfig, int]:
+    if settings.dry_run:
+        return GPTConfig(layers=2, width=64, heads=2, context=64), 2
+    config = GPTConfig(layers=12, width=768, heads=12, context=1024)
+    batch, tried = _largest_batch(settings, config)
+    part.meta["batch_probe_fp32_peak_mb"] = tried
+    return config, batch
+
+
+def _flops(config: GPTConfig, params: int, tokens: int) -> tuple[float, float]:
+    dense = 6 * params * tokens
+    attention = 12 * config.layers * config.width * config.context * tokens
+    return dense, dense + attention
+
+
+def _record(made: Prepared, timing, reference, twin, flops, peak: float | None) -> dict:
+    seconds = timing.median_ms / 1e3
+    record = {"mode": made.mode.name, "compiled": made.mode.compiled, **made.figures}
+    record.update(median_ms=round(timing.median_ms, 2), spread_ms=round(timing.spread_ms, 2))
+    record["tokens_per_s"] = round(flops["tokens"] / seconds)
+    record["mfu"] = round(flops["dense"] / seconds / peak, 4) if peak else None
+    record["mfu_with_attention"] = round(flops["attention"] / seconds / peak, 4) if peak else None
+    record["vs_torch_fp32"] = round(timing.median_ms / reference.median_ms, 3) if reference else None
+    record["twin"] = made.mode.twin
+    record["vs_twin"] = round(timing.median_ms / twin.median_ms, 3) if twin else None
+    if made.mp is not None:
+        record["compute_plan"] = made.mp.compute_plan.mode
+        record["skipped_steps"] = made.mp.stats().skipped_steps  # a host read, after the timing
+    return record
+
+
+def run(settings: Settings, part: Part) -> None:
+    _raise_recompile_limit()
+    config, batch = _size(settings, part)
+    repeats, warmup = (2, 1) if settings.dry_run else (10, 3)
+    params = sum(p.numel() for p in TinyGPT(config).parameters())  # tied embedding counted once
+    tokens = batch * config.context
+    dense, with_attention = _flops(config, params, tokens)
+    flops = {"tokens": tokens, "dense": dense, "attention": with_attention}
+    if settings.cuda:
+        peak, peak_note = bf16_peak_flops(torch.cuda.get_device_name(settings.device))
+    else:
+        peak, peak_note = None, "MFU needs a GPU's bf16 peak: omitted on the CPU"
+    part.meta.update(model=f"TinyGPT {config}", params=params, batch=batch, tokens_per_step=tokens,
+                     repeats=repeats, warmup=warmup, bf16_peak_flops=peak, mfu_note=peak_note)  # fmt: skip
+    ready = _prepare_all(settings, _modes(settings, _workload(config, batch), part), part)
+    log(f"  timing {len(ready)} modes, {repeats} interleaved rounds after {warmup} warm-up steps")
+    timings, failed = time_modes(ready, repeats, warmup)
+    for made in ready:
+        name = made.mode.name
+        if name in failed:
+            part.records.append({"mode": name, "compiled": made.mode.compiled, "error": failed[name]})
+            continue
+        twin = timings.get(made.mode.twin or "")
+        part.records.append(_record(made, timings[name], timings.get("torch fp32"), twin, flops, peak))
+
+
+def _raise_recompile_limit() -> None:
+    """Every compiled mode is a new model instance; dynamo must not fall back to eager after a few."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64))

@@ -1,0 +1,97 @@
+"""Part ``tests``: the test suite's CUDA cases, run by pytest in a child process, counted from its JUnit XML.
+
+The cases are those :mod:`benchmarks.gpu.pytest_cuda` keeps: marked ``cuda``, parametrized on the
+``device`` fixture's ``cuda``, or with a CUDA device among their parameters. Failures and errors are
+listed by test id with the first line of their message; skips are counted by reason (a skip on a GPU
+machine is a claim not checked: "needs 2 GPUs" is expected on one, "no CUDA" is not).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.gpu.common import Part, Settings
+
+__all__ = ["junit_counts", "missing_imports", "run"]
+
+
+def missing_imports(tests: Path) -> dict[str, str]:
+    """Test files whose module-level imports name a package not installed here (file -> package).
+
+    The GPU machine has no network and no Hypothesis, say: such a file would stop pytest's collection,
+    so it is left out by name instead, and the summary says which and why.
+    """
+    local = {path.stem for path in tests.rglob("*.py")}
+    missing = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for top in {name.split(".")[0] for name in names} - local:
+                if importlib.util.find_spec(top) is None:
+                    missing[str(path.relative_to(tests.parent))] = top
+    return missing
+
+
+def junit_counts(path: Path) -> dict:
+    """Counts, failing test ids and skip reasons from a JUnit XML file written by pytest."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    failing, skips = [], Counter()
+    for case in root.iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        for kind in ("failure", "error"):
+            for found in case.findall(kind):
+                first_line = (found.get("message") or "").splitlines()[:1]
+                failing.append(f"{kind}: {test_id}: {first_line[0][:300] if first_line else ''}")
+        for found in case.findall("skipped"):
+            skips[(found.get("message") or "")[:200]] += 1
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failing": failing, "skip_reasons": dict(skips.most_common(15))}
+
+
+def run(settings: Settings, part: Part) -> None:
+    if not settings.cuda:
+        part.skip("no CUDA device: the CUDA cases need one (on a CPU the suite runs as CI runs it)")
+        return
+    with tempfile.TemporaryDirectory(prefix="mixprec-gpu-tests-") as folder:
+        xml = Path(folder) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", "tests", "-p", "benchmarks.gpu.pytest_cuda", "-q",
+                   "-o", "addopts=--strict-markers", "-p", "no:cacheprovider", f"--junitxml={xml}",
+                   "--continue-on-collection-errors"]  # fmt: skip
+        for path, package in missing_imports(settings.repo / "tests").items():
+            command.append(f"--ignore={path}")
+            part.leave_out(path, f"imports {package}, which is not installed here")
+        src = str(settings.repo / "src")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+        part.meta["command"] = " ".join(command[1:])
+        try:
+            done = subprocess.run(command, cwd=settings.repo, env=env, capture_output=True, text=True,
+                                  timeout=settings.tests_timeout_s)  # fmt: skip
+        except subprocess.TimeoutExpired as expired:
+            part.status, part.reason = "failed", f"pytest ran past {settings.tests_timeout_s:.0f} s (--tests-timeout)"
+            output = expired.stdout or b""  # bytes, whatever text= says (subprocess docs)
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            part.meta["output_tail"] = output[-3000:]
+            return
+        part.meta["output_tail"] = (done.stdout + done.stderr)[-3000:]
+        if not xml.exists():
+            part.status, part.reason = "failed", f"pytest wrote no report (exit code {done.returncode})"
+            return
+        counts = junit_counts(xml)
+    part.records.append({"exit_code": done.returncode, **counts})
+    if counts["failures"] or counts["errors"] or done.returncode not in (0, 5):
+        part.status = "failed"
+        part.reason = f"{counts['failures']} failed, {counts['errors']} errors (pytest exit code {done.returncode})"
+    elif counts["tests"] == 0:
+        part.status, part.reason = "failed", "no CUDA case was selected: the suite lost its device parametrization"

@@ -1,0 +1,220 @@
+"""The GPU check (scripts/gpu_check.sh, benchmarks/gpu/): its CPU dry run end to end, so that the
+command a GPU session will run first cannot rot, and the pieces whose GPU side CI cannot reach."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PARTS = ["tests", "syncs", "gpt", "fp8", "bert"]
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    """The package benchmarks.gpu, importable from the repository root."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import benchmarks.gpu.__main__ as entry
+
+    return entry
+
+
+def _by(records: list[dict], key: str) -> dict:
+    return {record[key]: record for record in records}
+
+
+def test_the_dry_run_runs_every_part_or_says_why_not(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    # fixed kernel choices: the CPU kernel probe is not what this checks, and costs seconds per dtype
+    env.update(MIXPREC_BF16_CPU="native", MIXPREC_FP16_CPU="emulate")
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for part in PARTS:
+        assert f"part {part}: start" in done.stdout
+    folder = tmp_path / "cpu-dry-run"
+    results = json.loads((folder / "gpu_check.json").read_text())
+    assert results["dry_run"] is True and list(results["parts"]) == PARTS
+    for name, part in results["parts"].items():
+        assert part["status"] in ("ok", "skipped"), (name, part["reason"], part["error"], part["records"][:3])
+        assert part["status"] == "ok" or part["reason"], name  # a skip says why
+        assert part["seconds"] >= 0 and part["torch"]
+        assert part["status"] == "skipped" or part["records"], name
+        assert not [r for r in part["records"] if "error" in r], name
+        assert all(n["reason"] for n in part["not_run"]), name
+    parts = results["parts"]
+    assert "no CUDA" in parts["tests"]["reason"]
+    _check_syncs(parts["syncs"])
+    _check_gpt(parts["gpt"])
+    _check_fp8(parts["fp8"])
+    _check_bert(parts["bert"])
+    summary = (folder / "summary.md").read_text()
+    assert all(f"## {name}: " in summary for name in PARTS) and "Dry run" in summary
+
+
+def _check_syncs(part: dict) -> None:
+    cases = {(r["policy"], r["optimizer"]) for r in part["records"]}
+    assert {("mixed_bf16", "fused"), ("mixed_fp16", "default"), ("o2_bf16", "fused"), ("pure_bf16", "mixprec")} <= cases
+    assert "needs CUDA" in part["meta"]["note"]
+    for record in part["records"]:  # the steps ran; counting is CUDA's
+        assert record["syncs_per_step"] is None and record["steps_counted"] > 0 and record["goal"] in (0, 1)
+
+
+def _check_gpt(part: dict) -> None:
+    modes = _by(part["records"], "mode")
+    assert {"torch fp32", "torch autocast bf16", "fp32", "mixed_bf16", "fp8", "mixed_bf16, compiled"} <= set(modes)
+    for record in modes.values():
+        assert record["median_ms"] > 0 and record["tokens_per_s"] > 0 and record["first_call_s"] > 0
+        assert record["mfu"] is None  # no peak on a CPU, and the meta says so
+    assert modes["mixed_bf16"]["twin"] == "torch autocast bf16" and modes["mixed_bf16"]["vs_twin"] > 0
+    assert modes["mixed_bf16, compiled"]["compiled"] is True
+    assert part["meta"]["params"] > 0 and "omitted" in part["meta"]["mfu_note"]
+
+
+def _check_fp8(part: dict) -> None:
+    exact = [r for r in part["records"] if r["case"] == "exact sums"]
+    assert len(exact) >= 3 and all(r["emulation_exact"] for r in exact)
+    assert all(r.get("kernel_equals_emulation", True) for r in exact)
+    bounded = [r for r in part["records"] if r["case"] == "FP32 accumulation bound"]
+    assert bounded and 0 <= bounded[0]["emulation_error_over_bound"] <= 1
+    assert [n["case"] for n in part["not_run"]] == ["throughput"]
+
+
+def _check_bert(part: dict) -> None:
+    for phase in ("training", "inference"):
+        records = [r for r in part["records"] if r["phase"] == phase]
+        assert {r["batch"] for r in records} == {1, 2}
+        assert {r["mode"] for r in records} == {"fp32", "tf32", "fp16", "bf16"}
+        assert all(r["samples_per_s"] > 0 and r["speedup_vs_fp32"] > 0 for r in records)
+
+
+def test_a_failing_part_is_recorded_and_the_next_part_still_runs(gpu_check, monkeypatch, tmp_path, capsys):
+    def broken(settings, part):
+        raise ZeroDivisionError("made to fail")
+
+    monkeypatch.setitem(gpu_check.PARTS, "syncs", broken)
+    status = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--parts", "syncs,tests"])
+    assert status == 1
+    parts = json.loads((tmp_path / "cpu-dry-run" / "gpu_check.json").read_text())["parts"]
+    assert parts["syncs"]["status"] == "failed" and parts["syncs"]["error"]["type"] == "ZeroDivisionError"
+    assert parts["tests"]["status"] == "skipped"
+    assert "ZeroDivisionError: made to fail" in (tmp_path / "cpu-dry-run" / "summary.md").read_text()
+    assert "part syncs: failed" in capsys.readouterr().out
+    # a later run of another part keeps what the folder already holds
+    monkeypatch.setitem(gpu_check.PARTS, "fp8", lambda settings, part: part.records.append({"case": "x"}))
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--parts", "fp8"]) == 0
+    parts = json.loads((tmp_path / "cpu-dry-run" / "gpu_check.json").read_text())["parts"]
+    assert list(parts) == ["tests", "syncs", "fp8"] and parts["syncs"]["status"] == "failed"
+
+
+def test_a_failing_case_fails_its_part_and_keeps_the_error(gpu_check):
+    from benchmarks.gpu.common import Part
+
+    part = Part("fp8")
+    part.case({"case": "fine"}, lambda: {"value": 1.0})
+    part.case({"case": "broken"}, lambda: 1 / 0)
+    part.settle()
+    assert part.status == "failed" and part.reason == "1 of 2 cases failed"
+    assert part.records[1]["error"]["type"] == "ZeroDivisionError" and part.records[1]["error"]["where"]
+
+
+def test_unknown_parts_and_a_missing_gpu_are_usage_errors(gpu_check, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--dry-run", "--parts", "gpt,speed"])
+    assert exit_info.value.code == 2 and "--parts: received ['speed']; use names from tests" in capsys.readouterr().err
+    if not gpu_check.torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--parts", "fp8"])
+        assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_mfu_peaks_by_device_name(gpu_check):
+    from benchmarks.gpu.common import bf16_peak_flops
+
+    assert bf16_peak_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert bf16_peak_flops("NVIDIA H100 PCIe")[0] == 756e12
+    assert bf16_peak_flops("NVIDIA H200")[0] == 989e12
+    peak, reason = bf16_peak_flops("NVIDIA GeForce RTX 3050")
+    assert peak is None and "MFU omitted" in reason
+
+
+def test_the_cuda_cases_are_selected_by_marker_id_or_parameter(gpu_check):
+    import torch
+    from benchmarks.gpu.pytest_cuda import is_cuda_case
+
+    def item(name, marker=None, **params):
+        marks = {marker: object()} if marker else {}
+        return SimpleNamespace(name=name, get_closest_marker=marks.get, callspec=SimpleNamespace(params=params))
+
+    assert is_cuda_case(item("test_a[cuda]", device="cuda"))
+    assert is_cuda_case(item("test_b[device1]", device=torch.device("cuda", 0)))
+    assert is_cuda_case(item("test_c", marker="cuda"))
+    assert not is_cuda_case(item("test_a[cpu]", device="cpu"))
+    assert not is_cuda_case(item("test_d[device0]", device=torch.device("cpu")))
+
+
+def test_junit_counts(gpu_check, tmp_path):
+    from benchmarks.gpu.part_tests import junit_counts
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="4" failures="1" errors="0" skipped="2">'
+        '<testcase classname="tests.unit.test_x" name="test_a[cuda]"/>'
+        '<testcase classname="tests.unit.test_x" name="test_b[cuda]"><failure message="assert 1 == 2&#10;more"/>'
+        '</testcase><testcase classname="t" name="c"><skipped message="needs 2 GPUs"/></testcase>'
+        '<testcase classname="t" name="d"><skipped message="needs 2 GPUs"/></testcase></testsuite></testsuites>'
+    )
+    counts = junit_counts(xml)
+    assert (counts["tests"], counts["passed"], counts["failures"], counts["skipped"]) == (4, 1, 1, 2)
+    assert counts["failing"] == ["failure: tests.unit.test_x::test_b[cuda]: assert 1 == 2"]
+    assert counts["skip_reasons"] == {"needs 2 GPUs": 2}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "gpu").glob("*.py")), ids=lambda p: p.name)
+def test_no_function_of_the_check_is_longer_than_sixty_lines(path):
+    long = [
+        f"{node.name} (line {node.lineno})"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert not long
+
+
+def test_test_files_needing_a_missing_package_are_named(gpu_check, tmp_path):
+    from benchmarks.gpu.part_tests import missing_imports
+
+    tests = tmp_path / "tests"
+    (tests / "unit").mkdir(parents=True)
+    (tests / "unit" / "test_fine.py").write_text("import torch\nfrom helper import x\n")
+    (tests / "unit" / "helper.py").write_text("x = 1\n")
+    (tests / "unit" / "test_needs.py").write_text("import torch\nfrom not_installed_anywhere.sub import y\n")
+    (tests / "unit" / "test_lazy.py").write_text("def test_a():\n    import not_installed_anywhere\n")
+    assert missing_imports(tests) == {"tests/unit/test_needs.py": "not_installed_anywhere"}
+
+
+def test_syncs_are_counted_per_source_line_and_the_debug_mode_restored(gpu_check, monkeypatch):
+    # torch's sync debug mode needs CUDA; stand-ins record the mode, and the step warns as torch would
+    import warnings
+
+    import torch
+    from benchmarks.gpu.part_syncs import count_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    sites = count_syncs(step, 3, REPO)
+    assert modes == ["warn", 0]
+    assert len(sites) == 1 and sum(sites.values()) == 3  # the same line every step: counted every time
+    assert next(iter(sites)).startswith("tests/unit/test_gpu_check.py:")
