@@ -128,6 +128,7 @@ def test_compiled_fp8_training_equals_eager_bit_for_bit(policy):
                 return model(x).float().pow(2).mean()
 
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         step = torch.compile(forward_loss, backend="aot_eager", fullgraph=True) if compiled else forward_loss
         losses = []
         for i in range(4):
@@ -135,6 +136,7 @@ def test_compiled_fp8_training_equals_eager_bit_for_bit(policy):
             mp.backward(loss)
             mp.step()
             losses.append(loss.detach())
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == int(compiled)  # compiled once, kept
         runs.append((losses, [p.detach().clone() for p in model.parameters()], mp.state_dict()["fp8"]))
     (eager_losses, eager_params, eager_fp8), (losses, params, fp8) = runs
     assert all(map(torch.equal, losses, eager_losses)) and all(map(torch.equal, params, eager_params))

@@ -292,6 +292,9 @@ def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
     """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
+    # the attribute exists (inert) from now on: a compiled step that enters the region guards on it, and
+    # would compile a second time if it appeared only after the first call
+    setattr(model, _OUTPUT_DTYPE, getattr(model, _OUTPUT_DTYPE, None))
     if _cast_outputs in model._forward_hooks.values():
         return None
     return model.register_forward_hook(_cast_outputs)
