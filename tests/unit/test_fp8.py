@@ -1,5 +1,6 @@
 """FP8 training: exact emulation against torch's float8 casts, scaling, recipes and policies."""
 
+import copy
 import re
 
 import pytest
@@ -90,6 +91,28 @@ def test_region_swaps_the_selected_linears_and_restores_them():
     assert "forward" not in vars(model[2])
 
 
+def test_layers_routed_through_fp8_run_their_own_forward_outside_the_region_and_copy_with_the_model():
+    model = _mlp()
+    plain = copy.deepcopy(model)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))  # routed once for the engine's region, inert outside it
+        with mp.autocast():
+            assert not torch.equal(model(x), plain(x))  # FP8 inside
+        twin = copy.deepcopy(model)
+        for parameter in twin.parameters():
+            parameter.zero_()
+        assert torch.equal(twin(x), torch.zeros(8, 4))  # the copy's layers compute with the copy's weights
+    with mixprec.autocast("fp8", plain):
+        assert all("forward" in vars(plain[i]) for i in (0, 2, 4))
+    assert all("forward" not in vars(plain[i]) for i in (0, 2, 4))  # a one-off region leaves them as it found them
+    routed = vars(model[2])["forward"]
+    with mixprec.autocast("base=fp8,fp8=(scaling=current)", model):  # another recipe, then the engine's again
+        assert vars(model[2])["forward"] is not routed
+    assert vars(model[2])["forward"] is routed
+
+
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
@@ -115,7 +138,7 @@ def test_fp8_policies_train_and_checkpoint_their_scale_state():
     assert losses[-1] < 0.7 * losses[0]
     state = mp.state_dict()
     assert set(state["fp8"]) == {"0", "2", "4"}
-    assert state["fp8"]["2"]["input"]["recorded"] == 60
+    assert state["fp8"]["2"]["input"]["recorded"] == 60 and type(state["fp8"]["2"]["input"]["recorded"]) is int
     other = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")
     other.load_state_dict(state)
     assert torch.equal(other.state_dict()["fp8"]["2"]["grad"]["history"], state["fp8"]["2"]["grad"]["history"])

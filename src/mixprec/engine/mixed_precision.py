@@ -52,7 +52,6 @@ from mixprec.regions.autocast import (
     tf32_matmuls,
 )
 from mixprec.regions.casting import cast_module, lowered_parameters
-from mixprec.regions.fp8.region import fp8_state
 from mixprec.scaling.base import LossScaler
 from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.scaling.static import NoOpLossScaler
@@ -491,7 +490,7 @@ class MixedPrecision:
             "counters": self._log.state_dict(),
             "micro_step": self._order.micro_step,
             "accumulation_steps": self.accumulation_steps,
-            "fp8": fp8_state(self.model, self.policy.fp8).state_dict() if self.policy.fp8 else {},
+            "fp8": self._region.fp8.state_dict() if self._region.fp8 is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -526,5 +525,5 @@ class MixedPrecision:
             raise ValueError("MixedPrecision.load_state_dict: the state holds master weights, this policy keeps none.")
         self._log.load_state_dict(state["counters"])
         self._order.micro_step = int(state["micro_step"])
-        if self.policy.fp8 is not None:
-            fp8_state(self.model, self.policy.fp8).load_state_dict(state.get("fp8", {}))
+        if self._region.fp8 is not None:
+            self._region.fp8.load_state_dict(state.get("fp8", {}))

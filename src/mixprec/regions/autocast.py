@@ -46,7 +46,7 @@ from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.regions.fp8.gemm import uses_kernel
-from mixprec.regions.fp8.region import fp8_region
+from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.op_overrides import FP32Ops
 
 __all__ = [
@@ -211,9 +211,14 @@ class Region:
                 "use autocast(policy, model)."
             )
         self._output_hook = None
+        self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
+        self._fp8_installed = False
         if model is not None:
             refuse_foreign_autocast(model)
             self._output_hook = _install_output_cast(model)
+            if self.policy.fp8 is not None:
+                self.fp8 = fp8_state(model, self.policy.fp8)
+                self._fp8_installed = self.fp8.install()
             self._fp32_modules = _hooked_fp32_modules(model, self.policy)
 
     @contextlib.contextmanager
@@ -237,17 +242,20 @@ class Region:
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
             FP32Ops(policy.fp32_ops, device_type) if policy.fp32_ops and plan.mode != "emulated" else null,
-            fp8_region(model, policy.fp8, policy.compute_dtype) if policy.fp8 is not None else null,
+            self.fp8.computing(policy.compute_dtype) if self.fp8 is not None else null,
             _output_dtype(model, policy.output_dtype) if model is not None else null,
             _model_hooks(self._fp32_modules, self._fp32_region(emulation)) if self._fp32_modules else null,
         ):
             yield policy
 
     def close(self) -> None:
-        """Remove the output-cast hook this region installed (none if the model already had one)."""
+        """Remove the output-cast hook and the FP8 routing this region installed (none if the model had them)."""
         if self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
+        if self._fp8_installed:
+            self.fp8.remove()
+            self._fp8_installed = False
 
     def _fp32_region(self, emulation: EmulatedAutocast | None) -> Callable[[], contextlib.AbstractContextManager]:
         """What an FP32 module's forward runs in: neither autocast nor the emulation touches its ops."""
@@ -284,6 +292,9 @@ def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
     """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
+    # the attribute exists (inert) from now on: a compiled step that enters the region guards on it, and
+    # would compile a second time if it appeared only after the first call
+    setattr(model, _OUTPUT_DTYPE, getattr(model, _OUTPUT_DTYPE, None))
     if _cast_outputs in model._forward_hooks.values():
         return None
     return model.register_forward_hook(_cast_outputs)

@@ -16,8 +16,6 @@ Which path a recipe's ``gemm`` setting picks:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = ["fp8_matmul", "scaled_mm_available", "uses_kernel"]
@@ -25,9 +23,20 @@ __all__ = ["fp8_matmul", "scaled_mm_available", "uses_kernel"]
 _CUDA_ALIGNMENT = 16
 
 
-@functools.cache
+_AVAILABLE: dict[torch.device, bool] = {}  # the probe's answers, by device
+
+
+# torch.compile calls it eagerly and takes the answer as a constant, rather than tracing the probe into
+# the graph (it would ignore a functools.cache wrapper)
+@torch.compiler.assume_constant_result
 def scaled_mm_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs on ``device`` (probed once per device with a tiny product)."""
+    if device not in _AVAILABLE:
+        _AVAILABLE[device] = _probe(device)
+    return _AVAILABLE[device]
+
+
+def _probe(device: torch.device) -> bool:
     if not hasattr(torch, "_scaled_mm"):
         return False
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):

@@ -10,6 +10,10 @@ The three products go through :func:`mixprec.regions.fp8.gemm.fp8_matmul`: PyTor
 are held in FP8 storage (1 byte per value) and the quantized input and weight are saved that way for
 the backward pass, as a real FP8 implementation saves them. fp8_e4m3 has no infinity: an infinite input
 becomes NaN on the cast, so an overflow still reaches the loss scaler as a non-finite value.
+
+Under torch.compile the autograd function traces whole, forward and backward: the scales it takes
+record their amaxes by updating the state's tensors in place (see :mod:`mixprec.regions.fp8.scaling`),
+which the compiler carries into the graph, and the GEMM's kernel choice is a constant to it.
 """
 
 from __future__ import annotations
@@ -18,22 +22,27 @@ from typing import Any
 
 import torch
 
+from mixprec.numerics.formats import Format
+from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
 from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8
 
 __all__ = ["Fp8LinearState", "fp8_linear"]
 
-_STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
 
 class Fp8LinearState:
     """The scale states of one Linear layer: its input, its weight and its output gradient."""
 
-    def __init__(self, recipe) -> None:
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None) -> None:
         self.recipe = recipe
-        self.input = ScaleState(recipe.forward, recipe)
-        self.weight = ScaleState(recipe.forward, recipe)
-        self.grad = ScaleState(recipe.backward, recipe)
+        self.input = ScaleState(recipe.forward, recipe, device)
+        self.weight = ScaleState(recipe.forward, recipe, device)
+        self.grad = ScaleState(recipe.backward, recipe, device)
+
+    def to(self, device: torch.device) -> None:
+        """Keep the three scale states on ``device``."""
+        for role in (self.input, self.weight, self.grad):
+            role.to(device)
 
     def state_dict(self) -> dict:
         return {"input": self.input.state_dict(), "weight": self.weight.state_dict(), "grad": self.grad.state_dict()}
@@ -43,19 +52,18 @@ class Fp8LinearState:
             getattr(self, role).load_state_dict(state[role])
 
 
-def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    return cast_to_fp8(tensor, scale, fmt).to(_STORAGE[fmt])
+def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    return cast_to_fp8(tensor, scale, fmt).to(fmt.torch_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
-            recipe = state.recipe
             sx, sw = state.input.scale_for(x), state.weight.scale_for(weight)
-            xq = _to_fp8(x.reshape(-1, x.shape[-1]), sx, recipe.forward)
-            wq = _to_fp8(weight, sw, recipe.forward)
-            kernel = uses_kernel(recipe.gemm, x.device)
+            xq = _to_fp8(x.reshape(-1, x.shape[-1]), sx, state.input.format)
+            wq = _to_fp8(weight, sw, state.weight.format)
+            kernel = uses_kernel(state.recipe.gemm, x.device)
             y = fp8_matmul(xq, wq.t(), sx, sw, kernel)
             if bias is not None:
                 y = y + bias.float()
@@ -72,7 +80,7 @@ class _Fp8Linear(torch.autograd.Function):
         with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
             grad = grad.reshape(-1, grad.shape[-1])
             sg = state.grad.scale_for(grad)
-            gq = _to_fp8(grad, sg, state.recipe.backward)
+            gq = _to_fp8(grad, sg, state.grad.format)
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
                 grad_x = fp8_matmul(gq, wq, sg, sw, kernel).reshape(ctx.x_shape).to(x_dtype)
@@ -91,4 +99,7 @@ def fp8_linear(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with FP8 inputs, weights and gradients (see the module docstring)."""
+    # a state on another device (loaded on the CPU, a model moved) moves here, where a compiled step may
+    # reassign attributes; inside the autograd function only tensor contents change
+    state.to(x.device)
     return _Fp8Linear.apply(x, weight, bias, state, out_dtype)

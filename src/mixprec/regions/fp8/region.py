@@ -1,9 +1,15 @@
 """Where a policy's FP8 recipe applies: the model's Linear layers, minus the ones it keeps.
 
 Inside :func:`fp8_region` each selected ``nn.Linear`` computes through :func:`mixprec.regions.fp8.fp8_linear`
-(its ``forward`` is swapped for the region and restored on exit, exceptions included). The scale
+(its ``forward`` is routed there for the region and restored on exit, exceptions included). The scale
 states (amax histories) live in an :class:`Fp8State` per model, which persists across regions and
 belongs in checkpoints (``MixedPrecision.state_dict`` includes it).
+
+A prepared region (:class:`mixprec.regions.Region`, the one ``MixedPrecision`` keeps) routes the
+forwards once, as it installs its output cast once, and entering it only sets the state's output
+dtype; outside a region the layers run their own forward. So torch.compile traces a step without
+graph breaks and a compiled model is not recompiled because forwards came and went (a forward set and
+deleted within one traced step, besides, is replayed by the compiler as a bare delete, which fails).
 """
 
 from __future__ import annotations
@@ -38,12 +44,52 @@ def fp8_layers(model: nn.Module, recipe: Fp8Recipe) -> list[tuple[str, nn.Linear
 
 
 class Fp8State:
-    """The scale states of a model's FP8 layers, by module name."""
+    """The scale states of a model's FP8 layers, by module name, and the region's output dtype.
+
+    ``install`` routes each selected Linear's forward through :class:`_Fp8Forward`: FP8 while
+    ``out_dtype`` is set (inside a region), the layer's own forward otherwise.
+    """
 
     def __init__(self, model: nn.Module, recipe: Fp8Recipe) -> None:
         self.recipe = recipe
-        self.modules = dict(fp8_layers(model, recipe))  # chosen once; each region swaps these
-        self.layers = {name: Fp8LinearState(recipe) for name in self.modules}
+        self.modules = dict(fp8_layers(model, recipe))  # chosen once
+        self.layers = {name: Fp8LinearState(recipe, m.weight.device) for name, m in self.modules.items()}
+        self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
+        self._replaced: dict[str, object] = {}
+
+    def install(self) -> bool:
+        """Route the selected layers' forward through this state; False if they already were."""
+        if all(self._routes(module) for module in self.modules.values()):
+            return False
+        # what was there: another state's routing (a region with another recipe) or none
+        self._replaced = {name: vars(module).get("forward") for name, module in self.modules.items()}
+        for name, module in self.modules.items():
+            module.forward = _Fp8Forward(module, self.layers[name], self)
+        return True
+
+    def remove(self) -> None:
+        """Undo :meth:`install`: the forward each layer had before (its own, unless another state's)."""
+        for name, module in self.modules.items():
+            if not self._routes(module):
+                continue
+            previous = self._replaced.get(name)
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+    @contextlib.contextmanager
+    def computing(self, out_dtype: torch.dtype) -> Iterator[Fp8State]:
+        """The installed layers compute in FP8 inside, with outputs in ``out_dtype``."""
+        previous, self.out_dtype = self.out_dtype, out_dtype
+        try:
+            yield self
+        finally:
+            self.out_dtype = previous
+
+    def _routes(self, module: nn.Module) -> bool:
+        forward = vars(module).get("forward")
+        return isinstance(forward, _Fp8Forward) and forward.state is self
 
     def state_dict(self) -> dict:
         return {name: layer.state_dict() for name, layer in self.layers.items()}
@@ -56,6 +102,23 @@ class Fp8State:
             self.layers[name].load_state_dict(layer_state)
 
 
+class _Fp8Forward:
+    """A selected Linear's forward: FP8 while its model's state has an output dtype, its own otherwise.
+
+    An object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward
+    bound to the copy (a closure would keep computing with the original's weights) and pickling works.
+    """
+
+    def __init__(self, module: nn.Linear, layer: Fp8LinearState, state: Fp8State) -> None:
+        self.module, self.layer, self.state = module, layer, state
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module, out_dtype = self.module, self.state.out_dtype
+        if out_dtype is None:
+            return type(module).forward(module, x)
+        return fp8_linear(x, module.weight, module.bias, self.layer, out_dtype)
+
+
 def fp8_state(model: nn.Module, recipe: Fp8Recipe) -> Fp8State:
     """The model's FP8 state for ``recipe`` (created on first use, replaced if the recipe changes)."""
     state = _STATES.get(model)
@@ -66,19 +129,17 @@ def fp8_state(model: nn.Module, recipe: Fp8Recipe) -> Fp8State:
 
 @contextlib.contextmanager
 def fp8_region(model: nn.Module, recipe: Fp8Recipe, out_dtype: torch.dtype) -> Iterator[Fp8State]:
-    """Compute the model's selected Linear layers in FP8 inside; outputs in ``out_dtype``."""
+    """Compute the model's selected Linear layers in FP8 inside; outputs in ``out_dtype``.
+
+    The layers' forward is routed on entry and restored on exit. A region entered many times
+    (:class:`mixprec.regions.Region`) installs the routing once and only sets the output dtype on entry
+    (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
+    """
     state = fp8_state(model, recipe)
-    swapped = []
+    installed = state.install()
     try:
-        for name, module in state.modules.items():
-            layer = state.layers[name]
-
-            def forward(x, module=module, layer=layer):
-                return fp8_linear(x, module.weight, module.bias, layer, out_dtype)
-
-            module.forward = forward
-            swapped.append(module)
-        yield state
+        with state.computing(out_dtype):
+            yield state
     finally:
-        for module in swapped:
-            del module.forward  # the class's own forward again
+        if installed:
+            state.remove()
