@@ -174,10 +174,11 @@ def test_the_api_names_the_problem(tmp_path, case, call, error, phrases):
     assert not (tmp_path / "executed").exists()  # nothing from a file was ever run
 
 
-def _other_model_run(tmp: Path) -> Path:
+def _other_model_run(tmp: Path, identity: dict | None = None) -> Path:
     """A run folder whose checkpoint holds another model's weights (digits under its own config)."""
     run = tmp / "other"
-    save_checkpoint(run / "checkpoints", 1, {"model": {"w": torch.ones(3)}, "optimizer": {}})
+    state = {"model": {"w": torch.ones(3)}, "optimizer": {}}
+    save_checkpoint(run / "checkpoints", 1, state if identity is None else {"identity": identity, **state})
     mixprec.app.TrainConfig(task="digits", size="tiny", policy="fp32").save(run)
     return run
 
@@ -189,7 +190,18 @@ def _policy_file(tmp: Path, text: str) -> Path:
 # (id, arguments, with "{tmp}" for the temporary folder, phrases the one line must hold)
 CLI_CASES = [
     ("train steps", ["train", "digits", "--steps", "0", "--out", "{tmp}/run"], ["'steps' must be >= 1"]),
-    ("train lr", ["train", "digits", "--lr", "-1", "--out", "{tmp}/run"], ["'lr' must be >= 0"]),
+    ("train lr", ["train", "digits", "--lr", "-1", "--out", "{tmp}/run"], ["'lr' must be a finite number >= 0"]),
+    ("train lr inf", ["train", "digits", "--lr", "inf", "--out", "{tmp}/run"], ["'lr'", "received inf"]),
+    (
+        "train minutes",
+        ["train", "digits", "--checkpoint-every-minutes", "0", "--out", "{tmp}/run"],
+        ["'checkpoint_every_minutes'", "received 0.0"],
+    ),
+    (
+        "train stop signal",
+        ["train", "digits", "--stop-signals", "SIGKILL", "--out", "{tmp}/run"],
+        ["'stop_signals'", "'SIGKILL'"],
+    ),
     (
         "train clip to zero",
         ["train", "digits", "--max-grad-norm", "0", "--out", "{tmp}/run"],
@@ -215,9 +227,14 @@ CLI_CASES = [
         ["policy.json"],
     ),
     (
-        "resume another model",
+        "resume another run",
+        ["train", "--out", "{foreign_run}", "--resume", "--steps", "2"],
+        ["belongs to another run", "model 'Other 0123' there", "--allow-foreign-checkpoint"],
+    ),
+    (
+        "resume without identity",
         ["train", "--out", "{other_run}", "--resume", "--steps", "2"],
-        ["does not fit this model"],
+        ["no usable checkpoint", "records no run identity"],
     ),
     (
         "resume corrupt checkpoint",
@@ -235,6 +252,8 @@ CLI_CASES = [
 def _argument(value: str, tmp: Path) -> str:
     if value == "{other_run}":
         return str(_other_model_run(tmp))
+    if value == "{foreign_run}":
+        return str(_other_model_run(tmp, {"policy": "fp32", "model": "Other 0123"}))
     if value == "{corrupt_run}":
         run = _other_model_run(tmp)
         checkpoint = run / "checkpoints" / "step-00000001.safetensors"

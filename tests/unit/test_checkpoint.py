@@ -140,3 +140,70 @@ def test_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
     assert path.name.startswith("step-") and state["x"].numel() in (10, 64 * 1024 * 1024)
     for checkpoint in list_checkpoints(tmp_path):
         load_checkpoint(checkpoint)
+
+
+def test_an_edited_header_is_caught_by_the_checksum(tmp_path):
+    # the metadata is what resuming depends on: position, counters, RNG, scaler, policy
+    path = save_checkpoint(tmp_path, 3, {"position": {"batch_in_epoch": 6}, "x": torch.ones(4)})
+    data = path.read_bytes()
+    edited = data.replace(b'batch_in_epoch\\": 6', b'batch_in_epoch\\": 8')  # same length: the file still parses
+    assert edited != data and len(edited) == len(data)
+    path.write_bytes(edited)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_checkpoint(path)
+
+
+def test_a_checkpoint_under_another_steps_name_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, 3, {"x": torch.ones(2)})
+    misnamed = path.rename(tmp_path / "step-00000006.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"step-00000006\.safetensors: holds step '3', not the step its name says"
+    ):
+        load_checkpoint(misnamed)
+
+
+def test_every_flipped_byte_is_refused_or_changes_nothing(tmp_path):
+    state = {"position": {"step": 3, "epoch": 1}, "x": torch.arange(16.0), "scale": 65536.0}
+    path = save_checkpoint(tmp_path, 3, state)
+    data = path.read_bytes()
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randperm(len(data), generator=generator)[:300].tolist()
+    masks = torch.randint(1, 256, (300,), generator=generator).tolist()
+    refused = 0
+    for position, mask in zip(positions, masks, strict=True):
+        flipped = bytearray(data)
+        flipped[position] ^= mask
+        path.write_bytes(bytes(flipped))
+        try:
+            loaded = load_checkpoint(path)
+        except CheckpointError:
+            refused += 1
+            continue
+        assert_same(loaded, state)  # a flip the format ignores (JSON whitespace) changes nothing
+    assert refused >= 290
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [
+        {"model": {"__tensor__": ["x"]}},
+        {"__dict__": [[["unhashable"], 1]]},
+        {"__dict__": 5},
+        {"__tuple__": 5},
+        {"__float__": "not a number"},
+        {"__float__": ["x"]},
+        "[" * 100_000 + "]" * 100_000,
+    ],
+    ids=["list as tensor name", "unhashable key", "dict of int", "tuple of int", "float text", "float list", "deep"],
+)
+def test_a_malformed_skeleton_is_a_value_error_never_a_crash(skeleton):
+    import json
+
+    if isinstance(skeleton, str):
+        with pytest.raises(RecursionError):  # what json itself does: load_checkpoint turns it into a CheckpointError
+            json.loads(skeleton)
+        skeleton = [[[[[]]]]]
+        for _ in range(100_000):
+            skeleton = [skeleton]
+    with pytest.raises(ValueError, match="checkpoint's structure"):
+        unflatten(skeleton, {"t0": torch.ones(1)})

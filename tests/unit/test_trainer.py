@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import mixprec
 import mixprec.app
 from mixprec.app import BatchChecks, RunOptions, TrainData, Trainer, TrainingInterrupted, UpdateOptions, accuracy
-from mixprec.app.checkpoint import list_checkpoints
+from mixprec.app.checkpoint import list_checkpoints, save_checkpoint
 from mixprec.app.tasks.digits import DigitsCNN, load_digits_split
 
 DIGITS = load_digits_split()
@@ -238,6 +239,7 @@ def test_options_are_frozen_values_with_the_old_defaults():
         "keep_checkpoints": 3,
         "checkpoint_every_minutes": None,
         "stop_signals": ("SIGINT", "SIGTERM", "SIGUSR1"),
+        "allow_foreign_checkpoint": False,
         "progress": True,
         "compile": False,
     }
@@ -301,3 +303,42 @@ def test_checkpoints_by_wall_clock_as_well_as_by_updates(tmp_path, monkeypatch):
     make_trainer(tmp_path, "fp32", slow_loss, checkpoint_every_minutes=1.0, keep_checkpoints=100).fit(steps=7)
     names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
     assert names == [f"step-{step:08d}.safetensors" for step in (3, 6, 7)]  # every 60 s, and at the end
+
+
+def test_a_checkpoint_of_another_run_is_refused_unless_allowed(tmp_path):
+    make_trainer(tmp_path / "mine").fit(steps=3)
+    make_trainer(tmp_path / "other", seed=1).fit(steps=4)
+    (tmp_path / "other" / "checkpoints" / "step-00000004.safetensors").rename(
+        tmp_path / "mine" / "checkpoints" / "step-00000004.safetensors"
+    )  # a valid checkpoint, newer than this run's own: of a run with another seed
+    with pytest.raises(mixprec.app.ForeignCheckpointError, match=r"belongs to another run \(seed 1 there, 0 here\)"):
+        make_trainer(tmp_path / "mine").fit(steps=6, resume=True)
+    allowed = make_trainer(tmp_path / "mine", allow_foreign_checkpoint=True)
+    assert allowed.fit(steps=6, resume=True).steps == 6
+
+
+def test_a_misnamed_or_edited_newest_checkpoint_is_skipped_with_one_line(tmp_path, caplog):
+    make_trainer(tmp_path, checkpoint_every=1).fit(steps=3)
+    folder = tmp_path / "checkpoints"
+    (folder / "step-00000003.safetensors").rename(folder / "step-00000009.safetensors")
+    trainer = make_trainer(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        trainer.fit(steps=4, resume=True)
+    skipped = [r.message for r in caplog.records if r.message.startswith("Skipped a checkpoint")]
+    assert len(skipped) == 1 and "holds step '3', not the step its name says; using step-00000002" in skipped[0]
+    assert trainer.step == 4
+
+
+def test_a_checkpoint_that_does_not_fit_is_skipped_and_leaves_the_trainer_as_it_was(tmp_path, caplog):
+    reference = make_trainer(tmp_path / "reference", checkpoint_every=1)
+    reference.fit(steps=2)
+    trainer = make_trainer(tmp_path / "reference")
+    state = trainer.state_dict()  # a valid file of this run whose optimizer state cannot be loaded
+    state["optimizer"]["param_groups"] = []
+    save_checkpoint(tmp_path / "reference" / "checkpoints", 3, state)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        trainer.fit(steps=3, resume=True)
+    assert "does not fit this model and optimizer" in caplog.text and "using step-00000002" in caplog.text
+    straight = make_trainer(tmp_path / "straight")
+    straight.fit(steps=3)
+    assert_bit_identical(parameters(straight), parameters(trainer))  # resumed at 2 as if 3 never existed

@@ -12,12 +12,14 @@ from mixprec.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
+    from mixprec.app.resume import ForeignCheckpointError
     from mixprec.app.task import Metric, TaskConfig, TaskParts, accuracy, bits_per_char, build_task
     from mixprec.app.trainer import FitResult, Trainer, TrainingInterrupted
     from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 
 _SOURCES = {
     "TrainConfig": "mixprec.app.config",
+    "ForeignCheckpointError": "mixprec.app.resume",
     "Metric": "mixprec.app.task",
     "TaskConfig": "mixprec.app.task",
     "TaskParts": "mixprec.app.task",
@@ -38,6 +40,7 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), _SOURCES)
 __all__ = [
     "BatchChecks",
     "FitResult",
+    "ForeignCheckpointError",
     "Metric",
     "RunOptions",
     "TaskConfig",

@@ -2,7 +2,9 @@
 
 Layout of ``step-00001200.safetensors``: the tensors of the nested training state (see
 :mod:`mixprec.app.serialize`), and in the header's metadata the JSON skeleton that puts them back
-together, the step, and a SHA-256 of every tensor's bytes.
+together (every number, string and flag of the state: position, counters, RNG, scaler, policy), the
+step, and a SHA-256 over every metadata field and every tensor's bytes: no byte that resuming depends
+on can change unnoticed.
 
 Writing: serialize in memory, write to a hidden temporary file in the same folder, fsync it, rename
 it over the final name (atomic on POSIX), fsync the folder; then delete all but the newest ``keep``,
@@ -10,8 +12,9 @@ and any temporary file a killed writer left (one process writes a run's checkpoi
 A process killed at any moment leaves either the previous set of checkpoints or the new one, never a
 half-written file under a checkpoint's name.
 
-Reading: the header must parse, every tensor must be present and match its checksum; otherwise a
-``CheckpointError`` says what is wrong, and ``load_latest`` falls back to the previous checkpoint (or,
+Reading: the header must parse, the checksum must match, the step must equal the file's name and the
+skeleton must rebuild; otherwise a ``CheckpointError`` names the file and what is wrong, whatever the
+damage (any shape, depth or type), and ``load_latest`` falls back to the previous checkpoint (or,
 when none verifies, says why for each).
 """
 
@@ -36,7 +39,7 @@ __all__ = ["CheckpointError", "list_checkpoints", "load_checkpoint", "load_lates
 logger = logging.getLogger("mixprec")
 
 FORMAT = "mixprec-checkpoint"
-VERSION = "1"
+VERSION = "2"  # 1: the checksum covered the tensors only
 _NAME = re.compile(r"step-(\d{8})\.safetensors")
 
 
@@ -44,8 +47,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, truncated, corrupt, or not a mixprec checkpoint."""
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """SHA-256 of every metadata field but the digest itself, then every tensor's name, type and bytes."""
     sha = hashlib.sha256()
+    for key in sorted(k for k in metadata if k != "sha256"):
+        sha.update(f"{len(key)}:{key}={len(metadata[key])}:{metadata[key]};".encode())
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         sha.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
@@ -59,13 +65,8 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     directory.mkdir(parents=True, exist_ok=True)
     tensors, skeleton = flatten(state)
     cpu = {name: tensor.cpu() for name, tensor in tensors.items()}
-    metadata = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": str(step),
-        "skeleton": json.dumps(skeleton),
-        "sha256": _digest(cpu),
-    }
+    metadata = {"format": FORMAT, "version": VERSION, "step": str(step), "skeleton": json.dumps(skeleton)}
+    metadata["sha256"] = _digest(cpu, metadata)
     data = safetensors_bytes(cpu, metadata=metadata)
     final = directory / f"step-{step:08d}.safetensors"
     temporary = directory / f".{final.name}.tmp-{os.getpid()}"
@@ -115,13 +116,24 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: a safetensors file, but not a mixprec checkpoint (no '{FORMAT}' header)")
     if metadata.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {metadata.get('version')!r}, expected {VERSION!r}")
-    if _digest(tensors) != metadata.get("sha256"):
-        raise CheckpointError(f"{path}: checksum mismatch; the tensors were changed or damaged after saving")
+        raise CheckpointError(
+            f"{path}: checkpoint format version {metadata.get('version')!r}, expected {VERSION!r} (version 1, "
+            "written before the checksum covered the metadata, is not read)"
+        )
+    if _digest(tensors, metadata) != metadata.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch; the file was changed or damaged after saving")
+    named = _NAME.fullmatch(path.name)
+    if named and metadata.get("step") != str(int(named.group(1))):
+        raise CheckpointError(f"{path}: holds step {metadata.get('step')!r}, not the step its name says")
     try:
-        return unflatten(json.loads(metadata["skeleton"]), tensors)
-    except (KeyError, json.JSONDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: damaged checkpoint structure ({exc})") from None
+        state = unflatten(json.loads(metadata["skeleton"]), tensors)
+    except RecursionError:
+        raise CheckpointError(f"{path}: damaged checkpoint structure (nested too deeply)") from None
+    except (KeyError, json.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: damaged checkpoint structure ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: damaged checkpoint structure (a {type(state).__name__}, not a state dict)")
+    return state
 
 
 def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:

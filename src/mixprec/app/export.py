@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from mixprec.app.checkpoint import load_latest
 from mixprec.app.config import TrainConfig
 from mixprec.app.evaluate import evaluate, to_device
+from mixprec.app.resume import check_run_identity
 from mixprec.app.run import build_trainer
 from mixprec.policy.parse import get_policy
 from mixprec.regions.autocast import autocast
@@ -44,24 +45,19 @@ class ExportResult:
     metric: str | None
 
 
-def export_run(run_dir: str | Path, dtype: str, repeats: int = 5) -> ExportResult:
-    """Write the run's weights in FP32 and ``dtype`` ("fp16" or "bf16"), evaluate and time both."""
+def export_run(
+    run_dir: str | Path, dtype: str, repeats: int = 5, *, allow_foreign_checkpoint: bool = False
+) -> ExportResult:
+    """Write the run's weights in FP32 and ``dtype`` ("fp16" or "bf16"), evaluate and time both.
+
+    The newest checkpoint that verifies is used; one of another run (see :mod:`mixprec.app.resume`) is
+    refused unless ``allow_foreign_checkpoint``."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
     run_dir = Path(run_dir)
     config = TrainConfig.load(run_dir)
-    found = load_latest(run_dir / "checkpoints")
-    if found is None:
-        raise ValueError(f"{run_dir} has no checkpoint to export; train it first (mixprec train).")
     trainer, parts, _ = build_trainer(config, None, progress=False)
-    state = found[1]
-    if state.get("sharded"):
-        # an FSDP2 run's checkpoint holds whole tensors gathered from the shards: the exact FP32 weights
-        # under mixed and o2 policies (the shards were the masters), the bf16 ones under pure_bf16
-        weights = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
-    else:
-        trainer.load_state_dict(state)
-        weights = trainer.mp.fp32_state_dict()
+    source, weights = _fp32_weights(run_dir, trainer, allow_foreign_checkpoint)
 
     reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)
     fp32_model = reference.model
@@ -71,7 +67,7 @@ def export_run(run_dir: str | Path, dtype: str, repeats: int = 5) -> ExportResul
 
     out = run_dir / "export"
     out.mkdir(exist_ok=True)
-    metadata = {"task": config.task, "policy": config.policy, "source": str(found[0])}
+    metadata = {"task": config.task, "policy": config.policy, "source": str(source)}
     fp32_path, half_path = out / "model-fp32.safetensors", out / f"model-{dtype}.safetensors"
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(fp32_path), {**metadata, "dtype": "fp32"})
     half_weights = {k: v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v.clone() for k, v in weights.items()}
@@ -100,6 +96,22 @@ def export_run(run_dir: str | Path, dtype: str, repeats: int = 5) -> ExportResul
         half_samples_per_s=speeds[dtype],
         metric=parts.metric.name if parts.metric is not None else None,
     )
+
+
+def _fp32_weights(run_dir: Path, trainer, allow_foreign: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The newest verified checkpoint of the run (of this run: see :mod:`mixprec.app.resume`) and its
+    exact FP32 weights."""
+    found = load_latest(run_dir / "checkpoints")
+    if found is None:
+        raise ValueError(f"{run_dir} has no checkpoint to export; train it first (mixprec train).")
+    path, state = found
+    check_run_identity(trainer, path, state, allow_foreign=allow_foreign)
+    if state.get("sharded"):
+        # an FSDP2 run's checkpoint holds whole tensors gathered from the shards: the exact FP32 weights
+        # under mixed and o2 policies (the shards were the masters), the bf16 ones under pure_bf16
+        return path, {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    trainer.load_state_dict(state)
+    return path, trainer.mp.fp32_state_dict()
 
 
 def _throughput(regions: dict, data, device: torch.device, repeats: int) -> dict[str, float]:

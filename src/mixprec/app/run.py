@@ -66,7 +66,9 @@ def _cosine(total: int):
     return lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step, total) / total))
 
 
-def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> tuple[Trainer, TaskParts, dict]:
+def build_trainer(
+    config: TrainConfig, run_dir: Path | None, progress: bool, allow_foreign_checkpoint: bool = False
+) -> tuple[Trainer, TaskParts, dict]:
     """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings)."""
     device = init_from_env(resolve_device(config.device))  # under torchrun: join the process group
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
@@ -108,6 +110,7 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
             keep_checkpoints=config.keep_checkpoints,
             checkpoint_every_minutes=config.checkpoint_every_minutes,
             stop_signals=config.stop_signal_names,
+            allow_foreign_checkpoint=allow_foreign_checkpoint,
             progress=progress,
             compile=config.compile,
         ),
@@ -118,15 +121,23 @@ def build_trainer(config: TrainConfig, run_dir: Path | None, progress: bool) -> 
     return trainer, parts, settings
 
 
-def run_training(config: TrainConfig, run_dir: Path, *, resume: bool = False, progress: bool = True) -> RunOutcome:
-    """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there).
+def run_training(
+    config: TrainConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    allow_foreign_checkpoint: bool = False,
+) -> RunOutcome:
+    """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there, refusing a
+    checkpoint of another run unless ``allow_foreign_checkpoint``).
 
     A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
     """
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        trainer, parts, settings = build_trainer(config, run_dir, progress)
+        trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign_checkpoint)
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
     except BaseException:

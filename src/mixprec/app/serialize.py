@@ -62,9 +62,19 @@ def flatten(obj: Any, prefix: str = "t") -> tuple[dict[str, torch.Tensor], Any]:
 
 
 def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Rebuild what ``flatten`` split; raises ValueError when a named tensor is missing."""
+    """Rebuild what ``flatten`` split; raises ValueError for a missing tensor or a malformed skeleton
+    (any shape, type or depth: a damaged file must be refused, never crash the reader)."""
+    try:
+        return _rebuild(skeleton, tensors)
+    except RecursionError:
+        raise ValueError("the checkpoint's structure is nested too deeply") from None
+    except (TypeError, AttributeError, KeyError, IndexError) as exc:
+        raise ValueError(f"the checkpoint's structure is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _rebuild(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
+        return [_rebuild(v, tensors) for v in skeleton]
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
             key = skeleton[_TENSOR]
@@ -72,10 +82,12 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
                 raise ValueError(f"the checkpoint's tensor {key!r} is missing; the file is incomplete")
             return tensors[key]
         if _TUPLE in skeleton:
-            return tuple(unflatten(v, tensors) for v in skeleton[_TUPLE])
+            return tuple(_rebuild(v, tensors) for v in skeleton[_TUPLE])
         if _DICT in skeleton:
-            return {k: unflatten(v, tensors) for k, v in skeleton[_DICT]}
+            return {k: _rebuild(v, tensors) for k, v in skeleton[_DICT]}
         if _FLOAT in skeleton:
+            if skeleton[_FLOAT] not in ("inf", "-inf", "nan"):  # what flatten writes for non-finite floats
+                raise ValueError(f"the checkpoint's structure is malformed (a float given as {skeleton[_FLOAT]!r})")
             return float(skeleton[_FLOAT])
-        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+        return {k: _rebuild(v, tensors) for k, v in skeleton.items()}
     return skeleton

@@ -32,10 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from mixprec.app.checkpoint import load_latest, save_checkpoint
+from mixprec.app.checkpoint import save_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.progress import ProgressBar
+from mixprec.app.resume import restore_latest, run_identity
 from mixprec.app.stop_signals import StopRequest
 from mixprec.app.torchrun import shard
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
@@ -176,8 +177,7 @@ class Trainer:
         the newest valid checkpoint in the run folder.
 
         A stop signal (``RunOptions.stop_signals``: Ctrl-C, SIGTERM, SIGUSR1) stops after the current update
-        and saves a checkpoint there; a second one stops at once and saves the state of the last completed
-        update (position, random state, buffers).
+        with a checkpoint; a second one stops at once, saving the last completed update's state.
 
         Raises:
             TrainingInterrupted: on a stop signal, after saving a checkpoint.
@@ -461,6 +461,7 @@ class Trainer:
         else:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
+            "identity": run_identity(self),  # checked on resume: a checkpoint of another run is refused
             "sharded": self.mp.sharded,  # FSDP2: whole tensors gathered from the shards, optimizer keyed by name
             "model": model_state,
             "optimizer": optimizer_state,
@@ -477,6 +478,9 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; ValueError (with what does not fit) for anything else."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a training state is a dict; received {type(state).__name__}.")
         if bool(state.get("sharded", False)) != self.mp.sharded:
             saved, here = ("an FSDP2", "without FSDP2") if state.get("sharded") else ("a non-sharded", "under FSDP2")
             raise ValueError(
@@ -495,8 +499,12 @@ class Trainer:
                 self.scheduler.load_state_dict(state["scheduler"])
             _set_rng(state["rng"])
             position = state["position"]
-        except (KeyError, RuntimeError, TypeError) as exc:
-            raise ValueError(f"the checkpoint does not fit this model and optimizer: {exc}") from None
+            if not all(type(position[k]) is int and position[k] >= 0 for k in _POSITION):
+                raise TypeError(f"position {position!r}: expected whole numbers >= 0 for {', '.join(_POSITION)}")
+        except (KeyError, RuntimeError, TypeError, AttributeError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"the checkpoint does not fit this model and optimizer: {type(exc).__name__}: {exc}"
+            ) from None
         self.step, self.epoch = position["step"], position["epoch"]
         self.batch_in_epoch, self.skipped_batches = position["batch_in_epoch"], position["skipped_batches"]
         self._committed = (self.epoch, self.batch_in_epoch)
@@ -514,13 +522,12 @@ class Trainer:
     def _resume(self) -> None:
         if self.checkpoint_dir is None:
             raise ValueError("resume=True needs RunOptions(out_dir=...): the run folder that holds the checkpoints.")
-        found = load_latest(self.checkpoint_dir)
-        if found is None:
-            raise ValueError(f"no checkpoint in {self.checkpoint_dir}; nothing to resume.")
-        path, state = found
-        self.load_state_dict(state)
+        path, _ = restore_latest(self, self.checkpoint_dir, allow_foreign=self.run.allow_foreign_checkpoint)
         self.log.truncate_after(self.step)
         logger.info("Resumed from %s (step %d, epoch %d)", path, self.step, self.epoch)
+
+
+_POSITION = ("step", "epoch", "batch_in_epoch", "skipped_batches")
 
 
 class _Window:

@@ -101,6 +101,8 @@ class RunOptions:
             save (None: by updates only). Under torchrun the ranks agree on it.
         stop_signals: signal names that stop the run after the current update with a checkpoint
             (default Ctrl-C, SIGTERM, SIGUSR1); the others keep their usual effect.
+        allow_foreign_checkpoint: resume from a checkpoint whose run identity (policy, seed, model,
+            optimizer settings) differs from this run's, with a warning, instead of refusing.
         progress: show a progress bar.
         compile: run the training forward through ``torch.compile`` (the model and mixprec's region trace
             without graph breaks; the first steps pay for compilation). Evaluation stays eager.
@@ -114,6 +116,7 @@ class RunOptions:
     keep_checkpoints: int = 3
     checkpoint_every_minutes: float | None = None
     stop_signals: tuple[str, ...] = DEFAULT_STOP_SIGNALS
+    allow_foreign_checkpoint: bool = False
     progress: bool = True
     compile: bool = False
 
@@ -138,6 +141,7 @@ class RunOptions:
                 f"{minutes!r}. Pass None to checkpoint by updates only."
             )
         object.__setattr__(self, "stop_signals", check_stop_signals(self.stop_signals, "RunOptions(stop_signals=...)"))
+        _check_flag(self.allow_foreign_checkpoint, "RunOptions(allow_foreign_checkpoint=...)")
         _check_flag(self.progress, "RunOptions(progress=...)")
         _check_flag(self.compile, "RunOptions(compile=...)")
 

@@ -19,6 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
     parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bf16", help="export dtype (default bf16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes over the test set (default 5)")
+    parser.add_argument(
+        "--allow-foreign-checkpoint", action="store_true", help="export a checkpoint of another run (warns)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1; received {args.repeats}.")
-    result = export_run(args.run_dir, args.dtype, args.repeats)
+    result = export_run(args.run_dir, args.dtype, args.repeats, allow_foreign_checkpoint=args.allow_foreign_checkpoint)
     metric = result.metric
     headers = [
         "weights",

@@ -80,6 +80,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", type=Path, help="run folder (default: runs/TASK-POLICY-TIME)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.add_argument(
+        "--allow-foreign-checkpoint",
+        action="store_true",
+        help="with --resume: accept a checkpoint of another run (other seed, policy, model, optimizer settings)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -158,7 +163,13 @@ def run(args: argparse.Namespace) -> int:
         config = config_from(args, args.policy)
         out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{run_stamp()}")
     try:
-        outcome = run_training(config, out, resume=args.resume, progress=not args.quiet)
+        outcome = run_training(
+            config,
+            out,
+            resume=args.resume,
+            progress=not args.quiet,
+            allow_foreign_checkpoint=args.allow_foreign_checkpoint,
+        )
         main = world().is_main  # read before the group is left
     except TrainingInterrupted as stop:
         if world().is_main:  # rank 0 saved the checkpoint: one line, from it

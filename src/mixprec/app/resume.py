@@ -1,0 +1,96 @@
+"""Resuming a run: which checkpoint, whether it belongs to this run, and a load that cannot half-apply.
+
+A checkpoint carries the run's identity (policy, seed, model architecture, optimizer and its
+settings), written with it and covered by its checksum. Resuming walks the checkpoints newest first:
+one that does not verify (damaged, edited, misnamed) or does not load into this model is skipped with
+one line naming the file and the reason (or, when none is usable, one error listing them all), and
+the next older one is tried; the trainer's state is put
+back as it was after each failed attempt. One that verifies but belongs to another run stops the
+resume with the differences, unless the caller allows foreign checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+
+if TYPE_CHECKING:
+    from mixprec.app.trainer import Trainer
+
+__all__ = ["ForeignCheckpointError", "check_run_identity", "restore_latest", "run_identity"]
+
+logger = logging.getLogger("mixprec")
+
+
+class ForeignCheckpointError(ValueError):
+    """A valid checkpoint of another run (another seed, policy, model or optimizer setting)."""
+
+
+def run_identity(trainer: Trainer) -> dict[str, Any]:
+    """What makes a run this run: policy, seed, model architecture, optimizer and its settings."""
+    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in trainer.model.named_parameters())
+    settings = {k: v for k, v in trainer.optimizer.defaults.items() if isinstance(v, (bool, int, float, str))}
+    return {
+        "policy": str(trainer.mp.policy),
+        "seed": trainer.run.seed,
+        "model": f"{type(trainer.model).__name__} {hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
+        "optimizer": type(trainer.optimizer).__name__,
+        **{f"optimizer {key}": value for key, value in sorted(settings.items())},
+    }
+
+
+def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = False) -> tuple[Path, dict]:
+    """Load the newest usable checkpoint of ``directory`` into ``trainer``; returns its path and state.
+
+    Raises:
+        ValueError: no checkpoint file at all, or none usable (the reason for each).
+        ForeignCheckpointError: the newest valid checkpoint belongs to another run (``allow_foreign``:
+            warn and load it).
+    """
+    paths = list(reversed(list_checkpoints(directory)))
+    if not paths:
+        raise ValueError(f"no checkpoint in {directory}; nothing to resume.")
+    before = None if trainer.mp.sharded else copy.deepcopy(trainer.state_dict())  # put back after a failed load
+    problems = []
+    for path in paths:
+        try:
+            state = load_checkpoint(path)
+            check_run_identity(trainer, path, state, allow_foreign=allow_foreign)
+            trainer.load_state_dict(state)
+        except ForeignCheckpointError:
+            raise
+        except (CheckpointError, ValueError) as exc:
+            if before is None:  # FSDP2: loading is a collective; no rank may go on alone to an older file
+                raise
+            trainer.load_state_dict(before)
+            problems.append(str(exc))
+            continue
+        for problem in problems:  # one line each, said once an older checkpoint was found to use instead
+            logger.warning("Skipped a checkpoint: %s; using %s", problem, path.name)
+        return path, state
+    raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
+
+
+def check_run_identity(trainer: Trainer, path: Path, state: dict, *, allow_foreign: bool = False) -> None:
+    """Raise ForeignCheckpointError when the checkpoint ``state`` (read from ``path``) belongs to another
+    run than ``trainer``'s (``allow_foreign``: warn instead); CheckpointError when it records no identity."""
+    saved, here = state.get("identity"), run_identity(trainer)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: records no run identity")
+    differences = [
+        f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in here.items() if saved.get(key) != value
+    ]
+    if not differences:
+        return
+    message = f"{path} belongs to another run ({'; '.join(differences)})"
+    if allow_foreign:
+        logger.warning("%s; loading it anyway (allow_foreign_checkpoint)", message)
+        return
+    raise ForeignCheckpointError(
+        f"{message}. Remove it, or pass --allow-foreign-checkpoint (allow_foreign_checkpoint=True) to resume from it."
+    )
