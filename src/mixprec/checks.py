@@ -16,7 +16,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["positive_number", "whole_number"]
+__all__ = ["positive_number", "shown", "whole_number"]
+
+SHOWN_CHARACTERS = 120  # an input echoed in an error is cut here: a 90 KB string would bury the message
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to about SHOWN_CHARACTERS with the full length said, for error messages."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARACTERS:
+        return text
+    length = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:SHOWN_CHARACTERS]}... ({length})"
 
 
 def whole_number(value: Any, what: str, minimum: int = 1) -> int:

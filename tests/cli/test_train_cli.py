@@ -1,5 +1,6 @@
 """mixprec train / compare / export, run as a user would, on tiny settings."""
 
+import json
 import shutil
 import signal
 import subprocess
@@ -219,3 +220,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def test_two_runs_started_into_one_folder_at_once_one_proceeds(tmp_path):
+    args = ["train", "digits", "--policy", "fp32", "--steps", "60", "--quiet", "--out", str(tmp_path / "run")]
+    processes = [
+        subprocess.Popen([MIXPREC, *args, "--seed", str(seed)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        for seed in (0, 1)
+    ]
+    errors = [p.communicate(timeout=180)[1] for p in processes]
+    codes = [p.returncode for p in processes]
+    assert sorted(codes) == [0, 2], errors
+    loser = errors[codes.index(2)].strip().splitlines()
+    assert len(loser) == 1 and ("in use by another mixprec run" in loser[0] or "already holds a run" in loser[0])
+    winner_seed = codes.index(0)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == winner_seed  # one run's files
+    assert {json.loads(line).get("step") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()}

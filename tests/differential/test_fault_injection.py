@@ -5,6 +5,7 @@ bit-identical before and after it; the statistics must count each kind; and the 
 applied updates as the clean FP32 run, must end at the FP32 run's loss.
 """
 
+import logging
 import random
 
 import pytest
@@ -128,3 +129,27 @@ def test_a_model_that_overflows_at_every_scale_reaches_the_floor_safely(caplog):
     assert "does not come from loss scaling" in stats.diagnosis and "mixprec doctor" in stats.diagnosis
     assert all(torch.equal(a, b) for a, b in zip(initial, model.parameters(), strict=True))
     assert not optimizer.state  # the optimizer never stepped: no moments were created
+
+
+def test_a_collapsed_scale_recovers_and_the_underflow_is_counted(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 3))
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "mixed_fp16")
+    x, y = _data()
+    losses = []
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        for step in range(50 + 300):
+            with mp.autocast():
+                loss = nn.functional.cross_entropy(model(x[:64]), y[:64])
+            losses.append(loss.item())
+            mp.backward(loss * float("inf") if step < 50 else loss)  # 50 overflows: the scale collapses
+            mp.step()
+            if step == 49:
+                assert mp.stats().scale == 2.0**-24  # the hard floor
+            if step == 50 + 24:
+                assert mp.stats().scale == 1.0  # x2 per clean step: back to 1 in 24 clean steps
+    stats = mp.stats()
+    assert stats.skipped_steps == 50 and stats.applied_steps == 300
+    assert 0 < stats.underflow_steps < 24  # the first clean steps at tiny scales: zero gradients, counted
+    assert any(r.message.startswith("Gradient underflow at step 50") for r in caplog.records)
+    assert losses[-1] < 0.5 * losses[50]  # training resumed (without recovery it stays where it was)

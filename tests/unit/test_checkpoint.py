@@ -207,3 +207,42 @@ def test_a_malformed_skeleton_is_a_value_error_never_a_crash(skeleton):
             skeleton = [skeleton]
     with pytest.raises(ValueError, match="checkpoint's structure"):
         unflatten(skeleton, {"t0": torch.ones(1)})
+
+
+def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_path, monkeypatch):
+    import errno
+
+    import mixprec.app.checkpoint as checkpoint
+
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"x": torch.full((4,), float(step))})
+    write = checkpoint._write_atomically
+    failures = {"left": 1}
+
+    def full_once(final, data):  # ENOSPC until the older checkpoints are gone
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(final, data)
+
+    monkeypatch.setattr(checkpoint, "_write_atomically", full_once)
+    save_checkpoint(tmp_path, 4, {"x": torch.full((4,), 4.0)})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003.safetensors", "step-00000004.safetensors"]
+
+    def always_full(final, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_atomically", always_full)
+    with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000005\.safetensors \(No space left on "
+                       r"device\); the newest checkpoint, step-00000004\.safetensors, is intact: resume from it"):  # fmt: skip
+        save_checkpoint(tmp_path, 5, {"x": torch.ones(4)})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.safetensors"]  # never fewer than one
+    assert load_checkpoint(tmp_path / "step-00000004.safetensors")["x"][0].item() == 4.0
+
+
+def test_a_folder_named_like_a_checkpoint_is_neither_loaded_nor_pruned(tmp_path):
+    (tmp_path / "step-00000001.safetensors").mkdir()
+    for step in (2, 3, 4):
+        save_checkpoint(tmp_path, step, {"x": torch.ones(1)}, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.safetensors"]
+    assert (tmp_path / "step-00000001.safetensors").is_dir()

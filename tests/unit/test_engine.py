@@ -238,6 +238,7 @@ def test_state_dict_round_trips_every_field():
         "skipped_steps": 2,
         "inf_steps": 2,
         "nan_steps": 0,
+        "underflow_steps": 0,
         "recent_overflow_steps": [1, 2],
         "diagnosis": None,
     }
@@ -612,3 +613,16 @@ def test_tf32_covers_the_backward_matmuls_too(device):
     assert _RecordPrecision.seen == ["high", "high"]  # TF32 allowed in the backward, as in the forward
     assert torch.get_float32_matmul_precision() == before  # and restored after
     mp.step()
+
+
+def test_a_loss_without_gradients_gets_a_mixprec_message():
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(False)  # nothing trainable reaches the loss
+    trainable = torch.nn.Parameter(torch.zeros(1))  # the optimizer's own, unused by the model
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD([trainable], lr=0.1), "mixed_bf16")
+    x, y = batch(0)
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    with pytest.raises(ValueError, match=r"backward\(loss=...\): the loss does not require gradients.*no trainable"):
+        mp.backward(loss)

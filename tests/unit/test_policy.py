@@ -150,6 +150,16 @@ def test_bad_specs_name_the_problem(spec, message):
     assert f"spec={spec!r}" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "spec", ["o2_bf16," + "x" * 90_000, "z" * 100_000, "p=bf16,fp8=" + "q" * 50_000, "c=bf16," * 10_000]
+)
+def test_a_huge_spec_is_echoed_cut_with_its_length(spec):
+    with pytest.raises(ValueError) as err:
+        mixprec.get_policy(spec)
+    message = str(err.value)
+    assert len(message) < 1000 and f"({len(spec)} characters)" in message
+
+
 def test_bad_types():
     with pytest.raises(TypeError, match=r"received 3 \(of type int\)"):
         mixprec.get_policy(3)  # type: ignore[arg-type]

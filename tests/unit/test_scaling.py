@@ -88,6 +88,7 @@ def test_dynamic_state_round_trips_every_field():
         hysteresis=3,
         min_scale=2.0,
         max_scale=2.0**20,
+        recover_below=4.0,
     )
     run(scaler, [0, 0, 1, 0])
     state = scaler.state_dict()
@@ -100,6 +101,7 @@ def test_dynamic_state_round_trips_every_field():
         "hysteresis": 3,
         "min_scale": 2.0,
         "max_scale": 2.0**20,
+        "recover_below": 4.0,
         "growth_tracker": 1,
         "hysteresis_left": 2,
     }
@@ -107,6 +109,22 @@ def test_dynamic_state_round_trips_every_field():
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     assert run(restored, [1, 1, 0]) == run(scaler, [1, 1, 0])  # the trackers came along
+
+
+def test_a_collapsed_scale_recovers_one_clean_step_at_a_time_below_one():
+    scaler = mixprec.DynamicLossScaler(init_scale=2.0, growth_interval=2000)
+    scales = run(scaler, [1] * 4 + [0] * 6)  # four overflows: 2 -> 1/8; then clean steps
+    assert scales == [1.0, 0.5, 0.25, 0.125, 0.25, 0.5, 1.0, 1.0, 1.0, 1.0]  # back to 1 in 3, then the interval
+    gradscaler_like = mixprec.DynamicLossScaler(init_scale=2.0, growth_interval=2000, recover_below=None)
+    assert run(gradscaler_like, [1] * 4 + [0] * 6)[-1] == 0.125  # stays collapsed for 2000 clean steps
+
+
+def test_a_state_saved_before_recovery_existed_loads_with_the_old_behaviour():
+    state = mixprec.DynamicLossScaler(init_scale=0.5).state_dict()
+    del state["recover_below"]
+    restored = mixprec.DynamicLossScaler()
+    restored.load_state_dict(state)
+    assert restored.recover_below is None and run(restored, [0, 0]) == [0.5, 0.5]
 
 
 def test_static_and_noop_state_round_trip():

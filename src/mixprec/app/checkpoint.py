@@ -8,7 +8,10 @@ on can change unnoticed.
 
 Writing: serialize in memory, write to a hidden temporary file in the same folder, fsync it, rename
 it over the final name (atomic on POSIX), fsync the folder; then delete all but the newest ``keep``,
-and any temporary file a killed writer left (one process writes a run's checkpoints).
+and any temporary file a killed writer left (one process writes a run's checkpoints). A full disk
+(ENOSPC) deletes every checkpoint but the newest and tries once more: the run keeps going with one
+fallback rather than stopping with several; if it still fails, the error names the checkpoint and the
+intact one to resume from.
 A process killed at any moment leaves either the previous set of checkpoints or the new one, never a
 half-written file under a checkpoint's name.
 
@@ -20,6 +23,7 @@ when none verifies, says why for each).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -69,7 +73,30 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     metadata["sha256"] = _digest(cpu, metadata)
     data = safetensors_bytes(cpu, metadata=metadata)
     final = directory / f"step-{step:08d}.safetensors"
-    temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        _write_atomically(final, data)
+    except OSError as exc:
+        older = list_checkpoints(directory)[:-1]
+        if exc.errno != errno.ENOSPC or not older:
+            raise _write_error(final, exc) from None
+        # the disk is full: make room by deleting all but the newest checkpoint, never fewer than one
+        for old in older:
+            old.unlink(missing_ok=True)
+        logger.warning("Disk full writing %s: deleted %d older checkpoints to make room", final.name, len(older))
+        try:
+            _write_atomically(final, data)
+        except OSError as again:
+            raise _write_error(final, again) from None
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # ours is renamed by now: a killed writer's
+        stale.unlink(missing_ok=True)
+    return final
+
+
+def _write_atomically(final: Path, data: bytes) -> None:
+    """Write to a hidden temporary file, fsync it, rename it over ``final``, fsync the folder."""
+    temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
             handle.write(data)
@@ -78,12 +105,18 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)
-    _fsync_directory(directory)
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # ours is renamed by now: a killed writer's
-        stale.unlink(missing_ok=True)
-    return final
+    _fsync_directory(final.parent)
+
+
+def _write_error(final: Path, error: OSError) -> OSError:
+    """The failed write, with which checkpoint it was and what is still there to resume from."""
+    previous = [p for p in list_checkpoints(final.parent) if p != final]
+    intact = (
+        f"the newest checkpoint, {previous[-1].name}, is intact: resume from it with --resume"
+        if previous
+        else "there is no earlier checkpoint"
+    )
+    return OSError(error.errno, f"could not write checkpoint {final} ({error.strerror or error}); {intact}")
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -99,7 +132,8 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _NAME.fullmatch(p.name))
+    # a folder (or anything but a file) named like a checkpoint is not one: never loaded, never pruned
+    return sorted(p for p in directory.iterdir() if _NAME.fullmatch(p.name) and p.is_file())
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from mixprec.app.config import TrainConfig
 from mixprec.app.machine import machine_info
 from mixprec.app.report import plot_run, write_run_report
+from mixprec.app.run_lock import run_lock
 from mixprec.app.task import TaskConfig, TaskParts, build_task
 from mixprec.app.torchrun import init_from_env
 from mixprec.app.trainer import FitResult, Trainer
@@ -135,9 +136,16 @@ def run_training(
     A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
     """
     created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(run_dir):  # RunFolderBusy: the folder is another run's, left as it is
+        return _train_in(run_dir, created, config, resume, progress, allow_foreign_checkpoint)
+
+
+def _train_in(  # long: the run's steps in order, each one or two lines
+    run_dir: Path, created: bool, config: TrainConfig, resume: bool, progress: bool, allow_foreign: bool
+) -> RunOutcome:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign_checkpoint)
+        trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign)
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
     except BaseException:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mixprec.app.checkpoint import save_checkpoint
+from mixprec.app.checkpoint import list_checkpoints, save_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.progress import ProgressBar
@@ -254,7 +254,7 @@ class Trainer:
 
     def check_new_run(self) -> None:
         """Refuse to start a fresh run in a folder that already holds one (its checkpoints would be lost)."""
-        if self.checkpoint_dir is not None and list(self.checkpoint_dir.glob("step-*.safetensors")):
+        if self.checkpoint_dir is not None and list_checkpoints(self.checkpoint_dir):
             raise ValueError(
                 f"{self.out_dir} already holds a run with checkpoints; resume it (resume=True, CLI --resume) "
                 "or choose a new folder."

@@ -225,6 +225,7 @@ class MixedPrecision:
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
+        self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
         self._new_window()
 
@@ -267,6 +268,12 @@ class MixedPrecision:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss=...) needs a one-element loss tensor; received {shape}. Reduce it first.")
+        if not loss.requires_grad:
+            raise ValueError(
+                "backward(loss=...): the loss does not require gradients, so there is nothing to train: the model "
+                "has no trainable parameters (none with requires_grad=True reached the loss), or the loss was "
+                "computed under torch.no_grad() or detached."
+            )
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
             raise ValueError(f"backward(loss_id=...) must be in 0..{self.num_losses - 1}; received {loss_id!r}.")
         self._order.on_backward()
@@ -274,6 +281,7 @@ class MixedPrecision:
             self._unscale_scaled(into_sums=True)
             self._check_kinds()
         self._scaled_by = loss_id
+        self._last_loss = loss.detach()  # to tell an underflow (all-zero gradients, a non-zero loss) at step()
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         # tf32: the backward's matmuls too, not only the region's forward (float32_matmul_precision is global)
@@ -374,6 +382,7 @@ class MixedPrecision:
         if not already_unscaled:
             self._unscale()
         flags = self._check()
+        self._log.watch_underflow(self._optimizer_grads(), self._last_loss)  # only after a scale collapse
         self._update_or_skip(flags)
         scales_before = self._log.scales()
         for scaler, flag in zip(self.scalers, flags.per_loss, strict=True):

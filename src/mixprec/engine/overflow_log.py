@@ -57,6 +57,7 @@ class StepRecord:
     scales_before: list[torch.Tensor | float]
     scales_after: list[torch.Tensor | float]
     found_per_loss: list[bool | torch.Tensor]
+    underflow: bool | torch.Tensor = False  # every gradient zero at a collapsed scale, the loss finite and non-zero
 
 
 def _host(value: Any) -> Any:
@@ -81,6 +82,9 @@ class OverflowLog:
         self.skipped_steps = 0
         self.inf_steps = 0
         self.nan_steps = 0
+        self.underflow_steps = 0
+        self._collapsed = False  # a dynamic scale below 1 as of the last accounted step: watch for underflow
+        self._underflow: torch.Tensor | None = None  # this update's underflow flag, while it is watched
         self.recent_overflow_steps: deque[int] = deque(maxlen=history)
         self.diagnosis: str | None = None
         self._kinds: tuple[torch.Tensor, torch.Tensor] | None = None  # (has_inf, has_nan) of this window
@@ -107,6 +111,16 @@ class OverflowLog:
             has_inf, has_nan = has_inf | self._kinds[0], has_nan | self._kinds[1]
         self._kinds = (has_inf, has_nan)
 
+    def watch_underflow(self, grads: Sequence[torch.Tensor], loss: torch.Tensor | None) -> None:
+        """After a collapse (a dynamic scale below 1), flag an update whose unscaled gradients are all zero
+        although the loss is finite and non-zero: fp16 underflow, which would otherwise count as a normal
+        step. One max-magnitude pass over the gradients, only while the scale is collapsed."""
+        if not self._collapsed or loss is None or not grads:
+            return
+        amax = torch.stack([norm.float().to(self._device) for norm in torch._foreach_norm(grads, float("inf"))])
+        loss = loss.float().to(self._device)
+        self._underflow = (amax.max() == 0) & torch.isfinite(loss) & (loss != 0)
+
     def forget_window(self) -> None:
         """The window's gradients were dropped without a step (``MixedPrecision.zero_grad()``)."""
         self._kinds = None
@@ -125,6 +139,7 @@ class OverflowLog:
     def record(self, flags: FoundInf, scales_before: list[torch.Tensor | float]) -> None:
         """Account for the update step just finished: its flags, this window's kinds, the scales around it."""
         kinds, self._kinds = self._kinds or (False, False), None
+        underflow, self._underflow = self._underflow, None
         per_loss = list(flags.host) if flags.host is not None else [f.clone() for f in flags.per_loss]
         self.add(
             StepRecord(
@@ -135,6 +150,7 @@ class OverflowLog:
                 scales_before=scales_before,
                 scales_after=self.scales(),
                 found_per_loss=per_loss,
+                underflow=False if underflow is None else underflow,
             )
         )
 
@@ -158,6 +174,7 @@ class OverflowLog:
             "skipped_steps": self.skipped_steps,
             "inf_steps": self.inf_steps,
             "nan_steps": self.nan_steps,
+            "underflow_steps": self.underflow_steps,
             "recent_overflow_steps": tuple(self.recent_overflow_steps),
             "diagnosis": self.diagnosis,
         }
@@ -170,7 +187,23 @@ class OverflowLog:
 
     def _account(self, record: StepRecord) -> None:
         self.steps += 1
+        self._collapsed = any(
+            isinstance(scaler, DynamicLossScaler) and float(_host(after)) < 1.0
+            for scaler, after in zip(self._scalers, record.scales_after, strict=True)
+        )
         if not _host(record.found):
+            if _host(record.underflow):
+                self.underflow_steps += 1
+                scale = float(_host(record.scales_before[0]))
+                message = (
+                    f"Gradient underflow at step {record.step}: every gradient is zero at loss scale {scale:g} "
+                    "although the loss is not; the scale collapsed after overflows and is growing back (x2 per "
+                    "clean step while below 1)"
+                )
+                if self.underflow_steps == 1:
+                    logger.warning(message)  # the first one always, whatever the overflow lines used up
+                else:
+                    self._log(message)
             return
         self.skipped_steps += 1
         has_nan = bool(_host(record.has_nan))
@@ -231,13 +264,15 @@ class OverflowLog:
             "skipped_steps": self.skipped_steps,
             "inf_steps": self.inf_steps,
             "nan_steps": self.nan_steps,
+            "underflow_steps": self.underflow_steps,
             "recent_overflow_steps": list(self.recent_overflow_steps),
             "diagnosis": self.diagnosis,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = []
-        for key in ("steps", "skipped_steps", "inf_steps", "nan_steps"):
+        state = {"underflow_steps": 0, **state}  # saved before underflow was counted
+        for key in ("steps", "skipped_steps", "inf_steps", "nan_steps", "underflow_steps"):
             value = state[key]
             setattr(self, key, whole_number(value, f"MixedPrecision state: counter {key!r}", minimum=0))
         self.recent_overflow_steps.clear()

@@ -31,7 +31,9 @@ class Stats:
 
     ``scale`` is loss scaler 0's (``scales`` lists every loss's); ``steps`` counts updates attempted,
     ``skipped_steps`` those whose gradients were not finite; ``inf_steps``/``nan_steps`` classify them
-    (a step can count as both); ``diagnosis`` is set once gradients overflow at the lowest scale.
+    (a step can count as both); ``underflow_steps`` counts applied steps whose gradients were all zero
+    at a collapsed scale (below 1) though the loss was not; ``diagnosis`` is set once gradients
+    overflow at the lowest scale.
     """
 
     policy: str
@@ -42,6 +44,7 @@ class Stats:
     skipped_steps: int
     inf_steps: int
     nan_steps: int
+    underflow_steps: int
     recent_overflow_steps: tuple[int, ...]
     diagnosis: str | None
     bytes_per_param: StateBytes

@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mixprec.checks import shown
+
 __all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe", "parse_recipe"]
 
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
@@ -57,7 +59,9 @@ class Fp8Recipe:
         for name in ("forward", "backward"):
             value = getattr(self, name)
             if value not in FP8_FORMATS:
-                raise ValueError(f"Fp8Recipe({name}=...): received {value!r}; use one of {', '.join(FP8_FORMATS)}.")
+                raise ValueError(
+                    f"Fp8Recipe({name}=...): received {shown(value)}; use one of {', '.join(FP8_FORMATS)}."
+                )
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe(scaling=...): received {self.scaling!r}; use one of {', '.join(SCALINGS)}.")
         if self.amax not in AMAX_REDUCTIONS:
@@ -106,25 +110,25 @@ def parse_recipe(text: str, base: Fp8Recipe | None = None) -> Fp8Recipe:
     """
     formats, _, rest = text.strip().partition("(")
     if rest and not rest.endswith(")"):
-        raise ValueError(f"fp8={text!r}: options go in one pair of parentheses, e.g. hybrid(scaling=current).")
+        raise ValueError(f"fp8={shown(text)}: options go in one pair of parentheses, e.g. hybrid(scaling=current).")
     changes: dict[str, object] = {}
     formats = formats.strip().lower()
     if formats:
         changes["forward"], changes["backward"] = _formats(formats, text)
     elif base is None:
-        raise ValueError(f"fp8={text!r}: name the formats first: hybrid, e4m3, e5m2 or FORWARD/BACKWARD.")
+        raise ValueError(f"fp8={shown(text)}: name the formats first: hybrid, e4m3, e5m2 or FORWARD/BACKWARD.")
     for option in filter(str.strip, rest.removesuffix(")").split(",")):
         key, sep, value = (s.strip() for s in option.partition("="))
         if not sep or key.lower() not in _OPTIONS:
             raise ValueError(
-                f"fp8={text!r}: unknown option {option.strip()!r}; "
+                f"fp8={shown(text)}: unknown option {shown(option.strip())}; "
                 f"write key=value with key one of {', '.join(_OPTIONS)}."
             )
         changes[key.lower()] = _option_value(key.lower(), value, text)
     try:
         return dataclasses.replace(base or Fp8Recipe(), **changes)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"fp8={text!r}: {exc}") from None
+        raise ValueError(f"fp8={shown(text)}: {exc}") from None
 
 
 def _formats(name: str, text: str) -> tuple[str, str]:
@@ -135,7 +139,7 @@ def _formats(name: str, text: str) -> tuple[str, str]:
     if slash and all(f in FP8_FORMATS for f in pair):
         return pair
     raise ValueError(
-        f"fp8={text!r}: unknown formats {name!r}; use hybrid (e4m3 forward, e5m2 gradients), e4m3, e5m2, "
+        f"fp8={shown(text)}: unknown formats {shown(name)}; use hybrid (e4m3 forward, e5m2 gradients), e4m3, e5m2, "
         "FORWARD/BACKWARD (e4m3/e5m2) or none."
     )
 
@@ -147,5 +151,5 @@ def _option_value(key: str, value: str, text: str) -> object:
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"fp8={text!r}: {key}={value!r} is not a whole number.") from None
+            raise ValueError(f"fp8={shown(text)}: {key}={shown(value)} is not a whole number.") from None
     return value.lower()

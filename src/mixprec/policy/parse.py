@@ -31,6 +31,7 @@ import dataclasses
 
 import torch
 
+from mixprec.checks import shown
 from mixprec.compute.device import device_type_of
 from mixprec.policy.fp8_recipe import Fp8Recipe, parse_recipe
 from mixprec.policy.policy import Policy
@@ -89,7 +90,7 @@ def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) 
         return spec
     if not isinstance(spec, str):
         raise TypeError(
-            f"get_policy(spec=...) takes a Policy or a str; received {spec!r} (of type {type(spec).__name__}). "
+            f"get_policy(spec=...) takes a Policy or a str; received {shown(spec)} (of type {type(spec).__name__}). "
             f"Valid {valid_policy_names()}."
         )
     text = spec.strip()
@@ -107,7 +108,7 @@ def _single_dtype(text: str, spec: str) -> Policy:
     try:
         return Policy(param_dtype=text, compute_dtype=text, output_dtype=text)
     except (TypeError, ValueError):
-        raise ValueError(f"get_policy(spec={spec!r}): unknown policy. Valid {valid_policy_names()}.") from None
+        raise ValueError(f"get_policy(spec={shown(spec)}): unknown policy. Valid {valid_policy_names()}.") from None
 
 
 def _parse_fields(text: str, spec: str) -> Policy:
@@ -117,16 +118,17 @@ def _parse_fields(text: str, spec: str) -> Policy:
         key, value = key.strip().lower(), value.strip()
         if not sep or not key or not value:
             raise ValueError(
-                f"get_policy(spec={spec!r}): the part {part.strip()!r} is not 'key=value'. "
+                f"get_policy(spec={shown(spec)}): the part {shown(part.strip())} is not 'key=value'. "
                 f"Valid {valid_policy_names()}."
             )
         if key not in _KEYS:
             raise ValueError(
-                f"get_policy(spec={spec!r}): unknown key {key!r}; valid keys: {', '.join(sorted(set(_KEYS)))}."
+                f"get_policy(spec={shown(spec)}): unknown key {shown(key)}; "
+                f"valid keys: {', '.join(sorted(set(_KEYS)))}."
             )
         canonical = _KEYS[key]
         if canonical in fields:
-            raise ValueError(f"get_policy(spec={spec!r}): the key {canonical!r} is given twice.")
+            raise ValueError(f"get_policy(spec={shown(spec)}): the key {canonical!r} is given twice.")
         fields[canonical] = value
 
     if "base" in fields:
@@ -150,7 +152,7 @@ def _parse_fields(text: str, spec: str) -> Policy:
             **lists,
         )
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+        raise ValueError(f"get_policy(spec={shown(spec)}): {exc}") from None
 
 
 def _preset_name(text: str) -> str:
@@ -184,14 +186,15 @@ def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp
     try:
         return parse_recipe(fields["fp8"], base)
     except ValueError as exc:
-        raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+        raise ValueError(f"get_policy(spec={shown(spec)}): {exc}") from None
 
 
 def _with_base(fields: dict[str, str], spec: str) -> Policy:
     name = _preset_name(fields["base"])
     if name not in PRESETS:
         raise ValueError(
-            f"get_policy(spec={spec!r}): base={fields['base']!r} is not a preset; use one of {', '.join(PRESETS)}."
+            f"get_policy(spec={shown(spec)}): base={shown(fields['base'])} is not a preset; "
+            f"use one of {', '.join(PRESETS)}."
         )
     base = PRESETS[name]
     changes: dict[str, object] = {}
@@ -212,7 +215,7 @@ def _with_base(fields: dict[str, str], spec: str) -> Policy:
     try:
         return dataclasses.replace(base, reason="", **changes)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"get_policy(spec={spec!r}): {exc}") from None
+        raise ValueError(f"get_policy(spec={shown(spec)}): {exc}") from None
 
 
 def parse_policy_list(text: str, *, device: str | torch.device | None = None) -> list[tuple[str, Policy]]:
@@ -226,7 +229,7 @@ def parse_policy_list(text: str, *, device: str | torch.device | None = None) ->
         ['fp32', 'p=f32,c=bf16', 'mixed_fp16', 'base=fp8,fp8=(history=4,amax=max)']
     """
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"--policies needs at least one policy; received {text!r}. Example: fp32,mixed_bf16.")
+        raise ValueError(f"--policies needs at least one policy; received {shown(text)}. Example: fp32,mixed_bf16.")
     specs: list[str] = []
     for chunk in text.split(";"):
         group: list[str] = []  # key=value parts of the policy string being collected
@@ -246,5 +249,5 @@ def parse_policy_list(text: str, *, device: str | torch.device | None = None) ->
         if group:
             specs.append(",".join(group))
     if not specs:
-        raise ValueError(f"--policies needs at least one policy; received {text!r}. Example: fp32,mixed_bf16.")
+        raise ValueError(f"--policies needs at least one policy; received {shown(text)}. Example: fp32,mixed_bf16.")
     return [(spec, get_policy(spec, device=device)) for spec in specs]

@@ -5,11 +5,18 @@ Per step, given ``found_inf``:
     overflow:  growth run resets; if ``hysteresis`` overflows have been absorbed, scale *= backoff_factor
                (never below ``min_scale``), else one more overflow is absorbed (DeepSpeed's hysteresis)
     clean:     after ``growth_interval`` consecutive clean steps, scale *= growth_factor (never past
-               ``max_scale``, never to inf) and the hysteresis budget refills
+               ``max_scale``, never to inf) and the hysteresis budget refills; below ``recover_below``
+               (1 by default) after every clean step
 
-With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` every decision and every value equals
-``torch.amp.GradScaler``'s down to ``LOWEST_SCALE`` (2**-24), where GradScaler goes on halving to 0:
-the products are computed in fp64 and rounded to fp32, as its kernel does.
+Recovery: a scale that collapsed (a run of overflows took it far below 1: fp16 gradients then underflow
+to zero and training silently stops) comes back by growth_factor per clean step while it is below
+``recover_below``: from the floor 2**-24 to 1 in 24 clean steps, instead of 24 x 2000.
+
+With ``hysteresis=1``, ``min_scale=None``, ``max_scale=None`` and ``recover_below=None`` every decision
+and every value equals ``torch.amp.GradScaler``'s down to ``LOWEST_SCALE`` (2**-24), where GradScaler
+goes on halving to 0: the products are computed in fp64 and rounded to fp32, as its kernel does. The
+default ``recover_below=1`` departs from it only below scale 1, a state a run reaches after 17
+consecutive overflows from 2**16, where an fp16 run under GradScaler has effectively stopped learning.
 
 Example:
     >>> import torch
@@ -47,6 +54,8 @@ class DynamicLossScaler(LossScaler):
             hard floor 2**-24, which keeps a collapsing scale from underflowing to 0, where no growth
             could ever bring it back; GradScaler has no floor at all).
         max_scale: ceiling for growth (None: grow while finite).
+        recover_below: below this scale, grow after every clean step (None: only every
+            ``growth_interval``, as GradScaler).
     """
 
     def __init__(
@@ -58,6 +67,7 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = 2.0**24,
+        recover_below: float | None = 1.0,
     ) -> None:
         name = "DynamicLossScaler"
         super().__init__(positive_number(init_scale, f"{name}(init_scale=...)"))
@@ -71,6 +81,9 @@ class DynamicLossScaler(LossScaler):
         self.hysteresis = whole_number(hysteresis, f"{name}(hysteresis=...)")
         self.min_scale = None if min_scale is None else positive_number(min_scale, f"{name}(min_scale=...)")
         self.max_scale = None if max_scale is None else positive_number(max_scale, f"{name}(max_scale=...)")
+        self.recover_below = (
+            None if recover_below is None else positive_number(recover_below, f"{name}(recover_below=...)")
+        )
         if self.min_scale is not None and self.min_scale > self._init_scale:
             raise ValueError(f"{name}: min_scale={min_scale!r} is above init_scale={init_scale!r}.")
         if self.max_scale is not None and self.max_scale < self._init_scale:
@@ -103,6 +116,8 @@ class DynamicLossScaler(LossScaler):
 
         successful = growth + 1
         grow = ~found & (successful >= self.growth_interval)
+        if self.recover_below is not None:  # a collapsed scale comes back one clean step at a time
+            grow = grow | (~found & (scale < self.recover_below))
         new_scale = torch.where(backoff, backed, torch.where(grow, grown, scale))
         zero = torch.zeros_like(growth)
         new_growth = torch.where(found | grow, zero, successful)
@@ -130,11 +145,14 @@ class DynamicLossScaler(LossScaler):
             "hysteresis": self.hysteresis,
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
+            "recover_below": self.recover_below,
             "growth_tracker": _read(self._growth_tracker, self._growth_tracker_init),
             "hysteresis_left": _read(self._hysteresis_left, self._hysteresis_left_init),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and "recover_below" not in state:  # saved before recovery existed: as then
+            state = {**state, "recover_below": None}
         self._check_keys(
             state,
             {
@@ -146,6 +164,7 @@ class DynamicLossScaler(LossScaler):
                 "hysteresis",
                 "min_scale",
                 "max_scale",
+                "recover_below",
                 "growth_tracker",
                 "hysteresis_left",
             },
@@ -159,8 +178,10 @@ class DynamicLossScaler(LossScaler):
             hysteresis=state["hysteresis"],
             min_scale=state["min_scale"],
             max_scale=state["max_scale"],
+            recover_below=state["recover_below"],
         )  # validates every field
-        for field in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"):
+        fields = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale")
+        for field in (*fields, "recover_below"):
             setattr(self, field, getattr(restored, field))
         self._load_scale(state["scale"])
         self._growth_tracker_init = whole_number(state["growth_tracker"], f"{_LOAD} 'growth_tracker'", minimum=0)
@@ -174,7 +195,8 @@ class DynamicLossScaler(LossScaler):
         return (
             f"DynamicLossScaler(init_scale={self._init_scale}, growth_factor={self.growth_factor}, "
             f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
-            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale}, "
+            f"recover_below={self.recover_below})"
         )
 
 
