@@ -233,8 +233,9 @@ def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_write_atomically", always_full)
-    with pytest.raises(OSError, match=r"could not write checkpoint .*step-00000005\.safetensors \(No space left on "
-                       r"device\); the newest checkpoint, step-00000004\.safetensors, is intact: resume from it"):  # fmt: skip
+    said = r"could not write checkpoint .*step-00000005\.safetensors \(No space left on device\); "
+    said += r"the newest checkpoint, step-00000004\.safetensors, is intact: resume from it"
+    with pytest.raises(OSError, match=said):
         save_checkpoint(tmp_path, 5, {"x": torch.ones(4)})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.safetensors"]  # never fewer than one
     assert load_checkpoint(tmp_path / "step-00000004.safetensors")["x"][0].item() == 4.0
