@@ -17,6 +17,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
 if TYPE_CHECKING:
@@ -38,10 +40,16 @@ def run_identity(trainer: Trainer) -> dict[str, Any]:
     return {
         "policy": str(trainer.mp.policy),
         "seed": trainer.run.seed,
-        "model": f"{type(trainer.model).__name__} {hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
+        "model": f"{_model_class(trainer.model)} {hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
         "optimizer": type(trainer.optimizer).__name__,
         **{f"optimizer {key}": value for key, value in sorted(settings.items())},
     }
+
+
+def _model_class(model: torch.nn.Module) -> str:
+    """The model's own class name: FSDP2 makes a subclass (FSDPTinyGPT for TinyGPT) that is not the identity."""
+    own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed")), type(model))
+    return own.__name__
 
 
 def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = False) -> tuple[Path, dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -175,11 +176,32 @@ def run(args: argparse.Namespace) -> int:
         if world().is_main:  # rank 0 saved the checkpoint: one line, from it
             print(f"mixprec train: {stop}. Resume with: mixprec train --out {out} --resume", file=sys.stderr)
         return 128 + signal.Signals[stop.signal].value  # the shell's convention: 130 Ctrl-C, 143 SIGTERM
+    except RuntimeError as error:  # under torchrun: a peer died or became unreachable (gloo, NCCL errors)
+        if not world().distributed:
+            raise
+        print(peer_failure_line(error, out), file=sys.stderr)
+        return PEER_FAILED
     finally:
         leave_group()
     if main:  # under torchrun, one summary
         print(summary(outcome))
     return 0
+
+
+PEER_FAILED = 1
+
+
+def peer_failure_line(error: RuntimeError, out: Path) -> str:
+    """One line for a distributed run that lost a process: what the backend said, and how to resume."""
+    from mixprec.app.checkpoint import list_checkpoints
+
+    said = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])[:200]  # gloo's source location off
+    newest = list_checkpoints(out / "checkpoints")
+    stands = f"the last complete checkpoint is {newest[-1].name}" if newest else "no checkpoint was written yet"
+    return (
+        f"mixprec train: error: a process of this distributed run failed or became unreachable ({said}); "
+        f"{stands}. Resume on every node with: mixprec train --out {out} --resume"
+    )
 
 
 FEW_TIMED_STEPS = 30  # below this, a step time is mostly warm-up and noise
