@@ -124,7 +124,7 @@ def test_language_model_tasks(tmp_path, task):
 def test_sigterm_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
     # what Slurm preemption, Kubernetes, docker stop and systemd send first
     stop, code, said = signal.SIGTERM, 143, "interrupted by SIGTERM at step "
-    args = ["train", "digits", "--policy", "mixed_bf16", "--steps", "150", "--checkpoint-every", "10", "--quiet"]
+    args = ["train", "digits", "--policy", "mixed_bf16", "--steps", "80", "--checkpoint-every", "5", "--quiet"]
     process = subprocess.Popen(
         [MIXPREC, *args, "--out", str(tmp_path / "stopped")],
         cwd=REPO,
@@ -141,11 +141,11 @@ def test_sigterm_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
     assert said in stderr and f"mixprec train --out {tmp_path / 'stopped'} --resume" in stderr
     assert "Traceback" not in stderr
     step = int(stderr.split(said)[1].split(";")[0])
-    assert 0 < step < 150
+    assert 0 < step < 80
     assert list_checkpoints(tmp_path / "stopped" / "checkpoints")[-1].name == f"step-{step:08d}.safetensors"
     assert run("train", "--out", tmp_path / "stopped", "--resume", "--quiet").returncode == 0
     assert run(*args, "--out", tmp_path / "straight").returncode == 0
-    final = "checkpoints/step-00000150.safetensors"
+    final = "checkpoints/step-00000080.safetensors"
     assert_same_weights(load_checkpoint(tmp_path / "straight" / final), load_checkpoint(tmp_path / "stopped" / final))
 
 

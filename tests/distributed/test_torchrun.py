@@ -107,6 +107,8 @@ def test_a_stop_signal_under_torchrun_stops_every_rank_after_the_same_update(tmp
     assert 0 < step < 300 and [p.name for p in list_checkpoints(out / "checkpoints")] == [
         f"step-{step:08d}.safetensors"
     ]
+    if stop == "SIGINT":
+        return  # from here on the same as SIGTERM's, resumed and compared once, to keep the suite short
     resumed = _torchrun("train", "--out", out, "--resume", "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert list_checkpoints(out / "checkpoints")[-1].name == "step-00000300.safetensors"

@@ -24,7 +24,16 @@ def test_the_example_skips_the_injected_overflow():
 
 
 def test_fabric_casting_the_model_is_refused_with_the_fix():
-    done = _run("--fabric-precision", "bf16-true")
-    assert done.returncode != 0
-    assert "something cast the model after MixedPrecision prepared it" in done.stderr
-    assert "precision='32-true'" in done.stderr
+    import lightning as L
+    import torch
+
+    import mixprec
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    mp = mixprec.MixedPrecision(model, optimizer, "mixed_bf16")
+    fabric_model, _ = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true").setup(model, optimizer)
+    refused = r"something cast the model after MixedPrecision.*precision='32-true'"
+    with pytest.raises(ValueError, match=refused), mp.autocast():
+        fabric_model(torch.randn(2, 4))
+    assert model[0].weight.dtype == torch.bfloat16  # Fabric's cast, refused before any update

@@ -268,14 +268,14 @@ class MixedPrecision:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss=...) needs a one-element loss tensor; received {shape}. Reduce it first.")
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
+            raise ValueError(f"backward(loss_id=...) must be in 0..{self.num_losses - 1}; received {loss_id!r}.")
         if not loss.requires_grad:
             raise ValueError(
                 "backward(loss=...): the loss does not require gradients, so there is nothing to train: the model "
                 "has no trainable parameters (none with requires_grad=True reached the loss), or the loss was "
                 "computed under torch.no_grad() or detached."
             )
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
-            raise ValueError(f"backward(loss_id=...) must be in 0..{self.num_losses - 1}; received {loss_id!r}.")
         self._order.on_backward()
         if self._scaled_by is not None and self.num_losses > 1:
             self._unscale_scaled(into_sums=True)
