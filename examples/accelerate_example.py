@@ -10,6 +10,8 @@ mixprec sets the precision. Keep Accelerate's own mixed precision off.
 """
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +56,13 @@ def main() -> None:
         f"rank {accelerator.process_index}/{accelerator.num_processes}: {stats.steps} steps, "
         f"{stats.skipped_steps} skipped, scale {stats.scale:g}, checksum {checksum:.10f}, loss {loss.item():.4f}"
     )
-    accelerator.end_training()  # destroys the process group: a gloo group left to interpreter exit can abort
+    accelerator.end_training()  # destroys the process group
 
 
 if __name__ == "__main__":
     main()
+    # Under load, a gloo worker process sometimes aborts during interpreter teardown, after its work is
+    # done ("terminate called without an active exception", pytorch/pytorch#190489); leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

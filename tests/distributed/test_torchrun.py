@@ -5,7 +5,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
@@ -49,9 +48,7 @@ def test_torchrun_trains_data_parallel_and_resumes(tmp_path):
         total += value.numel()
     assert close / total > 0.95  # nearly all weights agree to 1e-4
 
-    resumed = _torchrun("train", "--out", tmp_path / "ddp", "--resume", "--steps", 8, "--quiet")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert list_checkpoints(tmp_path / "ddp" / "checkpoints")[-1].name == "step-00000008.safetensors"
+    # resuming under torchrun: test_sigterm_under_torchrun_stops_every_rank_after_the_same_update
 
 
 def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes(tmp_path):
@@ -77,42 +74,35 @@ def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes(tmp_path):
     assert (tmp_path / "fsdp" / "export" / "model-bf16.safetensors").is_file()
 
 
-@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
-def test_a_stop_signal_under_torchrun_stops_every_rank_after_the_same_update(tmp_path, stop):
-    """Ctrl-C reaches every process of the terminal's group; SIGTERM (preemption) reaches torchrun, which
-    forwards it to its workers. Either way one checkpoint, and resuming from it equals the straight run."""
-    import os
+def test_sigterm_under_torchrun_stops_every_rank_after_the_same_update(tmp_path):
+    """SIGTERM (preemption) reaches torchrun, which forwards it to its workers; they stop after the same
+    update with one checkpoint, and resuming from it equals the straight run bit for bit. (Ctrl-C to the
+    whole process group takes the same path: the ranks agree on the first signal any of them saw.)"""
     import signal
     import subprocess
     import time
 
     out = tmp_path / "interrupted"
     command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "mixprec", *ARGS]
-    command += ["--steps", "300", "--log-every", "1", "--out", str(out)]  # stopped within its first steps
+    command += ["--steps", "120", "--log-every", "1", "--out", str(out)]  # stopped within its first steps
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not (out / "metrics.jsonl").is_file() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.05)
-    if stop == "SIGINT":
-        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
-    else:
-        process.send_signal(signal.SIGTERM)  # what a scheduler does: the launcher forwards it
+    process.send_signal(signal.SIGTERM)  # what a scheduler does: the launcher forwards it
     _, stderr = process.communicate(timeout=120)
-    by = "" if stop == "SIGINT" else f" by {stop}"
-    stopped = re.findall(rf"mixprec train: interrupted{by} at step (\d+); checkpoint saved", stderr)
+    stopped = re.findall(r"mixprec train: interrupted by SIGTERM at step (\d+); checkpoint saved", stderr)
     assert len(stopped) == 1, stderr[-3000:]  # rank 0 saved and said so, once
     assert "mixprec train: interrupted" in stderr and stderr.count("mixprec train: interrupted") == 1
     step = int(stopped[0])
-    assert 0 < step < 300 and [p.name for p in list_checkpoints(out / "checkpoints")] == [
+    assert 0 < step < 120 and [p.name for p in list_checkpoints(out / "checkpoints")] == [
         f"step-{step:08d}.safetensors"
     ]
-    if stop == "SIGINT":
-        return  # from here on the same as SIGTERM's, resumed and compared once, to keep the suite short
     resumed = _torchrun("train", "--out", out, "--resume", "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert list_checkpoints(out / "checkpoints")[-1].name == "step-00000300.safetensors"
-    straight = _torchrun(*ARGS, "--steps", 300, "--out", tmp_path / "straight")  # the same LR schedule
+    assert list_checkpoints(out / "checkpoints")[-1].name == "step-00000120.safetensors"
+    straight = _torchrun(*ARGS, "--steps", 120, "--out", tmp_path / "straight")  # the same LR schedule
     assert straight.returncode == 0, straight.stderr[-2000:]
     for name, value in _weights(tmp_path / "straight").items():
         assert torch.equal(value, _weights(out)[name]), name

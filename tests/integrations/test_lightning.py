@@ -270,11 +270,11 @@ def _ddp_run(policy: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize(
-    ("policy", "scale", "params"), [("mixed_fp16", "32768", "torch.float32"), ("o2_bf16", "1", "torch.bfloat16")]
-)
-def test_ddp_ranks_skip_the_same_update_and_stay_identical(policy, scale, params):
-    done = _ddp_run(policy)  # o2: DDP wrapped again around the cast model, its buckets for bf16 gradients
+def test_ddp_ranks_skip_the_same_update_and_stay_identical():
+    # o2: DDP wrapped again around the cast model, its buckets for bf16 gradients (FP32-parameter policies
+    # keep Lightning's own wrapper; mixed_fp16's skip agreement under DDP: tests/integrations/test_accelerate.py)
+    policy, scale, params = "o2_bf16", "1", "torch.bfloat16"
+    done = _ddp_run(policy)
     assert done.returncode == 0, done.stderr[-3000:]
     pattern = r"RANK (\d) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) checksum (\S+) params (\S+)"
     ranks = re.findall(pattern, done.stdout)
