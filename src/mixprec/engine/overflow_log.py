@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mixprec.checks import whole_number
-from mixprec.numerics.finite import nonfinite_kinds
+from mixprec.numerics.finite import max_magnitudes, nonfinite_kinds
 from mixprec.scaling.dynamic import DynamicLossScaler
 
 __all__ = ["FoundInf", "OverflowLog", "StepRecord"]
@@ -117,7 +117,7 @@ class OverflowLog:
         step. One max-magnitude pass over the gradients, only while the scale is collapsed."""
         if not self._collapsed or loss is None or not grads:
             return
-        amax = torch.stack([norm.float().to(self._device) for norm in torch._foreach_norm(grads, float("inf"))])
+        amax = max_magnitudes(grads, self._device)
         loss = loss.float().to(self._device)
         self._underflow = (amax.max() == 0) & torch.isfinite(loss) & (loss != 0)
 

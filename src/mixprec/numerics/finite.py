@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["nonfinite_kinds", "unscale_and_check_"]
+__all__ = ["max_magnitudes", "nonfinite_kinds", "unscale_and_check_"]
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -49,18 +49,21 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor)
     return found.clamp_(max=1.0)
 
 
+def max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Every tensor's max |value| as one FP32 vector on ``device`` (NaN where a tensor holds a NaN): one
+    ``_foreach_norm(inf)`` launch per (device, dtype) group, no host sync; empty for no tensors."""
+    amax = [
+        torch.stack(torch._foreach_norm(group, float("inf"))).to(device, non_blocking=True).float()
+        for group in _groups(tensors).values()
+    ]
+    return torch.cat(amax) if amax else torch.zeros(0, dtype=torch.float32, device=device)
+
+
 def nonfinite_kinds(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(has_inf, has_nan): two 0-d bool tensors on ``device``, from one max-magnitude pass per group.
 
     A tensor's max |value| is NaN if it holds a NaN and inf if it holds an inf but no NaN, so a
     tensor holding both counts as NaN only.
     """
-    amax = [
-        torch.stack(torch._foreach_norm(group, float("inf"))).to(device, non_blocking=True)
-        for group in _groups(tensors).values()
-    ]
-    if not amax:
-        false = torch.zeros((), dtype=torch.bool, device=device)
-        return false, false
-    stacked = torch.cat([a.float() for a in amax])
+    stacked = max_magnitudes(tensors, device)
     return torch.isinf(stacked).any(), torch.isnan(stacked).any()
