@@ -1,6 +1,7 @@
 """Run by test_lightning.py under torchrun (two CPU processes): MixprecPrecision with strategy="ddp",
 rank 0's loss infinite at update 3; prints each rank's counters, LR and parameter checksum."""
 
+import os
 import sys
 
 import lightning as L
@@ -56,5 +57,6 @@ masters = plugin.mixed_precision.fp32_state_dict()  # the exact weights (o2: the
 checksum = sum(v.double().sum().item() for v in masters.values() if v.is_floating_point())
 dtypes = sorted({str(p.dtype) for p in model.parameters()})
 lr = trainer.optimizers[0].param_groups[0]["lr"]
-print(f"RANK {trainer.global_rank} steps {s.steps} skipped {s.skipped_steps} scale {s.scale:g} lr {lr:.6f} "
-      f"checksum {checksum:.10f} params {','.join(dtypes)}", flush=True)  # fmt: skip
+line = (f"RANK {trainer.global_rank} steps {s.steps} skipped {s.skipped_steps} scale {s.scale:g} lr {lr:.6f} "
+        f"checksum {checksum:.10f} params {','.join(dtypes)}\n")  # fmt: skip
+os.write(1, line.encode())  # one write: an unbuffered print writes text and newline apart, and the ranks interleave
