@@ -195,4 +195,4 @@ def test_a_sharded_run_saves_once_resumes_and_continues_identically(fsdp_run):
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     checkpoints = sorted(p.name for p in (out / "resumed" / "checkpoints").iterdir())
-    assert checkpoints == ["step-00000003.safetensors", "step-00000006.safetensors"]  # one file per save
+    assert checkpoints == ["step-00000003.sharded", "step-00000006.sharded"]  # one folder per save, complete

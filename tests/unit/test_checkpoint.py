@@ -216,7 +216,7 @@ def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_
 
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, {"x": torch.full((4,), float(step))})
-    write = checkpoint._write_atomically
+    write = checkpoint.write_atomically
     failures = {"left": 1}
 
     def full_once(final, data):  # ENOSPC until the older checkpoints are gone
@@ -225,14 +225,14 @@ def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_
             raise OSError(errno.ENOSPC, "No space left on device")
         write(final, data)
 
-    monkeypatch.setattr(checkpoint, "_write_atomically", full_once)
+    monkeypatch.setattr(checkpoint, "write_atomically", full_once)
     save_checkpoint(tmp_path, 4, {"x": torch.full((4,), 4.0)})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003.safetensors", "step-00000004.safetensors"]
 
     def always_full(final, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_atomically", always_full)
+    monkeypatch.setattr(checkpoint, "write_atomically", always_full)
     said = r"could not write checkpoint .*step-00000005\.safetensors \(No space left on device\); "
     said += r"the newest checkpoint, step-00000004\.safetensors, is intact: resume from it"
     with pytest.raises(OSError, match=said):

@@ -1,111 +1,134 @@
-"""Checkpoints: one safetensors file each, written atomically, verified when read, never unpickled.
+"""The checkpoints of a run: one per saved step, in the run's ``checkpoints/`` folder, newest last.
 
-Layout of ``step-00001200.safetensors``: the tensors of the nested training state (see
-:mod:`mixprec.app.serialize`), and in the header's metadata the JSON skeleton that puts them back
-together (every number, string and flag of the state: position, counters, RNG, scaler, policy), the
-step, and a SHA-256 over every metadata field and every tensor's bytes: no byte that resuming depends
-on can change unnoticed.
+A checkpoint is either a file, ``step-00001200.safetensors`` (:mod:`mixprec.app.checkpoint_file`:
+the whole training state, checksummed, written atomically), or, for FSDP2 runs, a folder,
+``step-00001200.sharded/`` (:mod:`mixprec.app.sharded_checkpoint`: every rank writes its own shards).
+A folder is written under a hidden staging name and renamed once every rank's part and the state
+file are complete, so a checkpoint's name only ever shows a complete checkpoint.
 
-Writing: serialize in memory, write to a hidden temporary file in the same folder, fsync it, rename
-it over the final name (atomic on POSIX), fsync the folder; then delete all but the newest ``keep``,
-and any temporary file a killed writer left (one process writes a run's checkpoints). A full disk
-(ENOSPC) deletes every checkpoint but the newest and tries once more: the run keeps going with one
-fallback rather than stopping with several; if it still fails, the error names the checkpoint and the
-intact one to resume from.
-A process killed at any moment leaves either the previous set of checkpoints or the new one, never a
-half-written file under a checkpoint's name.
+After each save all but the newest ``keep`` are deleted, with anything a killed writer left (one
+process writes a run's checkpoints: :mod:`mixprec.app.run_lock`). A full disk (ENOSPC) deletes every
+checkpoint but the newest and tries once more: the run keeps going with one fallback rather than
+stopping with several; if it still fails, the error names the checkpoint and the intact one to resume
+from.
 
-Reading: the header must parse, the checksum must match, the step must equal the file's name and the
-skeleton must rebuild; otherwise a ``CheckpointError`` names the file and what is wrong, whatever the
-damage (any shape, depth or type), and ``load_latest`` falls back to the previous checkpoint (or,
-when none verifies, says why for each).
+Reading verifies everything: a damaged, edited or misnamed checkpoint raises ``CheckpointError``
+naming it and what is wrong, whatever the damage, and ``load_latest`` falls back to the previous one
+(or, when none verifies, says why for each).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as safetensors_bytes
+from mixprec.app.checkpoint_file import (
+    CheckpointError,
+    encode_checkpoint,
+    fsync_directory,
+    read_checkpoint_file,
+    write_atomically,
+)
+from mixprec.app.sharded_checkpoint import read_sharded, write_sharded
+from mixprec.distributed import barrier, world
 
-from mixprec.app.serialize import flatten, unflatten
-
-__all__ = ["CheckpointError", "list_checkpoints", "load_checkpoint", "load_latest", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_latest",
+    "save_checkpoint",
+    "save_sharded_checkpoint",
+]
 
 logger = logging.getLogger("mixprec")
 
-FORMAT = "mixprec-checkpoint"
-VERSION = "2"  # 1: the checksum covered the tensors only
-_NAME = re.compile(r"step-(\d{8})\.safetensors")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, truncated, corrupt, or not a mixprec checkpoint."""
-
-
-def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    """SHA-256 of every metadata field but the digest itself, then every tensor's name, type and bytes."""
-    sha = hashlib.sha256()
-    for key in sorted(k for k in metadata if k != "sha256"):
-        sha.update(f"{len(key)}:{key}={len(metadata[key])}:{metadata[key]};".encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        sha.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return sha.hexdigest()
+_NAME = re.compile(r"step-(\d{8})\.safetensors")  # a file
+_SHARDED = re.compile(r"step-(\d{8})\.sharded")  # a folder
+_STAGING = re.compile(r"\.step-\d{8}\.(safetensors\.tmp-\d+|sharded\.tmp)")  # what a killed writer leaves
 
 
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
-    """Write ``state`` as the checkpoint of ``step`` in ``directory``; keep the newest ``keep``."""
+    """Write ``state`` as the checkpoint file of ``step`` in ``directory``; keep the newest ``keep``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors, skeleton = flatten(state)
-    cpu = {name: tensor.cpu() for name, tensor in tensors.items()}
-    metadata = {"format": FORMAT, "version": VERSION, "step": str(step), "skeleton": json.dumps(skeleton)}
-    metadata["sha256"] = _digest(cpu, metadata)
-    data = safetensors_bytes(cpu, metadata=metadata)
+    data = encode_checkpoint(step, state)
     final = directory / f"step-{step:08d}.safetensors"
     try:
-        _write_atomically(final, data)
+        write_atomically(final, data)
     except OSError as exc:
         older = list_checkpoints(directory)[:-1]
         if exc.errno != errno.ENOSPC or not older:
             raise _write_error(final, exc) from None
         # the disk is full: make room by deleting all but the newest checkpoint, never fewer than one
         for old in older:
-            old.unlink(missing_ok=True)
+            _remove(old)
         logger.warning("Disk full writing %s: deleted %d older checkpoints to make room", final.name, len(older))
         try:
-            _write_atomically(final, data)
+            write_atomically(final, data)
         except OSError as again:
             raise _write_error(final, again) from None
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-    for stale in directory.glob(".step-*.safetensors.tmp-*"):  # ours is renamed by now: a killed writer's
-        stale.unlink(missing_ok=True)
+    _prune(directory, keep)
     return final
 
 
-def _write_atomically(final: Path, data: bytes) -> None:
-    """Write to a hidden temporary file, fsync it, rename it over ``final``, fsync the folder."""
-    temporary = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+def save_sharded_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
+    """Write the sharded checkpoint of ``step`` in ``directory`` (each rank its own DTensors' shards;
+    see :mod:`mixprec.app.sharded_checkpoint`); keep the newest ``keep``. A collective: every rank calls
+    it with its own ``state``, and it returns on every rank once the checkpoint is complete."""
+    directory = Path(directory)
+    final = directory / f"step-{step:08d}.sharded"
+    staging = directory / f".{final.name}.tmp"
+    main = world().is_main
+    if main:
+        directory.mkdir(parents=True, exist_ok=True)
+        _remove(staging)  # a killed writer's, of this same step
+        staging.mkdir()
+    barrier()  # the staging folder exists, empty, before any rank writes into it
     try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, final)
+        write_sharded(staging, step, state)
+        if main:
+            _publish(staging, final)
+            _prune(directory, keep)
+    except OSError as exc:
+        raise _write_error(final, exc) from None
     finally:
-        temporary.unlink(missing_ok=True)
-    _fsync_directory(final.parent)
+        barrier()  # no rank goes on (or exits, ending the job) before the checkpoint is complete
+    return final
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename the complete ``staging`` folder to ``final`` (replacing an older save of that step)."""
+    if final.exists():
+        replaced = final.with_name(f".{final.name}.old")
+        _remove(replaced)
+        os.replace(final, replaced)
+        os.replace(staging, final)
+        _remove(replaced)
+    else:
+        os.replace(staging, final)
+    fsync_directory(final.parent)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and whatever a killed writer left."""
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        _remove(old)
+    for stale in directory.iterdir():  # ours is renamed by now: a killed writer's
+        if _STAGING.fullmatch(stale.name) or stale.name.endswith(".sharded.old"):
+            _remove(stale)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _write_error(final: Path, error: OSError) -> OSError:
@@ -119,55 +142,30 @@ def _write_error(final: Path, error: OSError) -> OSError:
     return OSError(error.errno, f"could not write checkpoint {final} ({error.strerror or error}); {intact}")
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _step(path: Path) -> int | None:
+    """The step a checkpoint's name says, for a file or a folder of the right kind; else None."""
+    named = _NAME.fullmatch(path.name) if path.is_file() else _SHARDED.fullmatch(path.name) if path.is_dir() else None
+    return int(named.group(1)) if named else None
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in ``directory``, oldest first (temporary files are not checkpoints)."""
+    """Checkpoints in ``directory`` (files and sharded folders), oldest first; staging names are not
+    checkpoints, nor is a folder named like a checkpoint file (never loaded, never pruned)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    # a folder (or anything but a file) named like a checkpoint is not one: never loaded, never pruned
-    return sorted(p for p in directory.iterdir() if _NAME.fullmatch(p.name) and p.is_file())
+    found = [(step, path) for path in directory.iterdir() if (step := _step(path)) is not None]
+    return [path for _, path in sorted(found)]
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read and verify one checkpoint; raises CheckpointError naming the file and the problem."""
+    """Read and verify one checkpoint (file or sharded folder); raises CheckpointError naming it and
+    the problem. A sharded checkpoint's tensors stay in its files (``state["shards"]``)."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        with safe_open(str(path), framework="pt") as reader:
-            metadata = reader.metadata() or {}
-            tensors = {name: reader.get_tensor(name) for name in reader.keys()}  # noqa: SIM118 (not a dict)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {exc})") from None
-    if metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: a safetensors file, but not a mixprec checkpoint (no '{FORMAT}' header)")
-    if metadata.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint format version {metadata.get('version')!r}, expected {VERSION!r} (version 1, "
-            "written before the checksum covered the metadata, is not read)"
-        )
-    if _digest(tensors, metadata) != metadata.get("sha256"):
-        raise CheckpointError(f"{path}: checksum mismatch; the file was changed or damaged after saving")
+    if path.is_dir() and _SHARDED.fullmatch(path.name):
+        return read_sharded(path, int(_SHARDED.fullmatch(path.name).group(1)))
     named = _NAME.fullmatch(path.name)
-    if named and metadata.get("step") != str(int(named.group(1))):
-        raise CheckpointError(f"{path}: holds step {metadata.get('step')!r}, not the step its name says")
-    try:
-        state = unflatten(json.loads(metadata["skeleton"]), tensors)
-    except RecursionError:
-        raise CheckpointError(f"{path}: damaged checkpoint structure (nested too deeply)") from None
-    except (KeyError, json.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: damaged checkpoint structure ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: damaged checkpoint structure (a {type(state).__name__}, not a state dict)")
-    return state
+    return read_checkpoint_file(path, int(named.group(1)) if named else None)
 
 
 def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:

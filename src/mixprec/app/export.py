@@ -22,6 +22,8 @@ from mixprec.app.config import TrainConfig
 from mixprec.app.evaluate import evaluate, to_device
 from mixprec.app.resume import check_run_identity
 from mixprec.app.run import build_trainer
+from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
+from mixprec.parallel.state import tied_names
 from mixprec.policy.parse import get_policy
 from mixprec.regions.autocast import autocast
 from mixprec.regions.casting import cast_module
@@ -56,6 +58,7 @@ def export_run(
         raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
     run_dir = Path(run_dir)
     config = TrainConfig.load(run_dir)
+    config = config.replace(parallel="ddp")  # one process, whole tensors: a sharded run's shards are read whole
     trainer, parts, _ = build_trainer(config, None, progress=False)
     source, weights = _fp32_weights(run_dir, trainer, allow_foreign_checkpoint)
 
@@ -107,9 +110,20 @@ def _fp32_weights(run_dir: Path, trainer, allow_foreign: bool) -> tuple[Path, di
     path, state = found
     check_run_identity(trainer, path, state, allow_foreign=allow_foreign)
     if state.get("sharded"):
-        # an FSDP2 run's checkpoint holds whole tensors gathered from the shards: the exact FP32 weights
-        # under mixed and o2 policies (the shards were the masters), the bf16 ones under pure_bf16
-        return path, {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+        # an FSDP2 run's model state: the exact FP32 weights under mixed and o2 policies (the shards were the
+        # masters), the bf16 ones under pure_bf16; sharded tensors are read whole from every rank's files
+        model = state["model"]
+        if isinstance(state.get("shards"), Shards):
+            names, plain = state["shards"].names, trainer.model.state_dict()
+            wanted = {
+                f"model.{k}": torch.empty_like(v, dtype=torch.float32)
+                for k, v in plain.items()
+                if f"model.{k}" in names
+            }
+            load_sharded(state["shards"], wanted)
+            model = fill_sharded({"model": model}, wanted)["model"]
+            model.update({alias: model[name] for alias, name in tied_names(trainer.model).items() if name in model})
+        return path, {k: v.float() if v.is_floating_point() else v for k, v in model.items()}
     trainer.load_state_dict(state)
     return path, trainer.mp.fp32_state_dict()
 

@@ -4,9 +4,10 @@ A checkpoint carries the run's identity (policy, seed, model architecture, optim
 settings), written with it and covered by its checksum. Resuming walks the checkpoints newest first:
 one that does not verify (damaged, edited, misnamed) or does not load into this model is skipped with
 one line naming the file and the reason (or, when none is usable, one error listing them all), and
-the next older one is tried; the trainer's state is put
-back as it was after each failed attempt. One that verifies but belongs to another run stops the
-resume with the differences, unless the caller allows foreign checkpoints.
+the next older one is tried; the trainer's state is put back as it was after each failed attempt.
+Under FSDP2 the ranks agree on which checkpoint is damaged, so that they all load the same one.
+One that verifies but belongs to another run stops the resume with the differences, unless the
+caller allows foreign checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from mixprec.distributed import agree_max
 
 if TYPE_CHECKING:
     from mixprec.app.trainer import Trainer
@@ -67,13 +69,15 @@ def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = F
     problems = []
     for path in paths:
         try:
-            state = load_checkpoint(path)
+            state = _verified(trainer, path)
             check_run_identity(trainer, path, state, allow_foreign=allow_foreign)
+        except CheckpointError as exc:  # every rank skips it: _verified agrees on damage across ranks
+            problems.append(str(exc))
+            continue
+        try:
             trainer.load_state_dict(state)
-        except ForeignCheckpointError:
-            raise
-        except (CheckpointError, ValueError) as exc:
-            if before is None:  # FSDP2: loading is a collective; no rank may go on alone to an older file
+        except ValueError as exc:
+            if before is None:  # FSDP2: a verified checkpoint that does not fit this model fails on every rank
                 raise
             trainer.load_state_dict(before)
             problems.append(str(exc))
@@ -82,6 +86,23 @@ def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = F
             logger.warning("Skipped a checkpoint: %s; using %s", problem, path.name)
         return path, state
     raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
+
+
+def _verified(trainer: Trainer, path: Path) -> dict:
+    """The verified state of ``path``; CheckpointError if it is damaged, under FSDP2 on any rank (every
+    rank reads the files itself; one all-reduce makes them all skip a checkpoint together)."""
+    error, state = None, {}
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as exc:
+        error = exc
+    if trainer.mp.sharded:
+        (damaged,) = agree_max([torch.tensor(float(error is not None), device=trainer.device)])
+        if bool(damaged) and error is None:  # host sync: once per checkpoint tried, at resume
+            error = CheckpointError(f"{path}: damaged as another rank read it")
+    if error is not None:
+        raise error
+    return state
 
 
 def check_run_identity(trainer: Trainer, path: Path, state: dict, *, allow_foreign: bool = False) -> None:

@@ -71,7 +71,8 @@ def build_trainer(
     config: TrainConfig, run_dir: Path | None, progress: bool, allow_foreign_checkpoint: bool = False
 ) -> tuple[Trainer, TaskParts, dict]:
     """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings)."""
-    device = init_from_env(resolve_device(config.device))  # under torchrun: join the process group
+    # under torchrun: join the process group (FSDP2 in one process: a group of one)
+    device = init_from_env(resolve_device(config.device), sharded=config.parallel == "fsdp")
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
     defaults = parts.defaults
     settings = {
@@ -86,7 +87,7 @@ def build_trainer(
     else:
         settings.update({"steps": config.steps} if config.steps is not None else {"epochs": config.epochs})
     policy = get_policy(config.policy, device=device)
-    if config.parallel == "fsdp" and world().distributed:  # shard before the optimizer sees the parameters
+    if config.parallel == "fsdp" and world().backend is not None:  # shard before the optimizer sees the parameters
         fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
     optimizer_class = CompensatedAdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
     optimizer = optimizer_class(parts.model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
@@ -162,7 +163,7 @@ def _train_in(  # long: the run's steps in order, each one or two lines
     with trainer.mp.autocast():
         activations = saved_activation_bytes(lambda: trainer.model(inputs), trainer.model)
     metric = parts.metric.name if parts.metric is not None else None
-    parallel = ("FSDP2" if trainer.mp.sharded else "DDP") if trainer.world.distributed else None
+    parallel = "FSDP2" if trainer.mp.sharded else "DDP" if trainer.world.distributed else None
     report = run_dir / "report.md"
     if main:
         plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric)

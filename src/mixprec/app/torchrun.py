@@ -20,14 +20,21 @@ from mixprec.compute.nest import map_tensors
 __all__ = ["init_from_env", "leave_group", "shard"]
 
 
-def init_from_env(device: str) -> str:
+def init_from_env(device: str, *, sharded: bool = False) -> str:
     """Join the process group torchrun describes (if WORLD_SIZE > 1); returns the device to use.
+
+    ``sharded`` (FSDP2) in one process: a group of one, so that the model is sharded as under
+    torchrun and reads (and writes) sharded checkpoints, whatever world size wrote them.
 
     Raises:
         ValueError: a distributed launch without the rendezvous variables torchrun sets.
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1 or (dist.is_available() and dist.is_initialized()):
+    if dist.is_available() and dist.is_initialized():
+        return device
+    if size <= 1:
+        if sharded:
+            dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
         return device
     missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
@@ -36,8 +43,12 @@ def init_from_env(device: str) -> str:
     if cuda:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(_backend(device))
     return device
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def leave_group() -> None:

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from mixprec.app.checkpoint import list_checkpoints, save_checkpoint
+from mixprec.app.checkpoint import list_checkpoints, save_checkpoint, save_sharded_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.progress import ProgressBar
 from mixprec.app.resume import restore_latest, run_identity
+from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded, split_sharded
 from mixprec.app.stop_signals import StopRequest
 from mixprec.app.torchrun import shard
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
@@ -46,7 +47,7 @@ from mixprec.doctor.trace import NonFiniteTracer
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
 from mixprec.engine.stats import Stats
 from mixprec.parallel.ddp import wrap_ddp
-from mixprec.parallel.state import gather_state, scatter_state
+from mixprec.parallel.state import gather_state, scatter_state, sharded_state
 from mixprec.policy.policy import Policy
 
 __all__ = ["FitResult", "Trainer", "TrainingInterrupted"]
@@ -203,9 +204,9 @@ class Trainer:
             self._restore_committed()
             name = self._stop.signal or "SIGINT"
             if self.mp.sharded and self.world.distributed:
-                # gathering shards is a collective the other ranks may never join now: keep the last
+                # a sharded checkpoint is a collective the other ranks may never join now: keep the last
                 # periodic checkpoint rather than hang
-                logger.warning("Stopped at once: FSDP2 shards cannot be gathered; the last checkpoint stands")
+                logger.warning("Stopped at once: the FSDP2 ranks cannot save together now; the last checkpoint stands")
                 raise TrainingInterrupted(self.step, None, name) from None
             raise TrainingInterrupted(self.step, self.save_checkpoint(), name) from None
         finally:
@@ -454,17 +455,20 @@ class Trainer:
         """Everything needed to continue bit-identically.
 
         With FSDP2 shards this is a collective: the full state is gathered to rank 0 (other ranks get
-        empty model and optimizer entries).
+        empty model and optimizer entries). Checkpoints of such runs do not gather: each rank writes its
+        own shards (:meth:`save_checkpoint`).
         """
         if self.mp.sharded:
             model_state, optimizer_state = gather_state(self.model, self.optimizer)
         else:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        return {"model": model_state, "optimizer": optimizer_state, **self._run_state()}
+
+    def _run_state(self) -> dict[str, Any]:
+        """The state besides the model's and the optimizer's: the same on every rank (rank 0's RNG)."""
         return {
             "identity": run_identity(self),  # checked on resume: a checkpoint of another run is refused
-            "sharded": self.mp.sharded,  # FSDP2: whole tensors gathered from the shards, optimizer keyed by name
-            "model": model_state,
-            "optimizer": optimizer_state,
+            "sharded": self.mp.sharded,  # FSDP2: tensors keyed by name, whole or in a sharded checkpoint
             "mixed_precision": self.mp.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": _get_rng(),
@@ -485,11 +489,11 @@ class Trainer:
             saved, here = ("an FSDP2", "without FSDP2") if state.get("sharded") else ("a non-sharded", "under FSDP2")
             raise ValueError(
                 f"the checkpoint comes from {saved} run and this one runs {here}; resume it the way it was "
-                "trained (mixprec train --parallel fsdp under torchrun, or without), with the same world size."
+                "trained (mixprec train --parallel fsdp under torchrun, with any number of ranks, or without)."
             )
         try:
-            if self.mp.sharded:  # every rank loads the full state and keeps its shards (a collective)
-                scatter_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            if self.mp.sharded:  # a collective: every rank keeps its own shards
+                self._load_sharded_model(state)
             else:
                 self.model.load_state_dict(state["model"])
             self.mp.load_state_dict(state["mixed_precision"])  # after the model: masters overwrite lowered weights
@@ -509,15 +513,33 @@ class Trainer:
         self.batch_in_epoch, self.skipped_batches = position["batch_in_epoch"], position["skipped_batches"]
         self._committed = (self.epoch, self.batch_in_epoch)
 
+    def _load_sharded_model(self, state: dict[str, Any]) -> None:
+        """The model's and optimizer's state into the FSDP2 shards: from a sharded checkpoint's files (at
+        any world size: each rank reads its part), or from a whole-model file of an earlier version."""
+        shards = state.get("shards")
+        if not isinstance(shards, Shards):
+            scatter_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            return
+        model_now, optimizer_now = sharded_state(self.model, self.optimizer)
+        targets, _ = split_sharded({"model": model_now, "optimizer": optimizer_now})
+        load_sharded(shards, targets)  # in place, into this rank's shards
+        saved = fill_sharded({"model": state["model"], "optimizer": state["optimizer"]}, targets)
+        scatter_state(self.model, self.optimizer, saved["model"], saved["optimizer"], full=False)
+
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint from rank 0 (DDP ranks hold identical state; FSDP2 shards are gathered first)."""
-        if self.checkpoint_dir is None or not (self.world.is_main or self.mp.sharded):
+        """Write a checkpoint: DDP and single processes from rank 0 (DDP ranks hold identical state);
+        FSDP2 runs from every rank, each its own shards (a collective; see :mod:`mixprec.app.checkpoint`)."""
+        if self.checkpoint_dir is None:
             return None
-        state = self.state_dict()
         self._saved_at = time.monotonic()
+        keep = self.run.keep_checkpoints
+        if self.mp.sharded:
+            model_state, optimizer_state = sharded_state(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state, **self._run_state()}
+            return save_sharded_checkpoint(self.checkpoint_dir, self.step, state, keep=keep)
         if not self.world.is_main:
             return None
-        return save_checkpoint(self.checkpoint_dir, self.step, state, keep=self.run.keep_checkpoints)
+        return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=keep)
 
     def _resume(self) -> None:
         if self.checkpoint_dir is None:

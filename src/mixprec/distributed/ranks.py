@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree_max", "local", "reduce_across_ranks", "world"]
+__all__ = ["World", "agree_max", "barrier", "local", "reduce_across_ranks", "world"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,12 @@ def agree_max(flags: list[torch.Tensor]) -> list[torch.Tensor]:
     stacked = torch.stack([f.reshape(()).float() for f in flags])
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     return [value.reshape(f.shape).to(f.dtype) for value, f in zip(stacked.unbind(), flags, strict=True)]
+
+
+def barrier() -> None:
+    """Wait until every rank of the process group reaches this point (nothing in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def reduce_across_ranks(value: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Data parallelism under a precision policy: FSDP2 units and their MixedPrecisionPolicy, DDP with FP32
-gradient averaging, whole-model state of sharded runs.
+gradient averaging, the state of sharded runs, whole or per rank.
 """
 
 from mixprec.parallel.ddp import fp32_allreduce_hook, wrap_ddp
 from mixprec.parallel.fsdp import fsdp_policy, fully_shard, is_sharded, sharded_with
-from mixprec.parallel.state import gather_state, scatter_state
+from mixprec.parallel.state import gather_state, scatter_state, sharded_state, tied_names
 
 __all__ = [
     "fp32_allreduce_hook",
@@ -13,6 +13,8 @@ __all__ = [
     "gather_state",
     "is_sharded",
     "scatter_state",
+    "sharded_state",
     "sharded_with",
+    "tied_names",
     "wrap_ddp",
 ]

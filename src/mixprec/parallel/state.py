@@ -1,10 +1,10 @@
-"""Whole-model checkpoints of FSDP2-sharded training: gather the shards to one file, scatter them back.
+"""The state of FSDP2-sharded training, whole or as this rank's shards, and loading it back.
 
 :func:`gather_state` is a collective (every rank calls it): the model's and the optimizer's state
-dicts, unsharded, on the CPU, on rank 0 (the other ranks receive empty dicts and write nothing).
-The file is then an ordinary mixprec checkpoint, written once, atomically, by rank 0.
-:func:`scatter_state` (also a collective) loads it on every rank, each keeping its own shards; every
-rank reads the file, so on several machines the run folder must be on a shared file system.
+dicts, unsharded, on the CPU, on rank 0 (the other ranks receive empty dicts): what a whole-model
+file needs. :func:`sharded_state` is this rank's part only, as DTensors (no communication): what a
+sharded checkpoint writes, each rank its own. :func:`scatter_state` (a collective) loads either kind
+into the sharded model, each rank keeping its own shards.
 Parameters and optimizer state are keyed by parameter name (torch.distributed.checkpoint's format).
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["gather_state", "scatter_state"]
+__all__ = ["gather_state", "scatter_state", "sharded_state", "tied_names"]
 
 
 def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -30,11 +30,42 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     return get_state_dict(model, optimizer, options=options)
 
 
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model state, optimizer state) of this rank: sharded tensors as DTensors, sharing their storage.
+
+    An optimizer that has not stepped yet gets its state made by a step with zero gradients and a zero
+    learning rate (torch.distributed.checkpoint's way), so that the state has every tensor to load into.
+    """
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
+    for alias in tied_names(model):  # one tensor under two names (tied embeddings): kept under its first
+        model_state.pop(alias, None)
+    return model_state, optimizer_state
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """``{name: first name}`` for every parameter reachable under a second name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied.update({name: first[id(parameter)]} if id(parameter) in first else {})
+        first.setdefault(id(parameter), name)
+    return tied
+
+
 def scatter_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+    *,
+    full: bool = True,
 ) -> None:
-    """Load full state dicts (as :func:`gather_state` returned them) into a sharded model. Collective."""
-    options = StateDictOptions(full_state_dict=True)
+    """Load state dicts into a sharded model: whole (``full``, as :func:`gather_state` returned them) or
+    DTensors (as :func:`sharded_state` did). Collective."""
+    options = StateDictOptions(full_state_dict=full)
+    if not full:  # sharded_state left out the second names of tied parameters
+        tied = {alias: model_state[name] for alias, name in tied_names(model).items() if name in model_state}
+        model_state = {**model_state, **tied}
     if optimizer_state.get("state"):
         set_state_dict(
             model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options
