@@ -129,7 +129,11 @@ def read_sharded(folder: Path, step: int) -> dict[str, Any]:
         missing, extra = sorted(set(listed) - present), sorted(present - set(listed))
         raise CheckpointError(f"{folder}: shard files missing {missing} or not of this checkpoint {extra}")
     for name, digest in sorted(listed.items()):
-        if _sha256(shards / name) != digest:
+        try:
+            same = _sha256(shards / name) == digest
+        except OSError as exc:
+            raise CheckpointError(f"{folder}: cannot read shards/{name} ({exc.strerror or exc})") from None
+        if not same:
             raise CheckpointError(f"{folder}: checksum mismatch in shards/{name}; changed or damaged after saving")
     state["shards"] = Shards(shards, frozenset(_shard_names(state)))
     return state
