@@ -441,8 +441,13 @@ class Trainer:
         if self.data.eval_data is None:
             return {}
         last = self.log.records[-1] if self.log.records else None
-        if last is not None and last["kind"] == "eval" and last["step"] == self.step:  # just evaluated here
-            return {k: v for k, v in last.items() if k not in ("kind", "step")}
+        done = last is not None and last["kind"] == "eval" and last["step"] == self.step  # just evaluated here
+        if self.world.distributed:  # rank 0 holds the log (a resumed rank 1 holds none): its answer goes for
+            # every rank, as evaluating is a collective under FSDP2 (and DDP's buffer broadcast)
+            (needed,) = agree_max([torch.tensor(float(self.world.is_main and not done), device=self.device)])
+            done = not bool(needed)  # host sync: once, at the end of fit()
+        if done:
+            return {k: v for k, v in last.items() if k not in ("kind", "step")} if last is not None else {}
         return self._evaluate_and_log()
 
     def _evaluate_and_log(self) -> dict[str, float]:
