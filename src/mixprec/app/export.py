@@ -28,7 +28,7 @@ from mixprec.policy.parse import get_policy
 from mixprec.regions.autocast import autocast
 from mixprec.regions.casting import cast_module
 
-__all__ = ["EXPORT_DTYPES", "ExportResult", "export_run"]
+__all__ = ["EXPORT_DTYPES", "ExportResult", "export_run", "fp32_weights"]
 
 EXPORT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -60,7 +60,7 @@ def export_run(
     config = TrainConfig.load(run_dir)
     config = config.replace(parallel="ddp")  # one process, whole tensors: a sharded run's shards are read whole
     trainer, parts, _ = build_trainer(config, None, progress=False)
-    source, weights = _fp32_weights(run_dir, trainer, allow_foreign_checkpoint)
+    source, weights = fp32_weights(run_dir, trainer, allow_foreign_checkpoint)
 
     reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)
     fp32_model = reference.model
@@ -101,7 +101,7 @@ def export_run(
     )
 
 
-def _fp32_weights(run_dir: Path, trainer, allow_foreign: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+def fp32_weights(run_dir: Path, trainer, allow_foreign: bool) -> tuple[Path, dict[str, torch.Tensor]]:
     """The newest verified checkpoint of the run (of this run: see :mod:`mixprec.app.resume`) and its
     exact FP32 weights."""
     found = load_latest(run_dir / "checkpoints")

@@ -12,7 +12,17 @@ import re
 import sys
 from collections.abc import Sequence
 
-from mixprec.app.cli import bench_cmd, compare_cmd, demo, doctor_cmd, export_cmd, formats_cmd, policy_cmd, train_cmd
+from mixprec.app.cli import (
+    bench_cmd,
+    compare_cmd,
+    demo,
+    doctor_cmd,
+    export_cmd,
+    formats_cmd,
+    policy_cmd,
+    serve_cmd,
+    train_cmd,
+)
 
 USAGE_ERROR = 2
 
@@ -38,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", parser_class=_Parser)
-    for command in (formats_cmd, policy_cmd, train_cmd, compare_cmd, doctor_cmd, export_cmd, bench_cmd, demo):
+    commands = (formats_cmd, policy_cmd, train_cmd, compare_cmd, doctor_cmd, export_cmd, serve_cmd, bench_cmd, demo)
+    for command in commands:
         command.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,78 @@
+"""``mixprec serve-bench``: a trained run served in fp32, bf16 and fp16, beside plain torch; one table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mixprec.app.cli.table import render_table
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve-bench",
+        help="inference latency and throughput of a run per precision, with accuracy and model size",
+        description=(
+            "Measure a trained run's model as a server would use it: mixprec fp32/bf16/fp16 and plain torch "
+            "fp32/bf16, interleaved in one process; latency at batch 1 (p50/p95), throughput at larger "
+            "batches, the task's metric on its evaluation split, the weights' size."
+        ),
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
+    parser.add_argument("--batches", default="1,8,64", help="batch sizes; 1 measures latency (default 1,8,64)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence for token inputs (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per larger batch (default 3)")
+    parser.add_argument("--latency-samples", type=int, default=30, help="timed batch-1 forwards (default 30)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the results here (default RUN/serve_bench.json)"
+    )
+    parser.set_defaults(run=run)
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches: received {text!r}; give batch sizes >= 1 separated by commas, e.g. 1,8,64.")
+    return batches
+
+
+def run(args: argparse.Namespace) -> int:
+    batches = _batches(args.batches)
+    for name in ("seq", "repeats", "latency_samples"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}.")
+    from mixprec.app.machine import machine_info
+    from mixprec.app.serve_bench import as_records, serve_bench  # the 'train' extra
+    results = serve_bench(
+        args.run_dir,
+        batches,
+        args.seq,
+        args.repeats,
+        args.latency_samples,
+        progress=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+    metric = next((k for k in results[0].evaluation if k != "loss"), None)
+    larger = [b for b in batches if b > 1]
+    base = results[0]
+    headers = ["mode", "size MB", *([metric] if metric else []), "loss"]
+    headers += ["latency p50 ms", "p95 ms"] if 1 in batches else []
+    headers += [f"batch {b} seq/s" for b in larger] + [f"vs fp32 @{b}" for b in larger]
+    rows = []
+    for r in results:
+        row = [r.mode, f"{r.size_bytes / 2**20:.1f}", *([f"{r.evaluation[metric]:.4f}"] if metric else [])]
+        row += [f"{r.evaluation['loss']:.4f}"]
+        row += [f"{r.latency_p50_ms:.2f}", f"{r.latency_p95_ms:.2f}"] if 1 in batches else []
+        row += [f"{r.throughput[b]:,.1f}" for b in larger]
+        row += [f"{r.throughput[b] / base.throughput[b]:.2f}x" for b in larger]
+        rows.append(row)
+    print(render_table(headers, rows))
+    target = args.json or args.run_dir / "serve_bench.json"
+    payload = {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}
+    target.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {target}")
+    return 0

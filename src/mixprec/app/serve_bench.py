@@ -1,0 +1,166 @@
+"""Serving a trained run: latency and throughput per precision, with accuracy and size, side by side.
+
+From the run's exact FP32 weights (as ``mixprec export`` reads them) five models are made and measured
+in one process, interleaved, so that they share the machine's state:
+
+    mixprec fp32   the FP32 model in mixprec's fp32 region (the reference)
+    mixprec bf16   the bf16 export (``mixprec export --dtype bf16``) in its region, outputs in FP32
+    mixprec fp16   the fp16 export in its region: native fp16 kernels where the compute plan measured
+                   them faster, emulated (bf16-exact rounding to fp16) where the machine has none
+    plain fp32     the same FP32 model in plain torch (``inference_mode``, no mixprec)
+    plain bf16     ``model.to(torch.bfloat16)`` in plain torch: what one does without mixprec
+
+For each: the weights' size as safetensors, the task's metric and loss on its evaluation split,
+latency of one sequence (p50 and p95 over ``latency_samples`` forwards), and throughput at each larger
+batch (sequences per second, median of ``repeats`` passes). Token inputs are cut from the evaluation
+texts' real tokens to exactly ``seq`` tokens; other inputs (images) are the evaluation rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+from mixprec.app.config import TrainConfig
+from mixprec.app.evaluate import evaluate
+from mixprec.app.export import fp32_weights
+from mixprec.app.run import build_trainer
+from mixprec.policy.parse import get_policy
+from mixprec.regions.autocast import Region
+from mixprec.regions.casting import cast_module
+
+__all__ = ["MODES", "ServeResult", "as_records", "serve_bench", "timing_batch"]
+
+MODES = ("mixprec fp32", "mixprec bf16", "mixprec fp16", "plain fp32", "plain bf16")
+
+
+@dataclass
+class ServeResult:
+    """One mode's figures; ``throughput`` maps a batch size to sequences per second."""
+
+    mode: str
+    size_bytes: int
+    evaluation: dict[str, float]
+    latency_p50_ms: float = 0.0
+    latency_p95_ms: float = 0.0
+    throughput: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Mode:
+    model: nn.Module
+    region: Callable[[], contextlib.AbstractContextManager]
+
+
+class _Bf16Inputs(nn.Module):
+    """A bf16 model fed as one feeds it by hand: floating inputs cast to bf16 (token ids stay integers)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        return self.model(inputs.to(torch.bfloat16) if inputs.is_floating_point() else inputs)
+
+
+def _modes(fp32_model: nn.Module, device: torch.device) -> dict[str, _Mode]:
+    modes = {}
+    for name, dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")):
+        policy = get_policy("fp32" if dtype == "fp32" else f"p={dtype},c={dtype},o=f32")
+        model = cast_module(copy.deepcopy(fp32_model), policy)
+        region = Region(policy, model, device)  # prepared once: entering it per forward costs nothing more
+        modes[f"mixprec {name}"] = _Mode(model, region.enter)
+    modes["plain fp32"] = _Mode(copy.deepcopy(fp32_model), contextlib.nullcontext)
+    modes["plain bf16"] = _Mode(_Bf16Inputs(copy.deepcopy(fp32_model).to(torch.bfloat16)), contextlib.nullcontext)
+    for mode in modes.values():
+        mode.model.eval()
+    return modes
+
+
+def timing_batch(eval_data, batch: int, seq: int | None) -> torch.Tensor:
+    """``batch`` inputs for timing: token rows of exactly ``seq`` real tokens (padding, id 0, dropped)
+    cut from the evaluation inputs, or the evaluation rows themselves, repeated as needed."""
+    rows = torch.cat([inputs for inputs, _ in eval_data])
+    if seq is not None and not rows.is_floating_point() and rows.dim() == 2:
+        tokens = rows[rows != 0]
+        tokens = tokens.repeat(-(-batch * seq // tokens.numel()))[: batch * seq]
+        return tokens.reshape(batch, seq)
+    return rows.repeat((-(-batch // rows.shape[0]),) + (1,) * (rows.dim() - 1))[:batch]
+
+
+def _forward(mode: _Mode, inputs: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one forward pass (finished: a host sync on accelerators, as timing needs)."""
+    start = time.perf_counter()
+    with torch.inference_mode(), mode.region():
+        mode.model(inputs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _latency(modes: dict[str, _Mode], inputs: torch.Tensor, device: torch.device, samples: int) -> dict[str, list]:
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for sample in range(samples + 1):
+        for name, mode in modes.items():
+            seconds = _forward(mode, inputs, device)
+            if sample:  # the first forward of each mode warms up
+                times[name].append(seconds)
+    return times
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def serve_bench(
+    run_dir: str | Path,
+    batches: tuple[int, ...] = (1, 8, 64),
+    seq: int | None = 128,
+    repeats: int = 3,
+    latency_samples: int = 30,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[ServeResult]:
+    """Measure the run's model in every mode of :data:`MODES` (see the module docstring)."""
+    run_dir = Path(run_dir)
+    config = TrainConfig.load(run_dir).replace(parallel="ddp")
+    trainer, parts, _ = build_trainer(config, None, progress=False)
+    _, weights = fp32_weights(run_dir, trainer, allow_foreign=False)
+    reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)  # FP32 parameters
+    fp32_model, device = reference.model, reference.device
+    fp32_model.load_state_dict(weights)
+    if parts.eval_data is None:
+        raise ValueError(f"task {config.task!r} has no evaluation data to measure accuracy on.")
+    modes = _modes(fp32_model, device)
+    results = {}
+    for name, mode in modes.items():
+        progress(f"evaluating {name}")
+        state = {k: v.contiguous() for k, v in mode.model.state_dict().items()}
+        evaluation = evaluate(mode.model, parts.eval_data, parts.loss_fn, parts.metric, mode.region, device)
+        results[name] = ServeResult(name, len(safetensors_bytes(state)), evaluation)
+    for batch in batches:
+        inputs = timing_batch(parts.eval_data, batch, seq).to(device)
+        progress(f"timing batch {batch}")
+        if batch == 1:
+            for name, times in _latency(modes, inputs, device, latency_samples).items():
+                results[name].latency_p50_ms = 1e3 * statistics.median(times)
+                results[name].latency_p95_ms = 1e3 * _percentile(times, 0.95)
+        else:
+            for name, times in _latency(modes, inputs, device, repeats).items():
+                results[name].throughput[batch] = batch / statistics.median(times)
+    return list(results.values())
+
+
+def as_records(results: list[ServeResult]) -> list[dict[str, Any]]:
+    """JSON-able records (batch sizes as strings)."""
+    return [{**asdict(r), "throughput": {str(b): v for b, v in r.throughput.items()}} for r in results]

@@ -1,0 +1,55 @@
+"""mixprec serve-bench on a tiny run: every mode measured, sizes halved in 16 bits, bad arguments one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MIXPREC = str(Path(sys.executable).with_name("mixprec"))
+REPO = Path(__file__).resolve().parents[2]
+MODES = ["mixprec fp32", "mixprec bf16", "mixprec fp16", "plain fp32", "plain bf16"]
+
+
+def run(*args):
+    command = [MIXPREC, *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "run"
+    done = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--quiet", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_serve_bench_measures_every_mode_side_by_side(digits_run):
+    done = run("serve-bench", digits_run, "--batches", "1,4", "--repeats", "1", "--latency-samples", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
+    assert [mode for mode in MODES if mode in rows] == MODES
+    results = {r["mode"]: r for r in json.loads((digits_run / "serve_bench.json").read_text())["results"]}
+    fp32 = results["mixprec fp32"]
+    for mode in ("mixprec bf16", "mixprec fp16", "plain bf16"):  # 16-bit weights: half the bytes (+ header)
+        assert abs(results[mode]["size_bytes"] / fp32["size_bytes"] - 0.5) < 0.05, mode
+    for result in results.values():
+        assert result["latency_p50_ms"] > 0 and result["latency_p95_ms"] >= result["latency_p50_ms"]
+        assert result["throughput"]["4"] > 0
+        # the same trained weights: every precision classifies the evaluation split about as well
+        assert abs(result["evaluation"]["accuracy"] - fp32["evaluation"]["accuracy"]) < 0.05
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--batches", "0,8"], "--batches: received '0,8'"),
+        (["--batches", "x"], "--batches: received 'x'"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+    ],
+)
+def test_serve_bench_refuses_bad_arguments_in_one_line(digits_run, args, said):
+    done = run("serve-bench", digits_run, *args)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
