@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import sysconfig
 from dataclasses import dataclass
@@ -49,14 +50,19 @@ def split_of(key: str) -> str:
     return "test" if bucket == 0 else "validation" if bucket == 1 else "train"
 
 
-def stdlib_docstrings(root: str | Path | None = None) -> dict[str, list[Docstring]]:
+def stdlib_docstrings(root: str | Path | None = None) -> dict[str, tuple[Docstring, ...]]:
     """The labelled docstrings of :data:`LABELS` under ``root`` (default: this Python's standard library),
-    split as the module docstring says; each split in key order.
+    split as the module docstring says; each split in key order. Read once per folder and process
+    (``compare`` and ``export`` build the task several times).
 
     Raises:
         FileNotFoundError: a package of :data:`LABELS` has no docstrings under ``root``.
     """
-    directory = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    return _read(Path(root if root is not None else sysconfig.get_paths()["stdlib"]).resolve())
+
+
+@functools.cache
+def _read(directory: Path) -> dict[str, tuple[Docstring, ...]]:
     found: list[Docstring] = []
     for label, package in enumerate(LABELS):
         files = sorted(p for p in (directory / package).rglob("*.py") if not _in_tests(p, directory))
@@ -65,10 +71,8 @@ def stdlib_docstrings(root: str | Path | None = None) -> dict[str, list[Docstrin
             found += [Docstring(key, label, text) for key, text in _docstrings(path, directory)]
         if len(found) == before:
             raise FileNotFoundError(f"the minilm task found no docstrings of {package!r} under {directory}.")
-    splits: dict[str, list[Docstring]] = {name: [] for name in SPLITS}
-    for item in _unique(found):
-        splits[split_of(item.key)].append(item)
-    return splits
+    unique = _unique(found)
+    return {name: tuple(item for item in unique if split_of(item.key) == name) for name in SPLITS}
 
 
 def _in_tests(path: Path, root: Path) -> bool:
