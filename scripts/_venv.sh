@@ -12,8 +12,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,lightning,accelerate,dev] into $VENV" >&2
+  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,nlp,lightning,accelerate,dev] into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,lightning,accelerate,dev]"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,nlp,lightning,accelerate,dev]"
   echo "$want" > "$stamp"
 fi

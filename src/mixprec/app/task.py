@@ -2,8 +2,9 @@
 
 A task factory takes a :class:`TaskConfig` and returns :class:`TaskParts`: the model, the training and
 evaluation data (re-iterable, yielding ``(inputs, targets)``), the loss function and an evaluation
-metric, plus its default hyperparameters. Built-in tasks: ``digits``, ``charlm``, ``hf``; a user's own
-is ``pkg.module:factory`` (see ``examples/``).
+metric, plus its default hyperparameters and, optionally, its LR schedule and the parameters AdamW
+leaves undecayed. Built-in tasks: ``digits``, ``charlm``, ``hf``, ``minilm``; a user's own is
+``pkg.module:factory`` (see ``examples/``).
 
 Training data that should shuffle reproducibly carries a ``generator`` attribute (``torch.utils.data.DataLoader``
 does when built with one): the trainer seeds it at the start of every epoch, which is what makes a
@@ -21,7 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BUILTIN_TASKS", "Metric", "TaskConfig", "TaskParts", "accuracy", "bits_per_char", "build_task"]
+__all__ = [
+    "BUILTIN_TASKS",
+    "Metric",
+    "TaskConfig",
+    "TaskParts",
+    "accuracy",
+    "bits_per_char",
+    "build_task",
+    "warmup_linear",
+]
 
 
 @dataclass(frozen=True)
@@ -72,12 +82,37 @@ class TaskParts:
     metric: Metric | None = None
     defaults: dict[str, Any] = field(default_factory=dict)  # lr, epochs or steps, weight_decay, max_grad_norm
     description: str = ""
+    # updates in the run -> the LR multiplier of each update (e.g. warmup_linear(0.1)); None: cosine from 1 to 0.1
+    schedule: Callable[[int], Callable[[int], float]] | None = None
+    # (name, parameter) -> True for parameters AdamW does not decay (e.g. biases and norms); None: decay all
+    no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None
+
+
+def warmup_linear(warmup: float) -> Callable[[int], Callable[[int], float]]:
+    """BERT's fine-tuning schedule, for ``TaskParts(schedule=...)``: the LR multiplier rises linearly over the
+    first ``warmup`` fraction of the updates, then falls linearly to 0 at the last one.
+
+    Example:
+        >>> multiplier = warmup_linear(0.1)(100)
+        >>> [round(multiplier(step), 2) for step in (0, 5, 10, 55, 100)]
+        [0.1, 0.6, 1.0, 0.5, 0.0]
+    """
+    if not 0 <= warmup < 1:
+        raise ValueError(f"warmup_linear(warmup=...): received {warmup!r}; use a fraction in [0, 1), e.g. 0.1.")
+
+    def for_run(total: int) -> Callable[[int], float]:
+        ramp = max(1, round(warmup * total))
+        # a closure, not a callable object: LambdaLR's state_dict then holds no function state
+        return lambda step: (step + 1) / ramp if step < ramp else max(0.0, (total - step) / max(1, total - ramp))
+
+    return for_run
 
 
 BUILTIN_TASKS = {
     "digits": "mixprec.app.tasks.digits:build",
     "charlm": "mixprec.app.tasks.charlm:build",
     "hf": "mixprec.app.tasks.hf:build",
+    "minilm": "mixprec.app.tasks.minilm:build",
 }
 
 

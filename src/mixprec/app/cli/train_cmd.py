@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # The built-in tasks' names, for --help without importing torch (mixprec.app.task.BUILTIN_TASKS; a
 # test holds the two equal).
-TASK_NAMES = ("digits", "charlm", "hf")
+TASK_NAMES = ("digits", "charlm", "hf", "minilm")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=int, help="passes over the training data (default: the task's)")
     length.add_argument("--steps", type=int, help="optimizer updates instead of epochs")
     parser.add_argument("--batch-size", type=int, help="samples per micro-batch (default: the task's)")
-    parser.add_argument("--lr", type=float, help="peak learning rate of AdamW (cosine decay to 10%%)")
+    parser.add_argument(
+        "--lr", type=float, help="peak learning rate of AdamW (cosine decay to 10%%; minilm: warm-up, linear decay)"
+    )
     parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default: the task's)")
     parser.add_argument("--max-grad-norm", type=float, help="clip the true gradient norm to this")
     parser.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update (default 1)")
