@@ -117,7 +117,8 @@ class MiniLMClassifier(nn.Module):
         hidden = self.encoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         weights = mask.unsqueeze(-1).float()
         pooled = (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-        return self.head(self.dropout(pooled))
+        # into the head in its weights' dtype: what autocast does anyway, and what a plain model.to(bf16) needs
+        return self.head(self.dropout(pooled.to(self.head.weight.dtype)))
 
 
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
