@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}.")
     from mixprec.app.machine import machine_info
     from mixprec.app.serve_bench import as_records, serve_bench  # the 'train' extra
+
     results = serve_bench(
         args.run_dir,
         batches,
