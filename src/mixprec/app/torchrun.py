@@ -9,15 +9,17 @@ ranks agree on every skipped step.
 
 from __future__ import annotations
 
+import gc
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from mixprec.compute.nest import map_tensors
 
-__all__ = ["init_from_env", "leave_group", "shard"]
+__all__ = ["exit_now", "init_from_env", "leave_group", "shard"]
 
 
 def init_from_env(device: str, *, sharded: bool = False) -> str:
@@ -51,11 +53,26 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def leave_group() -> None:
-    """Destroy the process group, if one was joined: a gloo group left alive until interpreter exit
-    can abort the process ("terminate called without an active exception") after a finished run."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def leave_group() -> bool:
+    """Destroy the process group, if one was joined; returns whether one was.
+
+    DDP and FSDP2 objects caught in reference cycles are collected first, while the group they hold
+    is alive. Even so, a gloo group's threads can abort the interpreter's teardown ("terminate called
+    without an active exception", pytorch/pytorch#190489): a command that left a group ends with
+    :func:`exit_now`.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    gc.collect()
+    dist.destroy_process_group()
+    return True
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush the output and end the process with ``code``, skipping the interpreter's teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard(batch: Any, rank: int, size: int) -> Any:

@@ -207,12 +207,17 @@ class Trainer:
                 # a sharded checkpoint is a collective the other ranks may never join now: keep the last
                 # periodic checkpoint rather than hang
                 logger.warning("Stopped at once: the FSDP2 ranks cannot save together now; the last checkpoint stands")
-                raise TrainingInterrupted(self.step, None, name) from None
-            raise TrainingInterrupted(self.step, self.save_checkpoint(), name) from None
+                checkpoint = None
+            else:
+                checkpoint = self.save_checkpoint()
+            self.log.close()
+            raise TrainingInterrupted(self.step, checkpoint, name) from None
         finally:
             bar.close()
         if self._stop.requested:
-            raise TrainingInterrupted(self.step, self.save_checkpoint(), self._stop.signal)
+            checkpoint = self.save_checkpoint()
+            self.log.close()
+            raise TrainingInterrupted(self.step, checkpoint, self._stop.signal)
         seconds = time.perf_counter() - start
         self.save_checkpoint()
         evaluation = self._final_evaluation()

@@ -149,9 +149,21 @@ def slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mixprec.app.torchrun import exit_now, leave_group
+
+    try:
+        code = _train(args)
+    except BaseException:
+        leave_group()  # the error is said by the command's caller, in one line
+        raise
+    if leave_group():  # under torchrun: end without the interpreter's teardown, where gloo can abort
+        exit_now(code)
+    return code
+
+
+def _train(args: argparse.Namespace) -> int:
     from mixprec.app.config import TrainConfig
     from mixprec.app.run import run_training  # needs the 'train' extra (plots)
-    from mixprec.app.torchrun import leave_group
     from mixprec.app.trainer import TrainingInterrupted
     from mixprec.distributed.ranks import world
 
@@ -183,8 +195,6 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(peer_failure_line(error, out), file=sys.stderr)
         return PEER_FAILED
-    finally:
-        leave_group()
     if main:  # under torchrun, one summary
         print(summary(outcome))
     return 0
