@@ -202,22 +202,11 @@ class Trainer:
         except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
             bar.close()
             self._restore_committed()
-            name = self._stop.signal or "SIGINT"
-            if self.mp.sharded and self.world.distributed:
-                # a sharded checkpoint is a collective the other ranks may never join now: keep the last
-                # periodic checkpoint rather than hang
-                logger.warning("Stopped at once: the FSDP2 ranks cannot save together now; the last checkpoint stands")
-                checkpoint = None
-            else:
-                checkpoint = self.save_checkpoint()
-            self.log.close()
-            raise TrainingInterrupted(self.step, checkpoint, name) from None
+            raise self._stopped(self._stop.signal or "SIGINT", at_once=True) from None
         finally:
             bar.close()
         if self._stop.requested:
-            checkpoint = self.save_checkpoint()
-            self.log.close()
-            raise TrainingInterrupted(self.step, checkpoint, self._stop.signal)
+            raise self._stopped(self._stop.signal)
         seconds = time.perf_counter() - start
         self.save_checkpoint()
         evaluation = self._final_evaluation()
@@ -335,6 +324,18 @@ class Trainer:
             return
         if self.batch_in_epoch == _length(self.data.train_data):  # stopped on the epoch's last batch: it is complete
             self._next_epoch()
+
+    def _stopped(self, signal: str, *, at_once: bool = False) -> TrainingInterrupted:
+        """Save a checkpoint and close the log; the exception that ends fit() on a stop signal."""
+        if at_once and self.mp.sharded and self.world.distributed:
+            # a sharded checkpoint is a collective the other ranks may never join now: keep the last
+            # periodic checkpoint rather than hang
+            logger.warning("Stopped at once: the FSDP2 ranks cannot save together now; the last checkpoint stands")
+            checkpoint = None
+        else:
+            checkpoint = self.save_checkpoint()
+        self.log.close()
+        return TrainingInterrupted(self.step, checkpoint, signal)
 
     def _checkpoint_due(self) -> bool:
         """Whether ``RunOptions(checkpoint_every_minutes=...)`` of wall clock passed since the last save."""
