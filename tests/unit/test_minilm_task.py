@@ -164,3 +164,16 @@ def test_export_halves_the_bytes(tiny_run):
     exported = export_run(tiny_run.run_dir, "fp16", repeats=1)
     assert abs(exported.half_bytes / exported.fp32_bytes - 0.5) < 0.005, (exported.half_bytes, exported.fp32_bytes)
     assert set(exported.half_eval) == {"loss", "accuracy"}
+
+
+def test_serve_bench_measures_the_fine_tuned_encoder_on_the_test_split(tiny_run):
+    from mixprec.app.serve_bench import MODES, serve_bench, timing_batch
+
+    results = serve_bench(tiny_run.run_dir, batches=(1, 2), seq=16, repeats=1, latency_samples=1)
+    assert [r.mode for r in results] == list(MODES) and {r.split for r in results} == {"test"}
+    sizes = {r.mode: r.size_bytes for r in results}
+    for mode in ("mixprec bf16", "mixprec fp16", "plain bf16"):
+        assert abs(sizes[mode] / sizes["mixprec fp32"] - 0.5) < 0.005, mode
+    assert all(r.throughput[2] > 0 and r.latency_p50_ms > 0 for r in results)
+    tokens = timing_batch([(torch.tensor([[101, 7, 8, 102, 0, 0]]), None)], batch=2, seq=5)
+    assert tokens.tolist() == [[101, 7, 8, 102, 101], [7, 8, 102, 101, 7]]  # real tokens only, exactly seq each

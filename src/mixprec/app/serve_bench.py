@@ -10,10 +10,11 @@ in one process, interleaved, so that they share the machine's state:
     plain fp32     the same FP32 model in plain torch (``inference_mode``, no mixprec)
     plain bf16     ``model.to(torch.bfloat16)`` in plain torch: what one does without mixprec
 
-For each: the weights' size as safetensors, the task's metric and loss on its evaluation split,
-latency of one sequence (p50 and p95 over ``latency_samples`` forwards), and throughput at each larger
-batch (sequences per second, median of ``repeats`` passes). Token inputs are cut from the evaluation
-texts' real tokens to exactly ``seq`` tokens; other inputs (images) are the evaluation rows.
+For each: the weights' size as safetensors, the task's metric and loss on its held-out test split
+(its validation split for tasks without one), latency of one sequence (p50 and p95 over
+``latency_samples`` forwards), and throughput at each larger batch (sequences per second, median of
+``repeats`` passes). Token inputs are cut from that split's real tokens to exactly ``seq`` tokens;
+other inputs (images) are its rows.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ServeResult:
     mode: str
     size_bytes: int
     evaluation: dict[str, float]
+    split: str  # the data evaluated: the task's held-out test split, else its validation split
     latency_p50_ms: float = 0.0
     latency_p95_ms: float = 0.0
     throughput: dict[int, float] = field(default_factory=dict)
@@ -139,17 +141,18 @@ def serve_bench(
     reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)  # FP32 parameters
     fp32_model, device = reference.model, reference.device
     fp32_model.load_state_dict(weights)
-    if parts.eval_data is None:
+    split, data = ("test", parts.test_data) if parts.test_data is not None else ("validation", parts.eval_data)
+    if data is None:
         raise ValueError(f"task {config.task!r} has no evaluation data to measure accuracy on.")
     modes = _modes(fp32_model, device)
     results = {}
     for name, mode in modes.items():
         progress(f"evaluating {name}")
         state = {k: v.contiguous() for k, v in mode.model.state_dict().items()}
-        evaluation = evaluate(mode.model, parts.eval_data, parts.loss_fn, parts.metric, mode.region, device)
-        results[name] = ServeResult(name, len(safetensors_bytes(state)), evaluation)
+        evaluation = evaluate(mode.model, data, parts.loss_fn, parts.metric, mode.region, device)
+        results[name] = ServeResult(name, len(safetensors_bytes(state)), evaluation, split)
     for batch in batches:
-        inputs = timing_batch(parts.eval_data, batch, seq).to(device)
+        inputs = timing_batch(data, batch, seq).to(device)
         progress(f"timing batch {batch}")
         if batch == 1:
             for name, times in _latency(modes, inputs, device, latency_samples).items():

@@ -86,6 +86,8 @@ class TaskParts:
     schedule: Callable[[int], Callable[[int], float]] | None = None
     # (name, parameter) -> True for parameters AdamW does not decay (e.g. biases and norms); None: decay all
     no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None
+    # a held-out split that training never sees (eval_data guides the run): what serve-bench reports on
+    test_data: Iterable | None = None
 
 
 def warmup_linear(warmup: float) -> Callable[[int], Callable[[int], float]]:

@@ -17,7 +17,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Measure a trained run's model as a server would use it: mixprec fp32/bf16/fp16 and plain torch "
             "fp32/bf16, interleaved in one process; latency at batch 1 (p50/p95), throughput at larger "
-            "batches, the task's metric on its evaluation split, the weights' size."
+            "batches, the task's metric on its held-out test split (else its validation split), the weights' size."
         ),
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         row += [f"{r.throughput[b]:,.1f}" for b in larger]
         row += [f"{r.throughput[b] / base.throughput[b]:.2f}x" for b in larger]
         rows.append(row)
+    print(f"{metric or 'loss'} on the {base.split} split; latency of one sequence, throughput in sequences/s")
     print(render_table(headers, rows))
     target = args.json or args.run_dir / "serve_bench.json"
     payload = {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}

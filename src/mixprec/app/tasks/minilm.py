@@ -139,6 +139,7 @@ def build(config: TaskConfig) -> TaskParts:
         model=model,
         train_data=batches,
         eval_data=_fixed_batches(_encode(valid, tokenizer, max_tokens), EVAL_BATCH),
+        test_data=_fixed_batches(_encode(_subset(splits["test"], valid_size), tokenizer, max_tokens), EVAL_BATCH),
         loss_fn=classification_loss,
         metric=accuracy,
         defaults={"lr": 1e-4, "weight_decay": 0.01, "epochs": epochs, "max_grad_norm": 1.0},
