@@ -50,7 +50,7 @@ logger = logging.getLogger("mixprec")
 
 _NAME = re.compile(r"step-(\d{8})\.safetensors")  # a file
 _SHARDED = re.compile(r"step-(\d{8})\.sharded")  # a folder
-_STAGING = re.compile(r"\.step-\d{8}\.(safetensors\.tmp-\d+|sharded\.tmp)")  # what a killed writer leaves
+_STAGING = re.compile(r"\.step-\d{8}\.(safetensors\.tmp-\d+|sharded\.tmp|sharded\.old)")  # what a killed writer leaves
 
 
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
@@ -120,7 +120,7 @@ def _prune(directory: Path, keep: int) -> None:
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         _remove(old)
     for stale in directory.iterdir():  # ours is renamed by now: a killed writer's
-        if _STAGING.fullmatch(stale.name) or stale.name.endswith(".sharded.old"):
+        if _STAGING.fullmatch(stale.name):
             _remove(stale)
 
 
@@ -162,8 +162,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read and verify one checkpoint (file or sharded folder); raises CheckpointError naming it and
     the problem. A sharded checkpoint's tensors stay in its files (``state["shards"]``)."""
     path = Path(path)
-    if path.is_dir() and _SHARDED.fullmatch(path.name):
-        return read_sharded(path, int(_SHARDED.fullmatch(path.name).group(1)))
+    if path.is_dir() and (sharded := _SHARDED.fullmatch(path.name)):
+        return read_sharded(path, int(sharded.group(1)))
     named = _NAME.fullmatch(path.name)
     return read_checkpoint_file(path, int(named.group(1)) if named else None)
 

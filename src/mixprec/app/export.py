@@ -23,7 +23,7 @@ from mixprec.app.evaluate import evaluate, to_device
 from mixprec.app.resume import check_run_identity
 from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
-from mixprec.parallel.state import tied_names
+from mixprec.parallel.state import with_tied_names
 from mixprec.policy.parse import get_policy
 from mixprec.regions.autocast import autocast
 from mixprec.regions.casting import cast_module
@@ -121,8 +121,7 @@ def fp32_weights(run_dir: Path, trainer, allow_foreign: bool) -> tuple[Path, dic
                 if f"model.{k}" in names
             }
             load_sharded(state["shards"], wanted)
-            model = fill_sharded({"model": model}, wanted)["model"]
-            model.update({alias: model[name] for alias, name in tied_names(trainer.model).items() if name in model})
+            model = with_tied_names(trainer.model, fill_sharded({"model": model}, wanted)["model"])
         return path, {k: v.float() if v.is_floating_point() else v for k, v in model.items()}
     trainer.load_state_dict(state)
     return path, trainer.mp.fp32_state_dict()

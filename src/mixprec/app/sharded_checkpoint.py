@@ -60,13 +60,11 @@ def split_sharded(state: Any, path: str = "") -> tuple[dict[str, DTensor], Any]:
     """(``{name: DTensor}``, ``state`` with each DTensor replaced by a marker naming it). A name is the
     tensor's path in the state (``model.blocks.0.weight``), the same at any world size."""
     sharded: dict[str, DTensor] = {}
-    seen: dict[int, str] = {}  # a tensor reached twice (tied weights) is stored once, under its first name
 
     def walk(value: Any, at: str) -> Any:
         if isinstance(value, DTensor):
-            name = seen.setdefault(id(value), at)
-            sharded.setdefault(name, value)
-            return {_SHARD: name}
+            sharded[at] = value
+            return {_SHARD: at}
         if isinstance(value, dict):
             return {key: walk(item, f"{at}.{key}" if at else str(key)) for key, item in value.items()}
         if isinstance(value, (list, tuple)):

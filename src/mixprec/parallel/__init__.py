@@ -4,7 +4,7 @@ gradient averaging, the state of sharded runs, whole or per rank.
 
 from mixprec.parallel.ddp import fp32_allreduce_hook, wrap_ddp
 from mixprec.parallel.fsdp import fsdp_policy, fully_shard, is_sharded, sharded_with
-from mixprec.parallel.state import gather_state, scatter_state, sharded_state, tied_names
+from mixprec.parallel.state import gather_state, scatter_state, sharded_state, tied_names, with_tied_names
 
 __all__ = [
     "fp32_allreduce_hook",
@@ -16,5 +16,6 @@ __all__ = [
     "sharded_state",
     "sharded_with",
     "tied_names",
+    "with_tied_names",
     "wrap_ddp",
 ]

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["gather_state", "scatter_state", "sharded_state", "tied_names"]
+__all__ = ["gather_state", "scatter_state", "sharded_state", "tied_names", "with_tied_names"]
 
 
 def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -47,9 +47,18 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     tied = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        tied.update({name: first[id(parameter)]} if id(parameter) in first else {})
-        first.setdefault(id(parameter), name)
+        if id(parameter) in first:
+            tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
     return tied
+
+
+def with_tied_names(model: nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
+    """``model_state`` with the second names of ``model``'s tied parameters back (as :func:`sharded_state`
+    left them out), each naming its first name's tensor."""
+    tied = {alias: model_state[name] for alias, name in tied_names(model).items() if name in model_state}
+    return {**model_state, **tied}
 
 
 def scatter_state(
@@ -64,8 +73,7 @@ def scatter_state(
     DTensors (as :func:`sharded_state` did). Collective."""
     options = StateDictOptions(full_state_dict=full)
     if not full:  # sharded_state left out the second names of tied parameters
-        tied = {alias: model_state[name] for alias, name in tied_names(model).items() if name in model_state}
-        model_state = {**model_state, **tied}
+        model_state = with_tied_names(model, model_state)
     if optimizer_state.get("state"):
         set_state_dict(
             model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options

@@ -185,7 +185,6 @@ def _train(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             allow_foreign_checkpoint=args.allow_foreign_checkpoint,
         )
-        main = world().is_main  # read before the group is left
     except TrainingInterrupted as stop:
         if world().is_main:  # rank 0 saved the checkpoint: one line, from it
             print(f"mixprec train: {stop}. Resume with: mixprec train --out {out} --resume", file=sys.stderr)
@@ -195,7 +194,7 @@ def _train(args: argparse.Namespace) -> int:
             raise
         print(peer_failure_line(error, out), file=sys.stderr)
         return PEER_FAILED
-    if main:  # under torchrun, one summary
+    if world().is_main:  # under torchrun, one summary
         print(summary(outcome))
     return 0
 
