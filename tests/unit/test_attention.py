@@ -89,6 +89,18 @@ def test_bf16_policies_on_cpu_route_attention_to_the_gemm_path_where_it_measured
     torch.testing.assert_close(fp32, routed, rtol=0.05, atol=0.05)
 
 
+def test_inference_runs_pytorchs_kernel_the_probe_timed_training(kernel_cache):
+    kernel_cache(torch.bfloat16, attention="gemm")
+    torch.manual_seed(0)
+    model, x = _Attend(), torch.randn(2, 12, 16)
+    for no_autograd in (torch.no_grad, torch.inference_mode):
+        with no_autograd(), mixprec.autocast("mixed_bf16", model):
+            out = model(x)
+        with no_autograd(), torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = model(x)
+        assert torch.equal(out, ref.float())
+
+
 def test_attention_runs_pytorchs_kernel_where_it_measured_fastest(kernel_cache):
     kernel_cache(torch.bfloat16, attention="native")
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
 from mixprec.app.config import TrainConfig
@@ -160,9 +161,14 @@ def test_fine_tunes_with_undecayed_norms_and_biases_and_resumes_bit_identically(
         assert torch.equal(a, b)
 
 
-def test_export_halves_the_bytes(tiny_run):
+def test_export_halves_the_bytes_and_keeps_the_norms_in_fp32(tiny_run):
     exported = export_run(tiny_run.run_dir, "fp16", repeats=1)
     assert abs(exported.half_bytes / exported.fp32_bytes - 0.5) < 0.005, (exported.half_bytes, exported.fp32_bytes)
+    dtypes = {k: v.dtype for k, v in load_file(exported.half_path).items() if v.is_floating_point()}
+    norms = {k for k in dtypes if "LayerNorm" in k}
+    assert len(norms) == 2 * 13  # the embeddings' norm and two per layer, weight and bias: as o2_bf16 trained them
+    assert {dtypes[k] for k in norms} == {torch.float32}
+    assert {d for k, d in dtypes.items() if k not in norms} == {torch.float16}
     assert set(exported.half_eval) == {"loss", "accuracy"}
 
 
@@ -175,5 +181,6 @@ def test_serve_bench_measures_the_fine_tuned_encoder_on_the_test_split(tiny_run)
     for mode in ("mixprec bf16", "mixprec fp16", "plain bf16"):
         assert abs(sizes[mode] / sizes["mixprec fp32"] - 0.5) < 0.005, mode
     assert all(r.throughput[2] > 0 and r.latency_p50_ms > 0 for r in results)
-    tokens = timing_batch([(torch.tensor([[101, 7, 8, 102, 0, 0]]), None)], batch=2, seq=5)
-    assert tokens.tolist() == [[101, 7, 8, 102, 101], [7, 8, 102, 101, 7]]  # real tokens only, exactly seq each
+    padded = [(torch.tensor([[101, 7, 8, 102, 0, 0]]), None), (torch.tensor([[101, 9, 102], [101, 102, 0]]), None)]
+    tokens = timing_batch(padded, batch=2, seq=6)  # batches padded to their own lengths, as the task pads them
+    assert tokens.tolist() == [[101, 7, 8, 102, 101, 9], [102, 101, 102, 101, 7, 8]]  # real tokens only, seq each

@@ -1,9 +1,10 @@
 """Export a trained run's weights in half precision, and show what that costs and buys at inference.
 
 From the run's newest valid checkpoint: the exact FP32 weights (the masters, for o2 policies) are
-written to ``export/model-fp32.safetensors`` and, cast, to ``export/model-<dtype>.safetensors``. Both
-models are evaluated on the task's test data (the half model computing in its own dtype, outputs in
-FP32) and timed on it, interleaved, median of several passes.
+written to ``export/model-fp32.safetensors`` and, cast, to ``export/model-<dtype>.safetensors``; the
+half model keeps in FP32 what the run's policy keeps (see :func:`export_policy`). Both models are
+evaluated on the task's test data (the half model computing in its own dtype, outputs in FP32) and
+timed on it, interleaved, median of several passes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
 from mixprec.parallel.state import with_tied_names
 from mixprec.policy.parse import get_policy
+from mixprec.policy.policy import NORM, Policy
 from mixprec.regions.autocast import autocast
 from mixprec.regions.casting import cast_module
 
-__all__ = ["EXPORT_DTYPES", "ExportResult", "export_run", "fp32_weights"]
+__all__ = ["EXPORT_DTYPES", "ExportResult", "export_policy", "export_run", "fp32_weights"]
 
 EXPORT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -65,7 +67,7 @@ def export_run(
     reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)
     fp32_model = reference.model
     fp32_model.load_state_dict(weights)
-    half_policy = get_policy(f"p={dtype},c={dtype},o=f32")
+    half_policy = export_policy(trainer.mp.policy, dtype)
     half_model = cast_module(copy.deepcopy(fp32_model), half_policy)
 
     out = run_dir / "export"
@@ -73,7 +75,8 @@ def export_run(
     metadata = {"task": config.task, "policy": config.policy, "source": str(source)}
     fp32_path, half_path = out / "model-fp32.safetensors", out / f"model-{dtype}.safetensors"
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(fp32_path), {**metadata, "dtype": "fp32"})
-    half_weights = {k: v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v.clone() for k, v in weights.items()}
+    half_state = half_model.state_dict()  # each tensor in its kept or lowered dtype
+    half_weights = {k: half_state[k].contiguous().clone() for k in weights}
     save_file(half_weights, str(half_path), {**metadata, "dtype": dtype})
 
     device = trainer.device
@@ -98,6 +101,26 @@ def export_run(
         fp32_samples_per_s=speeds["fp32"],
         half_samples_per_s=speeds[dtype],
         metric=parts.metric.name if parts.metric is not None else None,
+    )
+
+
+def export_policy(policy: Policy, dtype: str) -> Policy:
+    """The policy of a ``dtype`` export of a run trained under ``policy``: parameters and compute in
+    ``dtype``, outputs in FP32, and in FP32 the modules, names and ops that ``policy`` keeps there.
+
+    A policy with FP32 parameters (fp32, tf32, mixed_*, fp8) keeps no modules because all of them are
+    FP32 already; its export keeps the normalization layers, as the o2 presets do."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
+    kept_modules = policy.fp32_modules if policy.param_dtype != torch.float32 else (NORM,)
+    return Policy(
+        param_dtype=EXPORT_DTYPES[dtype],
+        compute_dtype=EXPORT_DTYPES[dtype],
+        output_dtype=torch.float32,
+        fp32_modules=kept_modules,
+        fp32_names=policy.fp32_names,
+        fp32_ops=policy.fp32_ops,
+        reason=f"{dtype} export, with the trained policy's FP32 modules kept",
     )
 
 

@@ -4,7 +4,8 @@ From the run's exact FP32 weights (as ``mixprec export`` reads them) five models
 in one process, interleaved, so that they share the machine's state:
 
     mixprec fp32   the FP32 model in mixprec's fp32 region (the reference)
-    mixprec bf16   the bf16 export (``mixprec export --dtype bf16``) in its region, outputs in FP32
+    mixprec bf16   the bf16 export (``mixprec export --dtype bf16``: normalization layers and whatever
+                   else the run's policy keeps in FP32) in its region, outputs in FP32
     mixprec fp16   the fp16 export in its region: native fp16 kernels where the compute plan measured
                    them faster, emulated (bf16-exact rounding to fp16) where the machine has none
     plain fp32     the same FP32 model in plain torch (``inference_mode``, no mixprec)
@@ -34,9 +35,10 @@ from torch import nn
 
 from mixprec.app.config import TrainConfig
 from mixprec.app.evaluate import evaluate
-from mixprec.app.export import fp32_weights
+from mixprec.app.export import export_policy, fp32_weights
 from mixprec.app.run import build_trainer
 from mixprec.policy.parse import get_policy
+from mixprec.policy.policy import Policy
 from mixprec.regions.autocast import Region
 from mixprec.regions.casting import cast_module
 
@@ -75,10 +77,10 @@ class _Bf16Inputs(nn.Module):
         return self.model(inputs.to(torch.bfloat16) if inputs.is_floating_point() else inputs)
 
 
-def _modes(fp32_model: nn.Module, device: torch.device) -> dict[str, _Mode]:
+def _modes(fp32_model: nn.Module, trained: Policy, device: torch.device) -> dict[str, _Mode]:
     modes = {}
-    for name, dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")):
-        policy = get_policy("fp32" if dtype == "fp32" else f"p={dtype},c={dtype},o=f32")
+    for name in ("fp32", "bf16", "fp16"):
+        policy = get_policy("fp32") if name == "fp32" else export_policy(trained, name)
         model = cast_module(copy.deepcopy(fp32_model), policy)
         region = Region(policy, model, device)  # prepared once: entering it per forward costs nothing more
         modes[f"mixprec {name}"] = _Mode(model, region.enter)
@@ -92,11 +94,12 @@ def _modes(fp32_model: nn.Module, device: torch.device) -> dict[str, _Mode]:
 def timing_batch(eval_data, batch: int, seq: int | None) -> torch.Tensor:
     """``batch`` inputs for timing: token rows of exactly ``seq`` real tokens (padding, id 0, dropped)
     cut from the evaluation inputs, or the evaluation rows themselves, repeated as needed."""
-    rows = torch.cat([inputs for inputs, _ in eval_data])
-    if seq is not None and not rows.is_floating_point() and rows.dim() == 2:
-        tokens = rows[rows != 0]
+    inputs = [inputs for inputs, _ in eval_data]
+    if seq is not None and not inputs[0].is_floating_point() and inputs[0].dim() == 2:
+        tokens = torch.cat([rows[rows != 0] for rows in inputs])  # batches padded to their own lengths
         tokens = tokens.repeat(-(-batch * seq // tokens.numel()))[: batch * seq]
         return tokens.reshape(batch, seq)
+    rows = torch.cat(inputs)
     return rows.repeat((-(-batch // rows.shape[0]),) + (1,) * (rows.dim() - 1))[:batch]
 
 
@@ -145,7 +148,7 @@ def serve_bench(
     split, data = ("test", parts.test_data) if parts.test_data is not None else ("validation", parts.eval_data)
     if data is None:
         raise ValueError(f"task {config.task!r} has no evaluation data to measure accuracy on.")
-    modes = _modes(fp32_model, device)
+    modes = _modes(fp32_model, trainer.mp.policy, device)
     results = {}
     for name, mode in modes.items():
         progress(f"evaluating {name}")

@@ -12,8 +12,9 @@ the second GEMM. A power-of-two scale (head dims 4, 16, 64, 256) is folded into 
 scale multiplies the bf16 logits. The flash kernel keeps FP32 logits: the gradient error against an
 FP64 reference is about 1.6x the flash kernel's (measured in tests/unit/test_attention.py).
 
-``policy.attention`` (the region) uses it for bf16 inputs on CPUs under native bf16 compute, unless
-the policy lists ``scaled_dot_product_attention`` among its FP32 ops; dropout, grouped-query
+The region (:mod:`mixprec.regions.autocast`) uses it for bf16 inputs on CPUs under native bf16
+compute where the kernel probe measured it faster, with autograd on (the probe timed training),
+unless the policy lists ``scaled_dot_product_attention`` among its FP32 ops; dropout, grouped-query
 attention and a float mask that needs a gradient fall back to PyTorch's kernel.
 """
 

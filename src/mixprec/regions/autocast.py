@@ -7,7 +7,9 @@ Inside ``autocast(policy, model)``:
       with ``tf32``, FP32 matmuls may use TF32 units where the device has them;
     - ops in ``policy.fp32_ops`` run in FP32 (see :mod:`mixprec.regions.op_overrides`);
     - on CPUs under bf16, scaled dot-product attention runs as bf16 GEMMs (see
-      :mod:`mixprec.compute.attention`), unless ``fp32_ops`` lists it;
+      :mod:`mixprec.compute.attention`) where the probe measured that faster, unless ``fp32_ops`` lists
+      it; only with autograd on: the probe timed forward + backward, and forward alone (inference,
+      evaluation) measured no faster on a whole model while the routing costs every op a Python call;
     - modules the policy keeps in FP32 run with autocast off and FP32 inputs, except batch, layer and
       group norms, whose kernels already compute in FP32 from 16-bit inputs (FP32 parameters, output
       in the input's dtype, as cuDNN does);
@@ -238,7 +240,7 @@ class Region:
         null = contextlib.nullcontext()
         with (
             torch.autocast(device_type, dtype=plan.dtype) if native else null,
-            GemmAttention() if native and uses_gemm_attention(policy, plan) else null,
+            GemmAttention() if native and torch.is_grad_enabled() and uses_gemm_attention(policy, plan) else null,
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
             FP32Ops(policy.fp32_ops, device_type) if policy.fp32_ops and plan.mode != "emulated" else null,
