@@ -6,7 +6,10 @@
 
 Training: ``mixprec train minilm`` per policy and seed (the same data and head initialisation per seed),
 one run at a time: sequences per second over the run, and accuracy on the held-out test split with the
-model as trained (in its policy's region); mean and spread (min-max) over the seeds. Inference:
+model as trained (in its policy's region); mean and spread (min-max) over the seeds. Then the training
+step side by side (``mixprec bench --suite step,memory --models minilm``: one batch of 16 x 128 tokens,
+every policy and the hand-written torch loops interleaved in one process, wall and CPU time) and its
+memory (bytes of model state per parameter, activations saved for backward, peak RSS). Inference:
 ``mixprec serve-bench`` on the first seed's mixed_bf16 run (the weights a user would serve), every
 precision side by side in one process: latency at batch 1, throughput at batch 8 and 64, sequence
 length 128, model size, test accuracy. Writes benchmarks/results/bert_table.json (with the machine)
@@ -17,6 +20,7 @@ when present).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -24,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mixprec.app.bench.suites import MODELS, memory_suite, step_suite
 from mixprec.app.config import TrainConfig
 from mixprec.app.evaluate import evaluate
 from mixprec.app.export import fp32_weights
@@ -62,32 +67,72 @@ def _train(policy: str, seed: int, size: str, work: Path) -> dict:
     }
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: list[float], digits: int = 3) -> str:
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def render(payload: dict) -> str:
-    """Both tables in Markdown, from the JSON payload alone."""
-    runs, serving = payload["training"], payload["inference"]
+    """The tables in Markdown, from the JSON payload alone."""
+    machine = payload["machine"]
+    lines = [
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('torch_threads', '?')} threads, torch "
+        f"{machine.get('torch', '?')}; seeds {', '.join(map(str, payload['seeds']))}.",
+        "",
+        *_fine_tune_rows(payload["training"]),
+    ]
+    if payload.get("steps"):  # results written before the side-by-side step was added have none
+        lines += ["", *_step_rows(payload["steps"], payload["memory"], *payload["step_shape"])]
+    lines += ["", *_inference_rows(payload["inference"])]
+    return "\n".join(lines) + "\n"
+
+
+def _fine_tune_rows(runs: list[dict]) -> list[str]:
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     speed = {p: statistics.mean(r["samples_per_s"] for r in runs if r["policy"] == p) for p in policies}
     base = speed.get("fp32", next(iter(speed.values())))
     lines = [
-        f"Machine: {payload['machine'].get('cpu', '?')}, torch {payload['machine'].get('torch', '?')}; "
-        f"seeds {', '.join(map(str, payload['seeds']))}.",
-        "",
-        "| training precision | batch | sequences/s | speed-up vs fp32 | test accuracy, mean (min-max) | skipped |",
-        "|---|---|---|---|---|---|",
+        "| fine-tuning precision | batch | sequences/s, mean (min-max) | vs fp32 | test accuracy, mean (min-max) "
+        "| test loss, mean (min-max) | skipped steps |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in policies:
         mine = [r for r in runs if r["policy"] == p]
-        accuracy = _spread([r["test"]["accuracy"] for r in mine])
+        accuracy, loss = (_spread([r["test"][key] for r in mine]) for key in ("accuracy", "loss"))
         skipped = sum(r["skipped_steps"] for r in mine)
-        lines.append(f"| {p} | {mine[0]['batch']} | {speed[p]:.1f} | {speed[p] / base:.2f}x | {accuracy} | {skipped} |")
-    lines += [
+        lines.append(
+            f"| {p} | {mine[0]['batch']} | {_spread([r['samples_per_s'] for r in mine], 1)} | {speed[p] / base:.2f}x "
+            f"| {accuracy} | {loss} | {skipped} |"
+        )
+    return lines
+
+
+def _step_rows(steps: list[dict], memory: list[dict], batch: int, tokens: int) -> list[str]:
+    """The training step side by side, with the memory figures of each policy."""
+    by_policy = {m["policy"]: m for m in memory}
+    lines = [
+        f"Training step side by side (batch {batch} x {tokens} tokens, interleaved in one process):",
         "",
+        "| mode | ms/step | sequences/s | vs fp32 (wall / CPU) | vs hand-written twin | model state bytes/param "
+        "| saved activations vs fp32 | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in steps:
+        m = by_policy.get(r["mode"])
+        twin = f"{r['overhead_vs_torch']:.2f}x" if r["overhead_vs_torch"] else "-"
+        state = f"{m['state_bytes_per_param']:.1f}" if m else "-"
+        saved = f"{m['activations_vs_fp32']:.2f}x" if m else "-"
+        rss = f"{m['peak_rss_bytes'] / 2**20:.0f}" if m and m["peak_rss_bytes"] else "-"
+        lines.append(
+            f"| {r['mode']} | {r['median_ms']:.0f} | {1e3 * batch / r['median_ms']:.1f} "
+            f"| {r['vs_fp32']:.2f}x / {r['cpu_vs_fp32']:.2f}x | {twin} | {state} | {saved} | {rss} |"
+        )
+    return lines
+
+
+def _inference_rows(serving: dict) -> list[str]:
+    lines = [
         f"Inference (seq {serving['seq']}, weights of `{serving['run']}`):",
         "",
         "| precision | size MB | latency p50 / p95 ms (batch 1) | batch | sequences/s | vs fp32 | test accuracy |",
@@ -102,7 +147,7 @@ def render(payload: dict) -> str:
                 f"| {r['mode']} | {r['size_bytes'] / 2**20:.1f} | {latency} | {batch} | {rate:.1f} | {speedup:.2f}x "
                 f"| {r['evaluation']['accuracy']:.3f} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> int:
@@ -122,6 +167,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mixprec-bert-table-"))
     args.out = args.out or (work / "bert_table.json" if args.dry_run else RESULTS / "bert_table.json")
     runs = [_train(policy, seed, size, work) for seed in seeds for policy in policies]
+    # dry run: the same model at 2 x 16 tokens, one timed repeat, no peak-RSS processes
+    shape = (2, 16) if args.dry_run else (16, 128)  # MODELS' minilm: 16 x 128
+    builders = {"minilm": functools.partial(MODELS["minilm"], *shape)}
+    steps = step_suite(["minilm"], policies, repeats=1 if args.dry_run else 7, builders=builders)
+    memory = memory_suite(["minilm"], policies, rss=not args.dry_run, builders=builders)  # RSS: MODELS' minilm
     served = work / f"{'mixed_bf16' if 'mixed_bf16' in policies else policies[0]}-seed{seeds[0]}"
     try:
         results = serve_bench(
@@ -135,6 +185,9 @@ def main() -> int:
         "machine": machine_info(),
         "seeds": seeds,
         "training": runs,
+        "step_shape": list(shape),
+        "steps": steps,
+        "memory": memory,
         "inference": {"run": served.name, "seq": seq, "results": as_records(results)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,17 +34,23 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module
     """
     parameters = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
+    kept: list[object] = []  # alive until the forward ends, so that no freed address is reused and counted once
     emulation = active_emulation()
 
-    def pack(tensor: torch.Tensor) -> object:
+    def pack(tensor: torch.Tensor) -> None:
         packed = emulation.pack(tensor) if emulation is not None else tensor
+        kept.append(packed)
         stored = packed[1] if isinstance(packed, tuple) else packed
         storage = stored.untyped_storage()
         if storage.data_ptr() not in parameters and not isinstance(tensor, nn.Parameter):
             storages[storage.data_ptr()] = storage.nbytes()
-        return packed
+        # The graph keeps nothing: an op's saved output, returned here, would hold its own grad_fn, a reference
+        # cycle through autograd's C++ that Python's collector cannot see (every run leaked its model).
 
-    unpack = emulation.unpack if emulation is not None else (lambda packed: packed)
+    def unpack(packed: None) -> torch.Tensor:
+        raise RuntimeError("saved_activation_bytes measures a forward pass; its graph cannot be backpropagated.")
+
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         forward()
+    kept.clear()
     return sum(storages.values())

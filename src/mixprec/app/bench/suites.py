@@ -16,7 +16,7 @@ import functools
 import multiprocessing
 import resource
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +98,26 @@ def _hf() -> BenchModel:
     )
 
 
-MODELS: dict[str, Callable[[], BenchModel]] = {"mlp": _mlp, "cnn": _cnn, "gpt": _gpt, "hf": _hf}
+def _minilm(batch: int = 16, tokens: int = 128) -> BenchModel:
+    """The pretrained all-MiniLM-L6-v2 classifier of the minilm task (extra: nlp), loaded once, one batch
+    of ``tokens`` unpadded tokens: the task's training step at its longest (its batches pad to their own
+    length, at most 128). Token values do not change the work, so they are drawn at random."""
+    import copy
+
+    from mixprec.app.tasks.docstrings import LABELS
+    from mixprec.app.tasks.minilm import MiniLMClassifier, classification_loss, load_encoder, model_folder
+
+    torch.manual_seed(0)
+    pretrained = MiniLMClassifier(load_encoder(model_folder())[0], len(LABELS))
+    vocab = pretrained.encoder.config.vocab_size
+    return BenchModel(
+        lambda: copy.deepcopy(pretrained),
+        lambda: (torch.randint(1000, vocab, (batch, tokens)), torch.randint(0, len(LABELS), (batch,))),
+        classification_loss,
+    )
+
+
+MODELS: dict[str, Callable[[], BenchModel]] = {"mlp": _mlp, "cnn": _cnn, "gpt": _gpt, "hf": _hf, "minilm": _minilm}
 
 
 def _optimizer(model: nn.Module, policy: str | None) -> torch.optim.Optimizer:
@@ -173,11 +192,14 @@ def mixprec_step(
     return step, mp
 
 
-def step_suite(models: list[str], policies: list[str], repeats: int = 7) -> list[dict]:
-    """Median step time per mode; ratios to the hand-written FP32 loop and to the matching torch loop."""
+def step_suite(
+    models: list[str], policies: list[str], repeats: int = 7, builders: Mapping[str, Callable[[], BenchModel]] = MODELS
+) -> list[dict]:
+    """Median step time per mode; ratios to the hand-written FP32 loop and to the matching torch loop.
+    ``builders`` maps the model names to their BenchModel (default :data:`MODELS`)."""
     records = []
     for name in models:
-        bench = MODELS[name]()
+        bench = builders[name]()
         steps: dict[str, Callable[[], None]] = {
             "torch fp32": torch_step(bench, None),
             "torch autocast bf16": torch_step(bench, torch.bfloat16),
@@ -241,11 +263,14 @@ def _peak_rss(model: str, policy: str) -> int:
     return value
 
 
-def memory_suite(models: list[str], policies: list[str], rss: bool = True) -> list[dict]:
-    """Bytes of model state per parameter, saved activations and peak RSS, with ratios to FP32."""
+def memory_suite(
+    models: list[str], policies: list[str], rss: bool = True, builders: Mapping[str, Callable[[], BenchModel]] = MODELS
+) -> list[dict]:
+    """Bytes of model state per parameter, saved activations and peak RSS (of :data:`MODELS`' model, in a
+    fresh process), with ratios to FP32."""
     records = []
     for name in models:
-        bench = MODELS[name]()
+        bench = builders[name]()
         x, _ = bench.batch()
         rows = {}
         for policy in ["fp32", *[p for p in policies if p != "fp32"]]:

@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Measure every policy side by side against FP32 and hand-written torch loops.",
     )
     parser.add_argument("--suite", default=",".join(SUITES), help=f"suites to run (default: {','.join(SUITES)})")
-    parser.add_argument("--models", default="mlp,cnn,gpt", help="models for step/memory: mlp, cnn, gpt, hf")
+    parser.add_argument("--models", default="mlp,cnn,gpt", help="models for step/memory: mlp, cnn, gpt, hf, minilm")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"policies (default: {DEFAULT_POLICIES})")
     parser.add_argument("--seeds", default="0,1,2", help="seeds for the accuracy suite (default 0,1,2)")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per mode (default 7)")
