@@ -77,7 +77,8 @@ def render(payload: dict) -> str:
     """The tables in Markdown, from the JSON payload alone."""
     machine = payload["machine"]
     lines = [
-        f"Machine: {machine.get('cpu', '?')}, {machine.get('torch_threads', '?')} threads, torch "
+        f"Machine: {machine.get('cpu', '?')} ({machine.get('isa', '?')}), "
+        f"{machine.get('torch_threads', '?')} threads, torch "
         f"{machine.get('torch', '?')}; seeds {', '.join(map(str, payload['seeds']))}.",
         "",
         *_fine_tune_rows(payload["training"]),
