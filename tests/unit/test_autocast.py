@@ -15,21 +15,43 @@ OPS = {
 }
 
 
+def _input(op: str, device: str) -> torch.Tensor:
+    x = torch.randn(4, 4, device=device)
+    return x.bfloat16() if op in ("softmax", "exp", "gelu") else x  # elementwise ops see a bf16 input
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_listed_op_returns_fp32_unlisted_follows_torch_autocast(op, device):
-    fn = OPS[op]
-    x = torch.randn(4, 4, device=device)
-    lowp = x.bfloat16() if op in ("softmax", "exp", "gelu") else x  # elementwise ops see a bf16 input
+    fn, lowp = OPS[op], _input(op, device)
+    native = mixprec.get_policy("mixed_bf16").replace(kernels="native")  # the same on every CPU
     with torch.autocast(device, dtype=torch.bfloat16):
         torch_dtype = fn(lowp).dtype
-    with mixprec.autocast("mixed_bf16", device=device):
+    with mixprec.autocast(native, device=device):
         unlisted = fn(lowp)
-    with mixprec.autocast(mixprec.get_policy("mixed_bf16").replace(fp32_ops=(op,)), device=device):
+    with mixprec.autocast(native.replace(fp32_ops=(op,)), device=device):
         listed = fn(lowp)
     assert unlisted.dtype == torch_dtype
     assert listed.dtype == torch.float32
     assert torch_dtype == torch.bfloat16  # so the listing made a difference
     torch.testing.assert_close(listed, fn(lowp.float()))  # computed in FP32 from the same inputs
+
+
+# CUDA autocast's lists: what an emulated region follows on every device (CPU autocast keeps exp in bf16).
+CUDA_AUTOCAST_DTYPE = {"softmax": torch.float32, "exp": torch.float32, "gelu": torch.bfloat16,
+                       "matmul": torch.bfloat16, "mm": torch.bfloat16, "linear": torch.bfloat16}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_emulated_regions_follow_cuda_autocasts_lists_and_listed_ops_run_in_fp32(op, device):
+    fn, lowp = OPS[op], _input(op, device)
+    emulated = mixprec.get_policy("mixed_bf16").replace(kernels="emulated")
+    with mixprec.autocast(emulated, device=device):
+        unlisted = fn(lowp)
+    with mixprec.autocast(emulated.replace(fp32_ops=(op,)), device=device):
+        listed = fn(lowp)
+    assert unlisted.dtype == CUDA_AUTOCAST_DTYPE[op]
+    assert listed.dtype == torch.float32
+    torch.testing.assert_close(listed, fn(lowp.float()))
 
 
 def test_region_outputs_cast_to_output_dtype():
@@ -96,7 +118,7 @@ class FailingNorm(nn.LayerNorm):
 
 def test_fp32_norms_run_their_mixed_dtype_kernels_under_native_bf16():
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-    policy = mixprec.get_policy("o2_bf16")
+    policy = mixprec.get_policy("o2_bf16").replace(kernels="native")  # emulated on CPUs without bf16 units
     mixprec.cast_module(model, policy)
     seen = {}
     model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("norm", (a[0].dtype, o.dtype)))
@@ -126,10 +148,14 @@ def test_state_restored_after_an_exception(fail_before_region_hooks):
         assert model(torch.randn(2, 4)).dtype == torch.float32
 
 
-def test_region_restores_outer_autocast():
+@pytest.mark.parametrize("policy", ["mixed_bf16,kernels=native", "mixed_bf16,kernels=emulated", "fp32"])
+def test_region_owns_the_precision_inside_an_outer_autocast_and_restores_it(policy):
+    name, _, kernels = policy.partition(",kernels=")
+    inner = mixprec.get_policy(name).replace(kernels=kernels or "auto")
+    expected = torch.float32 if name == "fp32" else torch.bfloat16
     with torch.autocast("cpu", dtype=torch.float16):
-        with mixprec.autocast("mixed_bf16", device="cpu"):
-            assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        with mixprec.autocast(inner, device="cpu"):
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == expected  # not the outer region's fp16
         assert torch.get_autocast_dtype("cpu") == torch.float16 and torch.is_autocast_enabled("cpu")
 
 

@@ -5,9 +5,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from mixprec.app.bench import suites
-from mixprec.app.bench.timing import interleaved
+from mixprec.app.bench.timing import SLOW_FACTOR, SLOW_REPEATS, interleaved
+from mixprec.app.cli.bench_cmd import step_rows
 
 MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 
@@ -28,6 +31,39 @@ def test_interleaved_timing_orders_modes_by_cost():
     assert timings["slow"].repeats == 3 and timings["slow"].spread_ms >= 0
 
 
+def test_a_mode_ten_times_slower_than_the_fastest_stops_after_three_rounds():
+    calls = []
+
+    def fast():
+        calls.append("fast")
+        time.sleep(0.001)
+
+    def twice():
+        calls.append("twice")
+        time.sleep(0.002)
+
+    def crawling():
+        calls.append("crawling")
+        time.sleep(0.05)
+
+    timings = interleaved({"fast": fast, "twice": twice, "crawling": crawling}, repeats=6, warmup=0)
+    assert SLOW_REPEATS == 3 and SLOW_FACTOR == 10
+    assert calls == ["fast", "twice", "crawling"] * 3 + ["fast", "twice"] * 3
+    assert {name: t.repeats for name, t in timings.items()} == {"fast": 6, "twice": 6, "crawling": 3}
+    assert timings["crawling"].median_ms >= 50
+
+
+def test_the_step_table_says_how_many_runs_a_cut_mode_got():
+    records = [
+        {"model": "gpt", "mode": m, "median_ms": ms, "spread_ms": 1.0, "repeats": n, "vs_fp32": 1.0,
+         "overhead_vs_torch": None}
+        for m, ms, n in [("torch fp32", 10.0, 7), ("torch autocast bf16", 250.0, 3)]
+    ]  # fmt: skip
+    headers, rows = step_rows(records)
+    spread = headers.index("spread")
+    assert [row[spread] for row in rows] == ["1.0", "1.0 (3 runs)"]
+
+
 def test_gemm_suite_ratios():
     records = suites.gemm_suite(sizes=(64,), repeats=2)
     dtypes = [r["dtype"] for r in records]
@@ -37,15 +73,26 @@ def test_gemm_suite_ratios():
     assert max(r["of_best_measured"] for r in records) == 1.0
 
 
+def _small_cnn() -> suites.BenchModel:
+    """The bench's CNN at a quarter of its width and an eighth of its batch (PyTorch's own bf16 loops, which
+    the suite times, run 20x slower than FP32 on CPUs without bf16 units)."""
+    from mixprec.app.tasks.digits import DigitsCNN
+
+    return suites.BenchModel(
+        lambda: DigitsCNN(width=16), lambda: (torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))), F.cross_entropy
+    )
+
+
 def test_step_and_memory_suites_on_the_cnn():
-    step = suites.step_suite(["cnn"], ["fp32", "mixed_bf16", "pure_bf16"], repeats=1)
+    step = suites.step_suite(["cnn"], ["fp32", "mixed_bf16", "pure_bf16"], repeats=1, builders={"cnn": _small_cnn})
     modes = {r["mode"]: r for r in step}
     limit = "torch bf16 + fp32 masters"  # the hand-written loop o2/pure_bf16 are held to
     assert set(modes) == {"torch fp32", "torch autocast bf16", limit, "fp32", "mixed_bf16", "pure_bf16"}
     assert modes["torch fp32"]["vs_fp32"] == 1.0 and modes["torch fp32"]["cpu_vs_fp32"] == 1.0
     assert modes["mixed_bf16"]["overhead_vs_torch"] > 0 and modes["pure_bf16"]["cpu_vs_torch"] > 0
     assert modes[limit]["overhead_vs_torch"] is None and modes[limit]["cpu_ms"] > 0
-    memory = {r["policy"]: r for r in suites.memory_suite(["cnn"], ["mixed_bf16", "pure_bf16"], rss=False)}
+    memory = suites.memory_suite(["cnn"], ["mixed_bf16", "pure_bf16"], rss=False, builders={"cnn": _small_cnn})
+    memory = {r["policy"]: r for r in memory}
     assert memory["fp32"]["activations_vs_fp32"] == 1.0
     assert memory["mixed_bf16"]["activations_vs_fp32"] < 0.7
     assert memory["pure_bf16"]["state_bytes_per_param"] == pytest.approx(10.0, abs=0.01)

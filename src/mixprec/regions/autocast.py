@@ -239,7 +239,8 @@ class Region:
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
         with (
-            torch.autocast(device_type, dtype=plan.dtype) if native else null,
+            # Not native: the region still owns the precision, so an outer autocast is switched off inside.
+            torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
             GemmAttention() if native and torch.is_grad_enabled() and uses_gemm_attention(policy, plan) else null,
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,

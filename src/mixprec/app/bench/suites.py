@@ -220,6 +220,7 @@ def step_suite(
                     "mode": mode,
                     "median_ms": timing.median_ms,
                     "spread_ms": timing.spread_ms,
+                    "repeats": timing.repeats,
                     "cpu_ms": timing.cpu_median_ms,
                     "vs_fp32": timing.median_ms / reference.median_ms,
                     "cpu_vs_fp32": timing.cpu_median_ms / reference.cpu_median_ms,

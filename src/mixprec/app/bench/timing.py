@@ -4,6 +4,11 @@ Modes are timed in rounds (A, B, C, A, B, C, ...), so that slow drift of the mac
 other processes) hits every mode alike, and reported as the median with the min-max spread. Each call
 is also timed in CPU time (``time.process_time``, all of this process's threads): on a shared machine
 another process inflates wall time but not the CPU time a step needs, so the CPU-time ratios hold.
+
+A mode more than ``SLOW_FACTOR`` times slower than the fastest after ``SLOW_REPEATS`` rounds (PyTorch's
+bf16 kernels on a CPU without bf16 units: 25x FP32 for a training step) stops there: its median is
+already far outside every comparison, and its remaining repeats would be most of the benchmark's time.
+Its ``repeats`` says how many it got.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "interleaved"]
+__all__ = ["SLOW_FACTOR", "SLOW_REPEATS", "Timing", "interleaved"]
+
+SLOW_FACTOR = 10.0
+SLOW_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -37,15 +45,19 @@ def _sync() -> None:
 
 
 def interleaved(steps: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2) -> dict[str, Timing]:
-    """Time each callable ``repeats`` times, interleaved, after ``warmup`` untimed calls each."""
+    """Time each callable ``repeats`` times, interleaved, after ``warmup`` untimed calls each; a mode
+    ``SLOW_FACTOR`` times slower than the fastest, ``SLOW_REPEATS`` times."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     _sync()
     samples: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
+    timed = dict(steps)
+    for round_ in range(repeats):
+        if round_ == SLOW_REPEATS:
+            timed = _without_slow(timed, samples)
+        for name, step in timed.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             step()
             _sync()
@@ -55,3 +67,9 @@ def interleaved(steps: dict[str, Callable[[], object]], repeats: int = 7, warmup
         name: Timing(statistics.median(values), min(values), max(values), len(values), statistics.median(cpu[name]))
         for name, values in samples.items()
     }
+
+
+def _without_slow(steps: dict[str, Callable[[], object]], samples: dict[str, list[float]]) -> dict[str, Callable]:
+    """The modes whose median so far is within SLOW_FACTOR of the fastest's."""
+    fastest = min(statistics.median(samples[name]) for name in steps)
+    return {name: step for name, step in steps.items() if statistics.median(samples[name]) <= SLOW_FACTOR * fastest}
