@@ -47,12 +47,35 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 
 
 def test_help_and_usage_errors_answer_without_importing_torch():
-    argvs = [["--help"], ["train", "--help"], ["compare", "--bogus"], ["train", "digits", "--size", "huge"]]
+    argvs = [
+        ["--help"],
+        ["train", "--help"],
+        ["compare", "--bogus"],
+        ["train", "digits", "--size", "huge"],
+        ["train", "digits", "--steps", "0"],
+        ["train", "digits", "--lr", "inf"],
+        ["export", "/nonexistent/run"],
+    ]
     result = subprocess.run(
         [sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-500:]
-    assert "invalid choice: 'huge'" in result.stderr and "unrecognized arguments: --bogus" in result.stderr
+    for said in ("invalid choice: 'huge'", "unrecognized arguments: --bogus", "'steps' must be >= 1", "received inf"):
+        assert said in result.stderr, result.stderr
+    assert "is not a mixprec run folder" in result.stderr, result.stderr
+
+
+def test_the_library_and_the_cli_load_without_torchs_compiler():
+    """torch._dynamo (1.4 s of every start) loads only when something compiles: FSDP2 and
+    torch.distributed.checkpoint, which import it, are imported where used."""
+    code = (
+        "import sys, mixprec, mixprec.app.run, mixprec.app.export, mixprec.app.serve_bench\n"
+        "for name in mixprec.__all__: getattr(mixprec, name)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.fsdp', 'torch.distributed.checkpoint') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-500:]
 
 
 def test_the_help_lists_exactly_the_built_in_tasks():

@@ -141,3 +141,8 @@ def test_a_delayed_history_loaded_on_the_cpu_is_kept_on_the_tensors_device(devic
     assert state.history.device.type == device
     assert state.history.cpu().tolist() == [5.0, 3.0, 2.0, 1.0]  # the loaded amaxes kept, the new one first
     assert scale.item() == 2.0 ** math.floor(math.log2(448.0 / 3.0))  # scaled from the loaded history's max
+
+
+def test_the_probe_carries_the_mark_that_makes_torch_compile_take_it_as_a_constant():
+    marked = torch.compiler.assume_constant_result(lambda device: True)
+    assert vars(marked) and vars(marked).items() <= vars(scaled_mm_available).items()

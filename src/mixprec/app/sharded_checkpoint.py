@@ -22,16 +22,13 @@ size wrote them (resharding); without a process group, whole tensors (``mixprec 
 from __future__ import annotations
 
 import hashlib
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from mixprec.app.checkpoint_file import (
     CheckpointError,
@@ -41,6 +38,12 @@ from mixprec.app.checkpoint_file import (
     write_atomically,
 )
 from mixprec.distributed import world
+
+# torch.distributed.checkpoint and .tensor are imported where used: they import torch._dynamo, 1.4 s of
+# every process's start, and only FSDP2 runs need them
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["Shards", "fill_sharded", "load_sharded", "read_sharded", "split_sharded", "write_sharded"]
 
@@ -62,7 +65,7 @@ def split_sharded(state: Any, path: str = "") -> tuple[dict[str, DTensor], Any]:
     sharded: dict[str, DTensor] = {}
 
     def walk(value: Any, at: str) -> Any:
-        if isinstance(value, DTensor):
+        if _is_dtensor(value):
             sharded[at] = value
             return {_SHARD: at}
         if isinstance(value, dict):
@@ -99,10 +102,13 @@ def _shard_names(state: Any) -> set[str]:
 def write_sharded(folder: Path, step: int, state: dict[str, Any]) -> None:
     """Write ``state`` into ``folder`` (existing, empty): each rank its DTensors' shards, then rank 0
     the rest and the shards' checksums. A collective: every rank calls it with its own ``state``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     sharded, rest = split_sharded(state)
     shards = folder / "shards"
     try:
-        dcp.save(sharded, storage_writer=HuggingFaceStorageWriter(str(shards), save_distributed=True))
+        dcp.save(sharded, storage_writer=dcp.HuggingFaceStorageWriter(str(shards), save_distributed=True))
     except CheckpointException as exc:  # raised on every rank when any rank's write failed
         first = next(iter(exc.failures.values()))[0]
         raise OSError(getattr(first, "errno", None), _failures(exc)) from None
@@ -140,10 +146,13 @@ def read_sharded(folder: Path, step: int) -> dict[str, Any]:
 def load_sharded(shards: Shards, tensors: dict[str, torch.Tensor]) -> None:
     """Read into ``tensors`` (``{name: tensor}``: DTensors under FSDP2, whole tensors otherwise) their
     values from the checkpoint, in place; ValueError naming what the checkpoint lacks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     missing = sorted(set(tensors) - shards.names)
     if missing:
         raise ValueError(f"the checkpoint holds no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    reader = HuggingFaceStorageReader(str(shards.folder))
+    reader = dcp.HuggingFaceStorageReader(str(shards.folder))
     in_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         with warnings.catch_warnings():  # without a group: "assuming the intent is to load in a single process"
@@ -151,6 +160,12 @@ def load_sharded(shards: Shards, tensors: dict[str, torch.Tensor]) -> None:
             dcp.load(tensors, storage_reader=reader, no_dist=not in_group)
     except CheckpointException as exc:
         raise ValueError(f"{shards.folder.parent}: {_failures(exc)}") from None
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor; none exists before torch.distributed.tensor is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _failures(exc: CheckpointException) -> str:

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.regions.casting import cast_module, fp32_modules
+
+if TYPE_CHECKING:  # torch.distributed.fsdp is imported where used: it imports torch._dynamo (1.4 s)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["fsdp_policy", "fully_shard", "is_sharded", "sharded_with"]
 
@@ -45,6 +47,8 @@ def fsdp_policy(policy: Policy, reduce_dtype: torch.dtype | None = None) -> Mixe
     when FP32 masters back it; otherwise the shards' own dtype); ``reduce_dtype`` the dtype gradients
     are reduced in (default: the gradients' own dtype). Outputs are left to the policy's autocast.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     gather = policy.param_dtype if policy.keeps_fp32_masters and policy.param_dtype != torch.float32 else None
     return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
@@ -69,6 +73,9 @@ def fully_shard(
 
     Returns the model (sharded in place).
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"fully_shard(model=...) needs an nn.Module; received {type(model).__name__}.")
     if isinstance(units, str):

@@ -42,6 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    spec = task_spec(args)  # the flags first: a mistake is said before torch loads
+    if args.steps < 1:
+        raise ValueError(f"--steps: received {args.steps}; use a positive number of batches.")
+
     import torch
 
     from mixprec.app.evaluate import to_device
@@ -51,9 +55,6 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.compute.device import device_caps, device_type_of
     from mixprec.doctor import diagnose, write_policy_file
 
-    spec = task_spec(args)
-    if args.steps < 1:
-        raise ValueError(f"--steps: received {args.steps}; use a positive number of batches.")
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     parts = build_task(spec, TaskConfig(args.batch_size, args.seed, device, args.size))

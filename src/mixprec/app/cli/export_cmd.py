@@ -26,10 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.app.export import export_run  # the 'train' extra
-
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1; received {args.repeats}.")
+    from mixprec.app.config import TrainConfig
+
+    TrainConfig.load(args.run_dir)  # not a run folder: said before torch loads
+    from mixprec.app.export import export_run  # the 'train' extra
+
     result = export_run(args.run_dir, args.dtype, args.repeats, allow_foreign_checkpoint=args.allow_foreign_checkpoint)
     metric = result.metric
     headers = [

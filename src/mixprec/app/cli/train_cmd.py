@@ -149,24 +149,32 @@ def slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.app.torchrun import exit_now, leave_group
-
     try:
         code = _train(args)
     except BaseException:
-        leave_group()  # the error is said by the command's caller, in one line
+        _leave_group()  # the error is said by the command's caller, in one line
         raise
-    if leave_group():  # under torchrun: end without the interpreter's teardown, where gloo can abort
+    if _leave_group():  # under torchrun: end without the interpreter's teardown, where gloo can abort
+        from mixprec.app.torchrun import exit_now
+
         exit_now(code)
     return code
 
 
+def _leave_group() -> bool:
+    """torchrun's leave_group(), without importing torch before a run needs it (a flag's error is said
+    before torch loads): no process group exists without torch."""
+    if "torch" not in sys.modules:
+        return False
+    from mixprec.app.torchrun import leave_group
+
+    return leave_group()
+
+
 def _train(args: argparse.Namespace) -> int:
     from mixprec.app.config import TrainConfig
-    from mixprec.app.run import run_training  # needs the 'train' extra (plots)
-    from mixprec.app.trainer import TrainingInterrupted
-    from mixprec.distributed.ranks import world
 
+    # the flags are checked first: a mistake is said in a fraction of a second, before torch loads
     if args.resume:
         if args.out is None:
             raise ValueError("--resume needs --out RUN_FOLDER: the run to continue.")
@@ -177,6 +185,10 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = config_from(args, args.policy)
         out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{run_stamp()}")
+    from mixprec.app.run import run_training  # needs the 'train' extra (plots)
+    from mixprec.app.trainer import TrainingInterrupted
+    from mixprec.distributed.ranks import world
+
     try:
         outcome = run_training(
             config,

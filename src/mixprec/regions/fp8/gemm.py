@@ -26,14 +26,18 @@ _CUDA_ALIGNMENT = 16
 _AVAILABLE: dict[torch.device, bool] = {}  # the probe's answers, by device
 
 
-# torch.compile calls it eagerly and takes the answer as a constant, rather than tracing the probe into
-# the graph (it would ignore a functools.cache wrapper)
-@torch.compiler.assume_constant_result
 def scaled_mm_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs on ``device`` (probed once per device with a tiny product)."""
     if device not in _AVAILABLE:
         _AVAILABLE[device] = _probe(device)
     return _AVAILABLE[device]
+
+
+# torch.compile calls it eagerly and takes the answer as a constant, rather than tracing the probe into
+# the graph (it would ignore a functools.cache wrapper). This is the mark torch.compiler.assume_constant_result
+# sets, set without it: the decorator imports torch._dynamo, 1.4 s of every process's start (a test holds
+# the two marks equal).
+scaled_mm_available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _probe(device: torch.device) -> bool:
