@@ -110,3 +110,41 @@ def test_weights_are_rounded_once_per_region():
         F.linear(torch.randn(2, 4), w)
         assert len(mode._weights) == 1
     assert not mode._weights
+
+
+def _flash_reference(q, k, v, grad, is_causal, rounded_output):
+    """PyTorch's CPU flash attention on the 16-bit values in FP32, its backward fed the saved output
+    either rounded to the 16-bit format (what a GPU's flash attention keeps) or exact."""
+    wide = [t.detach().float() for t in (q, k, v)]
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*wide, 0.0, is_causal)[:2]
+    saved = out.to(q.dtype).float() if rounded_output else out
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.float(), *wide, saved, logsumexp, 0.0, is_causal
+    )
+    return out.to(q.dtype), [g.to(q.dtype) for g in grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_keeps_its_own_output_at_16_bits_as_a_gpus_flash_attention_does(dtype, is_causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 3, 7, 16, dtype=dtype)
+    with EmulatedAutocast(dtype):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    out.backward(grad)
+    expected, expected_grads = _flash_reference(q, k, v, grad, is_causal, rounded_output=True)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    for name, tensor, want in zip("qkv", (q, k, v), expected_grads, strict=True):
+        assert torch.equal(tensor.grad, want), name
+    _, exact_output_grads = _flash_reference(q, k, v, grad, is_causal, rounded_output=False)
+    assert not torch.equal(q.grad, exact_output_grads[0])  # the rounding is seen: the test can tell them apart
+
+
+def test_attention_saves_16_bit_inputs_and_output_and_only_its_logsumexp_in_fp32():
+    q, k, v = (torch.randn(2, 3, 7, 16, requires_grad=True) for _ in range(3))
+    model = nn.Linear(1, 1)  # no parameters in the attention itself
+    with EmulatedAutocast(torch.bfloat16):
+        saved = saved_activation_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), model)
+    inputs_and_output, logsumexp = 4 * q.numel() * 2, 2 * 3 * 7 * 4
+    assert saved == inputs_and_output + logsumexp

@@ -22,8 +22,10 @@ Weights cast to the 16-bit format are cached for the region, as torch.autocast c
 
 Memory: the FP32 copies that a GEMM computes with hold 16-bit values, so when autograd saves them for
 the backward pass a saved-tensor hook stores them as the 16-bit tensors they came from (exact) and
-widens them again when the backward pass needs them. Saved activations cost what they cost under a
-real 16-bit autocast.
+widens them again when the backward pass needs them. Attention's backward also keeps its own output,
+computed here in FP32: it is kept as the 16-bit output the op returns, as a GPU's flash attention keeps
+it, so its gradients are computed from that rounding (exactly what the GPU computes from). Saved
+activations cost what they cost under a real 16-bit autocast.
 """
 
 from __future__ import annotations
@@ -124,6 +126,32 @@ FP32_OPS = frozenset(
     }
 )
 _SAME_DTYPE_FP32_OPS = frozenset({"batch_norm", "instance_norm"})
+# Ops whose backward keeps their own output (flash attention: rowsum(dO * O)). On a GPU that is the 16-bit
+# output the op returns; here the FP32 result before its rounding, kept instead as that rounding.
+_SAVES_OWN_OUTPUT = frozenset({"scaled_dot_product_attention"})
+
+
+class _Held:
+    """A saved FP32 tensor that may prove to be the op's own output, then kept as its 16-bit rounding."""
+
+    __slots__ = ("layout", "low", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.low: torch.Tensor | None = None
+
+    def keep_low(self, low: torch.Tensor) -> None:
+        tensor = self.tensor
+        self.layout = (tensor.size(), tensor.stride(), tensor.storage_offset())
+        self.low, self.tensor = low, None  # the FP32 output is freed with the op's last reference to it
+
+    def stored(self) -> torch.Tensor:
+        return self.low if self.low is not None else self.tensor
+
+    def value(self) -> torch.Tensor:
+        if self.low is None:
+            return self.tensor
+        return self.low.float().as_strided(*self.layout)  # the FP32 output's layout (casts preserve strides)
 
 
 class EmulatedAutocast(TorchFunctionMode):
@@ -148,6 +176,7 @@ class EmulatedAutocast(TorchFunctionMode):
         self._weights: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, source, rounded)
         # storage of an FP32 copy -> (the copy, its 16-bit source); layouts match (both preserve strides)
         self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._held: list[_Held] | None = None  # while an op of _SAVES_OWN_OUTPUT runs: its FP32 saved tensors
         self._suspended = 0
 
     def __enter__(self) -> EmulatedAutocast:
@@ -164,6 +193,10 @@ class EmulatedAutocast(TorchFunctionMode):
         """Saved for backward: an FP32 copy of 16-bit values (or a view of one) is kept as its 16-bit source."""
         entry = self._low_of.get(tensor.untyped_storage().data_ptr())
         if entry is None or entry[0]() is None:
+            if self._held is not None and tensor.dtype == torch.float32:
+                held = _Held(tensor)
+                self._held.append(held)
+                return held
             return tensor
         return (_PACKED, entry[1], tensor.size(), tensor.stride(), tensor.storage_offset())
 
@@ -171,7 +204,16 @@ class EmulatedAutocast(TorchFunctionMode):
         if isinstance(packed, tuple) and packed[0] == _PACKED:
             _, low, size, stride, offset = packed
             return low.float().as_strided(size, stride, offset)  # the same layout as the FP32 copy it replaces
+        if isinstance(packed, _Held):
+            return packed.value()
         return packed
+
+    @staticmethod
+    def stored(packed: Any) -> torch.Tensor:
+        """The tensor that :meth:`pack`'s result keeps in memory."""
+        if isinstance(packed, tuple) and packed[0] == _PACKED:
+            return packed[1]
+        return packed.stored() if isinstance(packed, _Held) else packed
 
     @contextlib.contextmanager
     def suspend(self) -> Iterator[None]:
@@ -214,12 +256,32 @@ class EmulatedAutocast(TorchFunctionMode):
     def _emulate(self, func, name: str | None, args: tuple, kwargs: dict) -> Any:
         if name in LOWER_PRECISION_OPS:
             args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
+            if name in _SAVES_OWN_OUTPUT and self._keeps_saved_low():
+                return self._keeping_output_low(func, args, kwargs)
             return map_floating(func(*args, **kwargs), self._to_low)
         if name in _SAME_DTYPE_FP32_OPS and args and isinstance(args[0], torch.Tensor):
             dtype = args[0].dtype
             args, kwargs = map_floating((args, kwargs), self._widened)
             return map_floating(func(*args, **kwargs), lambda t: t.to(dtype) if t.is_floating_point() else t)
         return func(*args, **kwargs)
+
+    def _keeps_saved_low(self) -> bool:
+        """Whether what autograd saves now goes through :meth:`pack` (eager, with autograd on)."""
+        return self._saving and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+    def _keeping_output_low(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``func``'s 16-bit output; what its backward saved of the FP32 output is kept as that output."""
+        self._held = held = []
+        try:
+            output = func(*args, **kwargs)
+        finally:
+            self._held = None
+        low = self._to_low(output)
+        where = output.untyped_storage().data_ptr()
+        for saved in held:
+            if saved.tensor.untyped_storage().data_ptr() == where:
+                saved.keep_low(low)
+        return low
 
     def _rounded_fp32(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor's values in the 16-bit format, as an FP32 tensor (cached for parameters)."""

@@ -39,11 +39,7 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module
 
     def pack(tensor: torch.Tensor) -> None:
         packed = emulation.pack(tensor) if emulation is not None else tensor
-        kept.append(packed)
-        stored = packed[1] if isinstance(packed, tuple) else packed
-        storage = stored.untyped_storage()
-        if storage.data_ptr() not in parameters and not isinstance(tensor, nn.Parameter):
-            storages[storage.data_ptr()] = storage.nbytes()
+        kept.append((packed, isinstance(tensor, nn.Parameter)))
         # The graph keeps nothing: an op's saved output, returned here, would hold its own grad_fn, a reference
         # cycle through autograd's C++ that Python's collector cannot see (every run leaked its model).
 
@@ -52,5 +48,9 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         forward()
+    for packed, is_parameter in kept:  # counted once the forward is done: the emulation settles what it keeps
+        storage = (emulation.stored(packed) if emulation is not None else packed).untyped_storage()
+        if storage.data_ptr() not in parameters and not is_parameter:
+            storages[storage.data_ptr()] = storage.nbytes()
     kept.clear()
     return sum(storages.values())
