@@ -1,3 +1,4 @@
+import errno
 import logging
 import os
 import pickle
@@ -11,7 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_latest, save_checkpoint
+from mixprec.app.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from mixprec.app.serialize import flatten, unflatten
 
 
@@ -210,8 +218,6 @@ def test_a_malformed_skeleton_is_a_value_error_never_a_crash(skeleton):
 
 
 def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_path, monkeypatch):
-    import errno
-
     import mixprec.app.checkpoint as checkpoint
 
     for step in (1, 2, 3):
@@ -239,6 +245,41 @@ def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_
         save_checkpoint(tmp_path, 5, {"x": torch.ones(4)})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.safetensors"]  # never fewer than one
     assert load_checkpoint(tmp_path / "step-00000004.safetensors")["x"][0].item() == 4.0
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_full_disk_during_a_sharded_save_frees_older_checkpoints_and_writes_once_more(tmp_path, monkeypatch):
+    """The sharded writer (a process without a group: one rank) handles a full disk as the file writer does."""
+    import mixprec.app.checkpoint as checkpoint
+
+    for step in (1, 2, 3):
+        save_sharded_checkpoint(tmp_path, step, {"x": torch.full((4,), float(step))})
+    write = checkpoint.write_sharded
+    failures = {"left": 1}
+
+    def full_once(folder, step, state):  # a part written, then ENOSPC, until the older checkpoints are gone
+        (folder / "partial").write_bytes(b"\0" * 64)
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        (folder / "partial").unlink()
+        write(folder, step, state)
+
+    monkeypatch.setattr(checkpoint, "write_sharded", full_once)
+    save_sharded_checkpoint(tmp_path, 4, {"x": torch.full((4,), 4.0)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.sharded", "step-00000004.sharded"]
+    assert load_checkpoint(tmp_path / "step-00000004.sharded")["x"][0].item() == 4.0
+
+    def always_full(folder, step, state):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_sharded", always_full)
+    said = r"could not write checkpoint .*step-00000005\.sharded \(No space left on device\); "
+    said += r"the newest checkpoint, step-00000004\.sharded, is intact: resume from it"
+    with pytest.raises(OSError, match=said):
+        save_sharded_checkpoint(tmp_path, 5, {"x": torch.ones(4)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.sharded"]  # no staging folder left
+    assert load_checkpoint(tmp_path / "step-00000004.sharded")["x"][0].item() == 4.0
 
 
 def test_a_folder_named_like_a_checkpoint_is_neither_loaded_nor_pruned(tmp_path):

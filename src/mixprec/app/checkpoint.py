@@ -7,10 +7,10 @@ A folder is written under a hidden staging name and renamed once every rank's pa
 file are complete, so a checkpoint's name only ever shows a complete checkpoint.
 
 After each save all but the newest ``keep`` are deleted, with anything a killed writer left (one
-process writes a run's checkpoints: :mod:`mixprec.app.run_lock`). A full disk (ENOSPC) deletes every
-checkpoint but the newest and tries once more: the run keeps going with one fallback rather than
-stopping with several; if it still fails, the error names the checkpoint and the intact one to resume
-from.
+process writes a run's checkpoints: :mod:`mixprec.app.run_lock`). A full disk (ENOSPC; for a sharded
+checkpoint, on any rank) deletes every checkpoint but the newest and tries once more: the run keeps
+going with one fallback rather than stopping with several; if it still fails, the error names the
+checkpoint and the intact one to resume from, on every rank.
 
 Reading verifies everything: a damaged, edited or misnamed checkpoint raises ``CheckpointError``
 naming it and what is wrong, whatever the damage, and ``load_latest`` falls back to the previous one
@@ -27,6 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mixprec.app.checkpoint_file import (
     CheckpointError,
     encode_checkpoint,
@@ -35,7 +37,7 @@ from mixprec.app.checkpoint_file import (
     write_atomically,
 )
 from mixprec.app.sharded_checkpoint import read_sharded, write_sharded
-from mixprec.distributed import barrier, world
+from mixprec.distributed import agree_max, barrier, world
 
 __all__ = [
     "CheckpointError",
@@ -77,29 +79,66 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     return final
 
 
-def save_sharded_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
+def save_sharded_checkpoint(
+    directory: str | Path, step: int, state: dict[str, Any], keep: int = 3, device: torch.device | str = "cpu"
+) -> Path:
     """Write the sharded checkpoint of ``step`` in ``directory`` (each rank its own DTensors' shards;
     see :mod:`mixprec.app.sharded_checkpoint`); keep the newest ``keep``. A collective: every rank calls
-    it with its own ``state``, and it returns on every rank once the checkpoint is complete."""
+    it with its own ``state``, and it returns on every rank once the checkpoint is complete, or raises
+    on every rank when any rank's part failed. A full disk on any rank is handled as for a single file:
+    rank 0 deletes every checkpoint but the newest and all ranks write once more. ``device``: the
+    process group's (a CUDA device under NCCL), for the ranks' agreement on the outcome."""
     directory = Path(directory)
     final = directory / f"step-{step:08d}.sharded"
-    staging = directory / f".{final.name}.tmp"
+    error, failed, full, older = _write_sharded_once(directory, final, step, state, device)
+    if failed and full and older:
+        if world().is_main:
+            older_checkpoints = list_checkpoints(directory)[:-1]
+            for old in older_checkpoints:
+                _remove(old)
+            logger.warning("Disk full writing %s: deleted %d older checkpoints", final.name, len(older_checkpoints))
+        error, failed, _, _ = _write_sharded_once(directory, final, step, state, device)
+    if failed:
+        if world().is_main:
+            _remove(_staging(final))  # its parts: room on a full disk
+        if error is not None and not isinstance(error, OSError):
+            raise error
+        raise _write_error(final, error or OSError(errno.EIO, "another rank could not write its part")) from None
+    if world().is_main:
+        _prune(directory, keep)
+    return final
+
+
+def _write_sharded_once(
+    directory: Path, final: Path, step: int, state: dict[str, Any], device: torch.device | str
+) -> tuple[Exception | None, bool, bool, bool]:
+    """One attempt: (this rank's error, whether any rank failed, whether any rank found its disk full,
+    whether rank 0 sees an older checkpoint to delete). Its all-reduce is also the barrier that keeps
+    every rank (which could otherwise exit, ending the job) until the checkpoint is complete."""
+    staging = _staging(final)
     main = world().is_main
     if main:
         directory.mkdir(parents=True, exist_ok=True)
-        _remove(staging)  # a killed writer's, of this same step
+        _remove(staging)  # a killed writer's, of this same step, or this save's failed attempt
         staging.mkdir()
     barrier()  # the staging folder exists, empty, before any rank writes into it
+    error: Exception | None = None
     try:
         write_sharded(staging, step, state)
         if main:
             _publish(staging, final)
-            _prune(directory, keep)
-    except OSError as exc:
-        raise _write_error(final, exc) from None
-    finally:
-        barrier()  # no rank goes on (or exits, ending the job) before the checkpoint is complete
-    return final
+    except Exception as exc:  # said after the agreement, so that no rank is left waiting for it
+        error = exc
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    older = main and len(list_checkpoints(directory)) > 1
+    flags = [torch.tensor(float(flag), device=device) for flag in (error is not None, full, older)]
+    failed, full, older = (bool(flag) for flag in agree_max(flags))  # host sync: once per checkpoint
+    return error, failed, full, older
+
+
+def _staging(final: Path) -> Path:
+    """Where a sharded checkpoint is written before it is complete (never taken for a checkpoint)."""
+    return final.with_name(f".{final.name}.tmp")
 
 
 def _publish(staging: Path, final: Path) -> None:

@@ -547,7 +547,7 @@ class Trainer:
         if self.mp.sharded:
             model_state, optimizer_state = sharded_state(self.model, self.optimizer)
             state = {"model": model_state, "optimizer": optimizer_state, **self._run_state()}
-            return save_sharded_checkpoint(self.checkpoint_dir, self.step, state, keep=keep)
+            return save_sharded_checkpoint(self.checkpoint_dir, self.step, state, keep=keep, device=self.device)
         if not self.world.is_main:
             return None
         return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=keep)
