@@ -5,10 +5,11 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
+from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -66,8 +67,20 @@ def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes_on_any_number
     state = load_checkpoint(checkpoints[-1])
     assert state["sharded"] and state["mixed_precision"]["masters"] == []  # the FP32 shards are the masters
     assert "model.embed.weight" in state["shards"].names
+    # each rank checksums its share of the shard files and the ranks agree on the verdict: a damaged second
+    # file is rank 1's to find, and both ranks resume from the older checkpoint
+    damaged = checkpoints[-1] / "shards" / shard_files[1]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    assert load_checkpoint(checkpoints[-1], share=(0, 2))["sharded"]  # rank 0's share: the first file only
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in shards/{shard_files[1]}"):
+        load_checkpoint(checkpoints[-1], share=(1, 2))
     resumed = _torchrun("train", "--out", tmp_path / "fsdp", "--resume", "--steps", 6, "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    skipped = [line for line in resumed.stderr.splitlines() if "Skipped a checkpoint" in line]
+    assert len(skipped) == 1 and "using step-00000002.sharded" in skipped[0], resumed.stderr[-2000:]
+    assert f"checksum mismatch in shards/{shard_files[1]}" in skipped[0]  # found by rank 1, said by rank 0
     assert list_checkpoints(tmp_path / "fsdp" / "checkpoints")[-1].name == "step-00000006.sharded"
     # one process (no torchrun: FSDP2 in a group of one) reads both ranks' shards, resharded 2 -> 1, and goes on
     alone = _run(

@@ -197,12 +197,13 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Read and verify one checkpoint (file or sharded folder); raises CheckpointError naming it and
-    the problem. A sharded checkpoint's tensors stay in its files (``state["shards"]``)."""
+    the problem. A sharded checkpoint's tensors stay in its files (``state["shards"]``); ``share``: the
+    part of its shard files this rank verifies (see :func:`~mixprec.app.sharded_checkpoint.read_sharded`)."""
     path = Path(path)
     if path.is_dir() and (sharded := _SHARDED.fullmatch(path.name)):
-        return read_sharded(path, int(sharded.group(1)))
+        return read_sharded(path, int(sharded.group(1)), share)
     named = _NAME.fullmatch(path.name)
     return read_checkpoint_file(path, int(named.group(1)) if named else None)
 

@@ -82,27 +82,37 @@ def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = F
             trainer.load_state_dict(before)
             problems.append(str(exc))
             continue
-        for problem in problems:  # one line each, said once an older checkpoint was found to use instead
-            logger.warning("Skipped a checkpoint: %s; using %s", problem, path.name)
+        for problem in problems if trainer.world.is_main else ():  # one line each, from rank 0, said once
+            logger.warning("Skipped a checkpoint: %s; using %s", problem, path.name)  # an older one is used
         return path, state
     raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
 
 
 def _verified(trainer: Trainer, path: Path) -> dict:
-    """The verified state of ``path``; CheckpointError if it is damaged, under FSDP2 on any rank (every
-    rank reads the files itself; one all-reduce makes them all skip a checkpoint together)."""
+    """The verified state of ``path``; CheckpointError if it is damaged, under FSDP2 on any rank (each
+    rank checksums its share of the shard files; one all-reduce makes them all skip a checkpoint together)."""
     error, state = None, {}
+    share = (trainer.world.rank, trainer.world.size) if trainer.mp.sharded else (0, 1)
     try:
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, share)
     except CheckpointError as exc:
         error = exc
     if trainer.mp.sharded:
         (damaged,) = agree_max([torch.tensor(float(error is not None), device=trainer.device)])
         if bool(damaged) and error is None:  # host sync: once per checkpoint tried, at resume
-            error = CheckpointError(f"{path}: damaged as another rank read it")
+            error = _found_by_another_rank(path) if trainer.world.is_main else CheckpointError(f"{path}: damaged")
     if error is not None:
         raise error
     return state
+
+
+def _found_by_another_rank(path: Path) -> CheckpointError:
+    """What another rank found wrong in ``path``, found again by checking all of it (rank 0 says it)."""
+    try:
+        load_checkpoint(path)
+    except CheckpointError as exc:
+        return exc
+    return CheckpointError(f"{path}: damaged as another rank read it")
 
 
 def check_run_identity(trainer: Trainer, path: Path, state: dict, *, allow_foreign: bool = False) -> None:

@@ -120,9 +120,13 @@ def write_sharded(folder: Path, step: int, state: dict[str, Any]) -> None:
     write_atomically(folder / STATE_FILE, encode_checkpoint(step, rest))
 
 
-def read_sharded(folder: Path, step: int) -> dict[str, Any]:
+def read_sharded(folder: Path, step: int, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """The verified state of the sharded checkpoint ``folder`` (holding ``step``); its tensors stay in
-    the files, named by ``state["shards"]`` for :func:`load_sharded`. Raises CheckpointError."""
+    the files, named by ``state["shards"]`` for :func:`load_sharded`. Raises CheckpointError.
+
+    ``share`` ``(rank, ranks)``: checksum only every ``ranks``-th shard file from the ``rank``-th, for
+    ranks that agree on the verdict afterwards (each file is then read once by the job, not once by
+    every rank). The state file and the list of shard files are verified whole."""
     state = read_checkpoint_file(folder / STATE_FILE, step)
     listed = state.pop("shard_files", None)
     if not isinstance(listed, dict) or not all(isinstance(v, str) for v in listed.values()):
@@ -132,7 +136,8 @@ def read_sharded(folder: Path, step: int) -> dict[str, Any]:
     if present != set(listed):
         missing, extra = sorted(set(listed) - present), sorted(present - set(listed))
         raise CheckpointError(f"{folder}: shard files missing {missing} or not of this checkpoint {extra}")
-    for name, digest in sorted(listed.items()):
+    rank, ranks = share
+    for name, digest in sorted(listed.items())[rank::ranks]:
         try:
             same = _sha256(shards / name) == digest
         except OSError as exc:
