@@ -217,69 +217,45 @@ def test_a_malformed_skeleton_is_a_value_error_never_a_crash(skeleton):
         unflatten(skeleton, {"t0": torch.ones(1)})
 
 
-def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_path, monkeypatch):
-    import mixprec.app.checkpoint as checkpoint
-
-    for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, {"x": torch.full((4,), float(step))})
-    write = checkpoint.write_atomically
-    failures = {"left": 1}
-
-    def full_once(final, data):  # ENOSPC until the older checkpoints are gone
-        if failures["left"]:
-            failures["left"] -= 1
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write(final, data)
-
-    monkeypatch.setattr(checkpoint, "write_atomically", full_once)
-    save_checkpoint(tmp_path, 4, {"x": torch.full((4,), 4.0)})
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000003.safetensors", "step-00000004.safetensors"]
-
-    def always_full(final, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(checkpoint, "write_atomically", always_full)
-    said = r"could not write checkpoint .*step-00000005\.safetensors \(No space left on device\); "
-    said += r"the newest checkpoint, step-00000004\.safetensors, is intact: resume from it"
-    with pytest.raises(OSError, match=said):
-        save_checkpoint(tmp_path, 5, {"x": torch.ones(4)})
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.safetensors"]  # never fewer than one
-    assert load_checkpoint(tmp_path / "step-00000004.safetensors")["x"][0].item() == 4.0
+# a checkpoint's kind -> (its writer, the function that writes its bytes, its name's suffix)
+FULL_DISK_WRITERS = {
+    "file": (save_checkpoint, "write_atomically", "safetensors"),
+    "sharded": (save_sharded_checkpoint, "write_sharded", "sharded"),  # a process without a group: one rank
+}
 
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
-def test_a_full_disk_during_a_sharded_save_frees_older_checkpoints_and_writes_once_more(tmp_path, monkeypatch):
-    """The sharded writer (a process without a group: one rank) handles a full disk as the file writer does."""
+@pytest.mark.parametrize("kind", list(FULL_DISK_WRITERS))
+def test_a_full_disk_makes_room_from_older_checkpoints_but_keeps_the_newest(tmp_path, monkeypatch, kind):
     import mixprec.app.checkpoint as checkpoint
 
+    save, writer, suffix = FULL_DISK_WRITERS[kind]
     for step in (1, 2, 3):
-        save_sharded_checkpoint(tmp_path, step, {"x": torch.full((4,), float(step))})
-    write = checkpoint.write_sharded
+        save(tmp_path, step, {"x": torch.full((4,), float(step))})
+    write = getattr(checkpoint, writer)
     failures = {"left": 1}
 
-    def full_once(folder, step, state):  # a part written, then ENOSPC, until the older checkpoints are gone
-        (folder / "partial").write_bytes(b"\0" * 64)
+    def full_once(*args):  # ENOSPC until the older checkpoints are gone
         if failures["left"]:
             failures["left"] -= 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        (folder / "partial").unlink()
-        write(folder, step, state)
+        write(*args)
 
-    monkeypatch.setattr(checkpoint, "write_sharded", full_once)
-    save_sharded_checkpoint(tmp_path, 4, {"x": torch.full((4,), 4.0)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.sharded", "step-00000004.sharded"]
-    assert load_checkpoint(tmp_path / "step-00000004.sharded")["x"][0].item() == 4.0
+    monkeypatch.setattr(checkpoint, writer, full_once)
+    save(tmp_path, 4, {"x": torch.full((4,), 4.0)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000003.{suffix}", f"step-00000004.{suffix}"]
 
-    def always_full(folder, step, state):
+    def always_full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "write_sharded", always_full)
-    said = r"could not write checkpoint .*step-00000005\.sharded \(No space left on device\); "
-    said += r"the newest checkpoint, step-00000004\.sharded, is intact: resume from it"
+    monkeypatch.setattr(checkpoint, writer, always_full)
+    said = rf"could not write checkpoint .*step-00000005\.{suffix} \(No space left on device\); "
+    said += rf"the newest checkpoint, step-00000004\.{suffix}, is intact: resume from it"
     with pytest.raises(OSError, match=said):
-        save_sharded_checkpoint(tmp_path, 5, {"x": torch.ones(4)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.sharded"]  # no staging folder left
-    assert load_checkpoint(tmp_path / "step-00000004.sharded")["x"][0].item() == 4.0
+        save(tmp_path, 5, {"x": torch.ones(4)})
+    # never fewer than one, and nothing half-written left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000004.{suffix}"]
+    assert load_checkpoint(tmp_path / f"step-00000004.{suffix}")["x"][0].item() == 4.0
 
 
 def test_a_folder_named_like_a_checkpoint_is_neither_loaded_nor_pruned(tmp_path):
