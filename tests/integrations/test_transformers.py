@@ -2,12 +2,14 @@
 true gradients, gradient accumulation, the refusals, and the example script. Tiny models built from code or a
 config; nothing is downloaded."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -364,7 +366,6 @@ class Bf16Model(Regression):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"torch_compile": True}, r"torch_compile=True\), which MixprecTrainer does not support"),
         ({"activation_checkpointing": True}, r"recomputed forward would run outside the policy's region"),
         ({"auto_find_batch_size": True}, r"set per_device_train_batch_size yourself"),
         ({"optim": "lomo"}, r"optim='lomo'.* updates inside the backward pass"),
@@ -422,3 +423,61 @@ def test_the_example_runs():
     done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped steps" in done.stdout, done.stdout
+
+
+def _ddp_worker(out: Path, processes: int) -> dict[str, dict]:
+    """The DDP worker's runs on ``processes`` CPU processes: {"<run> <rank>": counters, LR, dtype, weights}."""
+    worker = str(Path(__file__).with_name("transformers_ddp_worker.py"))
+    launch = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2"]
+    command = [*launch, worker, str(out)] if processes == 2 else [sys.executable, worker, str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pattern = r"RUN (\S+) RANK (\d) steps (\d+) skipped (\d+) lr (\S+) params (\S+) eval (\S+)"
+    runs = {}
+    for name, rank, steps, skipped, lr, params, eval_loss in re.findall(pattern, done.stdout):
+        tag = rank if processes == 2 else "single"
+        weights = load_file(str(out / f"{name}-{tag}.safetensors"))
+        counts = (int(steps), int(skipped), params)
+        runs[f"{name} {tag}"] = {"counts": counts, "lr": float(lr), "eval": float(eval_loss), "weights": weights}
+    assert len(runs) == 3 * processes, done.stdout
+    return runs
+
+
+def test_ddp_ranks_skip_together_stay_identical_resume_and_match_one_process(tmp_path):
+    # 2 ranks x 8 examples == 1 process x 16 (o2_bf16, 2 micro-batches per update); rank 0's loss is infinite
+    # at update 1, and each rank built its model from its own seed
+    ranks, single = _ddp_worker(tmp_path / "ddp", 2), _ddp_worker(tmp_path / "single", 1)
+    for run in ("accumulate16", "resumed", "accumulate32"):
+        zero, one, alone = ranks[f"{run} 0"], ranks[f"{run} 1"], single[f"{run} single"]
+        # every rank skipped the update only rank 0 overflowed, and the schedule counts 3 applied updates of 4
+        assert zero["counts"] == one["counts"] == alone["counts"] == (4, 1, "torch.bfloat16")
+        assert zero["lr"] == one["lr"] == alone["lr"] == pytest.approx(0.1 * (1 - 3 / 4))
+        assert zero["eval"] == one["eval"]
+        for name, weight in zero["weights"].items():
+            assert torch.equal(weight, one["weights"][name]), name  # replicas: rank 1 took rank 0's weights
+            # the one-process run on the whole batch, up to bf16 gradient roundings (accumulation in bf16, a
+            # bf16 all-reduce); a rank's own gradients or seed would miss by 1e-2 or more
+            torch.testing.assert_close(weight, alone["weights"][name], rtol=0, atol=2e-3)
+    # resumed from update 2 == uninterrupted, bit for bit
+    for rank in "01":
+        resumed, whole = ranks[f"resumed {rank}"]["weights"], ranks[f"accumulate16 {rank}"]["weights"]
+        assert all(torch.equal(resumed[name], whole[name]) for name in whole)
+
+
+def test_torch_compile_keeps_the_policys_emulated_roundings_and_skips(tmp_path):
+    # fp16 matmuls emulated (this file's kernel cache): FP32 products rounded to fp16, roundings inductor fuses
+    # away unless told to keep them; without them, the scaler's first overflows never happened (1 skip, not 3)
+    runs = {}
+    for name, options in (("eager", {}), ("compiled", {"torch_compile": True})):
+        trainer = _train(tmp_path / name, "mixed_fp16", callbacks=[InjectInf(at=2)], **options)
+        runs[name] = trainer
+        AcceleratorState._reset_state(True)
+    eager, compiled = runs["eager"], runs["compiled"]
+    assert type(compiled.model_wrapped).__name__ == "OptimizedModule"  # Accelerate compiled it in prepare
+    fast_stats, exact_stats = compiled.stats(), eager.stats()
+    assert (fast_stats.skipped_steps, fast_stats.scale) == (exact_stats.skipped_steps, exact_stats.scale)
+    assert exact_stats.skipped_steps == 3  # two at the initial scale, one injected
+    torch.testing.assert_close(_logs(compiled, "loss"), _logs(eager, "loss"), rtol=1e-5, atol=0)
+    exact, fast = eager.mixed_precision.fp32_state_dict(), compiled.mixed_precision.fp32_state_dict()
+    for name in exact:
+        torch.testing.assert_close(fast[name], exact[name], rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree_max", "barrier", "local", "reduce_across_ranks", "world"]
+__all__ = ["World", "agree_max", "barrier", "copy_from_main", "local", "reduce_across_ranks", "world"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ def agree_max(flags: list[torch.Tensor]) -> list[torch.Tensor]:
     stacked = torch.stack([f.reshape(()).float() for f in flags])
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     return [value.reshape(f.shape).to(f.dtype) for value, f in zip(stacked.unbind(), flags, strict=True)]
+
+
+def copy_from_main(tensors: list[torch.Tensor]) -> None:
+    """Every rank's ``tensors`` become rank 0's, in place (one broadcast each): what DDP does to the
+    parameters when it wraps a model, done before anything (FP32 masters) is derived from them."""
+    if not world().distributed:
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor.detach(), src=0)  # detached: the same storage, outside autograd
 
 
 def barrier() -> None:

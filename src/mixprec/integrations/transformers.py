@@ -3,12 +3,13 @@
     trainer = MixprecTrainer(model=model, args=args, train_dataset=data, policy="o2_bf16")  # was Trainer(...)
     trainer.train()                                       # TrainingArguments keep fp16=False, bf16=False
 
-The Trainer's hooks, mapped onto MixedPrecision (one device):
+The Trainer's hooks, mapped onto MixedPrecision (one device, or DDP: one device per process):
 
     create_optimizer()                the Trainer's optimizer (for pure_bf16 its AdamW is built as mixprec.AdamW);
                                       mp = MixedPrecision(model, optimizer, policy, scaler) casts the model and
                                       makes the FP32 masters (o2) and the loss scaler; the Trainer then holds a
-                                      MixprecOptimizer, whose step() is mp.step()
+                                      MixprecOptimizer, whose step() is mp.step(); under DDP the model's weights
+                                      are rank 0's first, so every rank's masters are too
     create_scheduler()                the Trainer's (or your) scheduler inside a GatedScheduler
     autocast_smart_context_manager()  mp.autocast() around compute_loss, in training and evaluation
     training_step()                   Trainer.training_step's single-device path, with mp.backward(loss) (loss *
@@ -20,6 +21,7 @@ The Trainer's hooks, mapped onto MixedPrecision (one device):
     lr_scheduler.step()               GatedScheduler: passed on only if that update was applied
     _save_scaler(), _load_scaler()    mp.state_dict() (scalers, FP32 masters, counters) in each checkpoint
     log()                             loss_scale and skipped_steps in every training log
+    torch_compile=True                Accelerate compiles the model; inductor keeps the policy's 16-bit roundings
 
 The Trainer steps the scheduler unless ``accelerator.optimizer_step_was_skipped``; Accelerate sets that flag
 only inside its own GradScaler branch of ``AcceleratedOptimizer.step()``, so mixprec could use it only by
@@ -42,11 +44,13 @@ from typing import Any
 import torch
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers.optimization import GreedyLR
 
 import mixprec
+from mixprec.distributed import copy_from_main, world
 from mixprec.engine import needs_compensated_optimizer
 from mixprec.integrations.gated_scheduler import GatedScheduler
 
@@ -67,6 +71,7 @@ if _missing:
 # stepped on evaluation metrics, not after updates: the Trainer never steps them in its update loop
 _METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 _TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused")  # the Trainer's AdamW, built as mixprec.AdamW for pure_bf16
+_DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # one device per process, Accelerate's DDP
 
 
 class MixprecOptimizer(torch.optim.Optimizer):
@@ -138,7 +143,8 @@ class MixprecTrainer(transformers.Trainer):
     MixedPrecision's. An update whose gradients hold inf or NaN is skipped: no optimizer step, no scheduler
     step, the scale backs off. ``max_grad_norm`` clips the unscaled gradients, and the logged ``grad_norm`` is
     their true norm. Gradient accumulation sums 16-bit gradients in FP32 (o2). Checkpoints carry
-    MixedPrecision's state, so ``train(resume_from_checkpoint=...)`` continues bit for bit.
+    MixedPrecision's state, so ``train(resume_from_checkpoint=...)`` continues bit for bit. Under DDP
+    (``torchrun`` or ``accelerate launch``, one device per process) every rank skips the same updates.
 
     Args:
         *args, **kwargs: those of ``transformers.Trainer`` (``TrainingArguments`` with fp16=False, bf16=False).
@@ -147,7 +153,7 @@ class MixprecTrainer(transformers.Trainer):
 
     Raises:
         ValueError (when made, with the fix): fp16/bf16 (or their full_eval) in TrainingArguments, DeepSpeed,
-            FSDP, several processes or devices, torch_compile, activation checkpointing, auto_find_batch_size,
+            FSDP, several devices in one process, activation checkpointing, auto_find_batch_size,
             LOMO or layer-wise optimizers, Accelerate's own mixed precision. At ``train()``: a model that is not
             FP32, an optimizer the policy cannot use, a checkpoint saved under another policy.
     """
@@ -178,6 +184,7 @@ class MixprecTrainer(transformers.Trainer):
         self._last_applied = True  # whether the last update was applied (the scheduler's gate)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         _refuse(_setup_problem(self))
+        _keep_casts_when_compiled(self.accelerator.state.dynamo_plugin)
         self.policy: mixprec.Policy = resolved or mixprec.get_policy(policy, device=self.args.device)
 
     def __repr__(self) -> str:
@@ -219,13 +226,12 @@ class MixprecTrainer(transformers.Trainer):
                 "its recomputed forward would run outside the policy's region. Call "
                 "model.activation_checkpointing_disable()."
             )
+        # under DDP, Accelerate wraps the model after this and broadcasts rank 0's weights into it; the masters are
+        # made here, so they must be made from rank 0's weights too, or each rank would train its own
+        copy_from_main([*self.model.parameters(), *self.model.buffers()])
         try:
             return mixprec.MixedPrecision(
-                self.model,
-                optimizer,
-                self.policy,
-                self.scaler,
-                accumulate_in_fp32=self.args.gradient_accumulation_steps > 1,  # o2: micro-batches summed in FP32
+                self.model, optimizer, self.policy, self.scaler, accumulate_in_fp32=self._accumulates_in_fp32()
             )
         except (TypeError, ValueError) as error:
             hint = (
@@ -237,6 +243,16 @@ class MixprecTrainer(transformers.Trainer):
             raise ValueError(
                 f"{self!r}: MixedPrecision refused the model and the {type(optimizer).__name__} {origin}: {error}{hint}"
             ) from error
+
+    def _accumulates_in_fp32(self) -> bool:
+        """o2 with gradient accumulation: each micro-batch's 16-bit gradients are added into FP32 buffers. Under
+        DDP only if every micro-batch is all-reduced (``sync_each_batch``): the Trainer's ``no_sync`` reduces
+        the last micro-batch's ``.grad`` alone, so gradients moved out of it before would stay this rank's.
+        Otherwise they add up in the 16-bit ``.grad``, which DDP reduces once, as without mixprec."""
+        if self.args.gradient_accumulation_steps == 1:
+            return False
+        synced_each = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        return not world().distributed or bool(synced_each)
 
     def _builds_compensated_adamw(self) -> bool:
         """pure_bf16 with the Trainer's own AdamW: build it as mixprec.AdamW, which compensates bf16 rounding."""
@@ -290,7 +306,7 @@ class MixprecTrainer(transformers.Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """Trainer.training_step on one device, with ``mp.backward(loss)`` in place of ``accelerator.backward``.
+        """Trainer.training_step (one device per process), ``mp.backward(loss)`` for ``accelerator.backward``.
 
         The loss is divided for gradient accumulation exactly as the Trainer does (unless ``compute_loss``
         already normalized it over the accumulated batch); the returned, logged loss is unscaled.
@@ -379,7 +395,9 @@ class MixprecTrainer(transformers.Trainer):
                 STATE_NAME,
             )
             return
-        state = torch.load(path, map_location=self.args.device, weights_only=True)  # tensors, plain values: no code
+        device = self.args.device  # "cpu:0" in a process of a CPU DDP run, which torch.load cannot map to
+        where = "cpu" if device.type == "cpu" else device
+        state = torch.load(path, map_location=where, weights_only=True)  # tensors, plain values: no code
         try:
             self._require("_load_scaler").load_state_dict(state)
         except ValueError as error:
@@ -440,18 +458,16 @@ def _argument_problem(args: transformers.TrainingArguments, policy: Any) -> str 
     for value, what in checks:
         if value:
             return (
-                f"received {what}; MixprecTrainer runs on one device for now (DeepSpeed and FSDP keep their own "
-                "precision and optimizer step). Train on one device, or use mixprec.fully_shard / mixprec.parallel "
+                f"received {what}; MixprecTrainer runs on one device or under DDP (DeepSpeed and FSDP keep their own "
+                "precision and optimizer step). Train with DDP, or use mixprec.fully_shard / mixprec.parallel "
                 "with mixprec.MixedPrecision in a loop of your own (docs/training-step.md)."
             )
     unsupported = {
-        "torch_compile=True": args.torch_compile,
         "activation_checkpointing=True": args.activation_checkpointing or args.gradient_checkpointing,
         "auto_find_batch_size=True": args.auto_find_batch_size,
         f"optim={optim!r}": optim in ("lomo", "adalomo") or optim.endswith("layerwise"),
     }
     why = {
-        "torch_compile=True": "the compiled model is not yet tested with MixprecTrainer; set torch_compile=False",
         "activation_checkpointing=True": "the recomputed forward would run outside the policy's region (its casts "
         "and FP32 ops), so backward would differ from forward; set activation_checkpointing=False",
         "auto_find_batch_size=True": "a retry after running out of memory would restart a half-trained mixed-"
@@ -465,19 +481,41 @@ def _argument_problem(args: transformers.TrainingArguments, policy: Any) -> str 
     return None
 
 
+def _keep_casts_when_compiled(plugin: TorchDynamoPlugin) -> None:
+    """``torch_compile=True`` (Accelerate compiles the model in ``prepare``): inductor is told to keep the 16-bit
+    roundings of the policy's casts (``emulate_precision_casts``), which it would otherwise fuse away, so the
+    compiled model computes what the eager one does, emulated ops included. torch.compile takes a mode or
+    options, not both: a ``torch_compile_mode`` is passed as the inductor options it stands for."""
+    if plugin.backend != DynamoBackend.INDUCTOR:
+        return  # no compile, or a backend that runs the traced ops as they are
+    options = dict(plugin.options or {})
+    if plugin.mode not in (None, "default"):
+        from torch._inductor import list_mode_options  # imports the compiler: only when compiling
+
+        options = {**list_mode_options(plugin.mode), **options}
+        plugin.mode = "default"
+    plugin.options = {**options, "emulate_precision_casts": True}
+
+
 def _setup_problem(trainer: transformers.Trainer) -> str | None:
     """What the Trainer set up that the adapter cannot guarantee (launcher environment, devices)."""
-    if trainer.accelerator.mixed_precision != "no":
+    accelerator = trainer.accelerator
+    if accelerator.mixed_precision != "no":
         return (
-            f"Accelerate runs its own mixed precision ({trainer.accelerator.mixed_precision!r}, from the launcher or "
+            f"Accelerate runs its own mixed precision ({accelerator.mixed_precision!r}, from the launcher or "
             "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
         )
-    if trainer.args.world_size > 1 or trainer.args.n_gpu > 1 or trainer.is_model_parallel:
-        return (
-            f"the run spans {max(trainer.args.world_size, trainer.args.n_gpu)} processes or devices (or a model split "
-            "across devices); MixprecTrainer runs on one device for now. Train on one device, or use "
-            "mixprec.MixedPrecision with mixprec.parallel.wrap_ddp in a loop of your own (docs/training-step.md)."
-        )
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        return "Accelerate enabled DeepSpeed or FSDP; MixprecTrainer runs on one device for now."
+        return "Accelerate enabled DeepSpeed or FSDP; MixprecTrainer runs on one device or under DDP."
+    if trainer.args.n_gpu > 1 or trainer.is_model_parallel:
+        return (
+            f"the model is spread over {trainer.args.n_gpu} devices of one process (DataParallel, or a model split "
+            "across devices); MixprecTrainer runs one device per process. Launch one process per device "
+            "(torchrun --nproc_per_node N or accelerate launch): the Trainer then uses DistributedDataParallel."
+        )
+    if trainer.args.world_size > 1 and accelerator.distributed_type not in _DDP_TYPES:
+        return (
+            f"the run spans {trainer.args.world_size} processes as {accelerator.distributed_type.value}; "
+            "MixprecTrainer runs on one device or under DDP (MULTI_CPU, MULTI_GPU)."
+        )
     return None
