@@ -56,6 +56,37 @@ def _scenarios(rank: int, out: str) -> None:
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"applied": applied, "scales": scales}, f)
     _fp32_reduction(rank, out)
+    _masters_of_each_rank(rank, out)
+
+
+def _masters_of_each_rank(rank: int, out: str) -> None:
+    """o2_bf16 on weights each rank initialized itself, wrapped in DDP after MixedPrecision made the masters
+    (DDP broadcasts rank 0's weights): the first step refuses, on every rank; with copy_from_main first, the
+    step goes through and the ranks stay identical."""
+    results = {}
+    for name, copied in (("own", False), ("copied", True)):
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        if copied:
+            mixprec.distributed.copy_from_main(list(model.parameters()))
+        engine = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16")
+        wrapped = DistributedDataParallel(model)
+        x, y = _batches()[0]
+        with engine.autocast():
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+        engine.backward(loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            engine.step()
+            message = None
+        except RuntimeError as error:
+            message = str(error)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        checksum = sum(m.double().sum().item() for m in engine.fp32_state_dict().values())
+        results[name] = {"message": message, "unchanged": unchanged, "checksum": checksum}
+        del wrapped
+    with open(f"{out}/masters{rank}.json", "w") as f:
+        json.dump(results, f)
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -129,3 +160,15 @@ def test_reduce_in_fp32_averages_16_bit_gradients_in_fp32_and_rounds_once(ddp_ru
     for name in names:
         assert tensors[f"ddp.{name}"].dtype == torch.bfloat16  # the gradients keep the parameters' dtype
         assert torch.equal(tensors[f"ddp.{name}"], tensors[f"ref.{name}"]), name
+
+
+def test_weights_ddp_replaced_after_the_masters_were_made_are_refused_on_every_rank(ddp_run):
+    zero, one = (json.loads((ddp_run / f"masters{r}.json").read_text()) for r in range(WORLD))
+    # rank 1's bf16 weights are rank 0's after DDP's broadcast, its masters its own: the update would have
+    # written them back; rank 0 raises too, instead of waiting for rank 1 in the next all-reduce
+    assert "4 of the model's 4 torch.bfloat16 parameters (first: '0.weight')" in one["own"]["message"]
+    assert "another rank's torch.bfloat16 parameters" in zero["own"]["message"]
+    assert "copy_from_main" in one["own"]["message"] and zero["own"]["unchanged"] and one["own"]["unchanged"]
+    # rank 0's weights copied to every rank before MixedPrecision: the step goes through, the ranks agree
+    assert zero["copied"]["message"] is None and one["copied"]["message"] is None
+    assert not zero["copied"]["unchanged"] and zero["copied"]["checksum"] == one["copied"]["checksum"]

@@ -120,6 +120,19 @@ def test_o2_wires_fp32_masters_into_the_users_optimizer():
     assert torch.equal(model[0].weight, mp.masters.state()[0].to(torch.bfloat16))  # copied back after the step
 
 
+def test_weights_loaded_into_the_model_after_the_masters_were_made_are_refused_not_overwritten():
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "o2_bf16"), "o2_bf16")
+    model.load_state_dict(make_model(seed=1).state_dict())  # rounded into the bf16 parameters; masters: seed 0
+    loaded = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(RuntimeError, match=r"4 of the model's 4 torch.bfloat16 parameters \(first: '0.weight'\) no "):
+        mp.step()  # the LayerNorm's 2 stay FP32 under o2: their values were taken, no master to disagree with
+    assert all(torch.equal(a, b) for a, b in zip(loaded, model.parameters(), strict=True))
+
+
 def test_pure_bf16_requires_a_compensated_optimizer():
     model = make_model()
     with pytest.raises(ValueError, match=r"plain AdamW would round small updates away.*mixprec\.AdamW"):

@@ -42,11 +42,12 @@ from mixprec.app.stop_signals import StopRequest
 from mixprec.app.torchrun import shard
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 from mixprec.checks import whole_number
-from mixprec.distributed.ranks import agree_max, reduce_across_ranks, world
+from mixprec.distributed.ranks import agree_max, copy_from_main, reduce_across_ranks, world
 from mixprec.doctor.trace import NonFiniteTracer
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
 from mixprec.engine.stats import Stats
 from mixprec.parallel.ddp import wrap_ddp
+from mixprec.parallel.fsdp import is_sharded
 from mixprec.parallel.state import gather_state, scatter_state, sharded_state
 from mixprec.policy.policy import Policy
 
@@ -136,10 +137,12 @@ class Trainer:
                     f"(of type {type(value).__name__}). Build one: {name}={kind.__name__}(...)."
                 )
         self.model = model
-        self.mp = MixedPrecision(model, optimizer, policy, update.scaler, accumulation_steps=update.accumulation_steps)
         # under torchrun: DDP (or FSDP2 shards) for the training forward, a slice of every batch, files
         # from rank 0 only
         self.world = world()
+        if self.world.distributed and not is_sharded(model):  # the masters from the weights DDP will broadcast
+            copy_from_main([*model.parameters(), *model.buffers()])
+        self.mp = MixedPrecision(model, optimizer, policy, update.scaler, accumulation_steps=update.accumulation_steps)
         self._train_model: nn.Module = model
         if self.world.distributed and not self.mp.sharded:
             self._train_model = wrap_ddp(model, reduce_in_fp32=update.reduce_in_fp32)

@@ -13,6 +13,8 @@ Host syncs, all of them:
       the optimizer is a fused one that takes ``found_inf`` itself (``torch.optim.Adam/AdamW/SGD(fused=True)``)
       on an accelerator. On the CPU the read is a memory load.
     - ``bool(step_result)``, ``step_scheduler()``, ``stats()`` and ``state_dict()`` read device values.
+    - the first update with FP32 masters (o2) reads one flag: whether the model's parameters still hold the
+      masters' rounding (a DDP broadcast or a load_state_dict since MixedPrecision was made is refused).
     - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
 On the CPU, where a read is a memory load, the statistics also read a flag where gradients are unscaled
 outside step() (``unscale_()``, ``clip_grad_norm_()``, a backward() after another loss's), so that only
@@ -223,6 +225,7 @@ class MixedPrecision:
         self.compute_plan: ComputePlan = self._region.plan  # native or emulated, and why
 
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
+        self._masters_unchecked = self.masters is not None  # until the first update
         self._order = CallOrder(accumulation_steps)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
         self._last_loss: torch.Tensor | None = None
@@ -379,6 +382,8 @@ class MixedPrecision:
         if not self._order.on_step():
             self._last = StepResult(False, False)
             return self._last
+        if self._masters_unchecked:  # once: weights written behind the masters' back are refused, not overwritten
+            self._refuse_drifted_weights()
         if not already_unscaled:
             self._unscale()
         flags = self._check()
@@ -391,6 +396,29 @@ class MixedPrecision:
         self._log.record(flags, scales_before)
         self._last = StepResult(True, flags.found)
         return self._last
+
+    def _refuse_drifted_weights(self) -> None:
+        """The first update's check that the model still holds the masters' roundings (one host sync, once)."""
+        drifted = self.masters.drifted()
+        # agreed, so that every rank raises together rather than leaving the others in the next all-reduce
+        (anywhere,) = agree_max([torch.tensor([float(len(drifted))], device=self.device)])
+        if anywhere.item():  # host sync, once
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            where = (
+                f"{len(drifted)} of the model's {len(self.masters)} {self.policy.param_dtype} parameters (first: "
+                f"{names.get(id(self.masters.model_params[drifted[0]]), '?')!r})"
+                if drifted
+                else f"another rank's {self.policy.param_dtype} parameters"
+            )
+            raise RuntimeError(
+                f"MixedPrecision.step(): {where} no longer hold their FP32 masters' rounding: the weights were changed "
+                "after MixedPrecision made the masters from them, and this update would write the masters back over "
+                "them. Typical causes: DistributedDataParallel broadcast rank 0's weights to ranks that built "
+                "different ones (seed the model's initialization, or call mixprec.distributed.copy_from_main("
+                "list(model.parameters())) before MixedPrecision), or a load_state_dict on the model (load the "
+                "weights before building MixedPrecision, or use mp.load_state_dict)."
+            )
+        self._masters_unchecked = False
 
     def _check(self) -> FoundInf:
         """Every loss's found-inf flag, the maximum over ranks, read on the host once (not at all where a
