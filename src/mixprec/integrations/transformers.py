@@ -142,7 +142,8 @@ class MixprecTrainer(transformers.Trainer):
     that optimizer; from then on the policy's casts, region, loss scaler, FP32 masters and skip decisions are
     MixedPrecision's. An update whose gradients hold inf or NaN is skipped: no optimizer step, no scheduler
     step, the scale backs off. ``max_grad_norm`` clips the unscaled gradients, and the logged ``grad_norm`` is
-    their true norm. Gradient accumulation sums 16-bit gradients in FP32 (o2). Checkpoints carry
+    their true norm. Gradient accumulation sums 16-bit gradients in FP32 (o2; under DDP only with
+    ``sync_each_batch``, else in the 16-bit ``.grad`` that DDP reduces once). Checkpoints carry
     MixedPrecision's state, so ``train(resume_from_checkpoint=...)`` continues bit for bit. Under DDP
     (``torchrun`` or ``accelerate launch``, one device per process) every rank skips the same updates.
 
