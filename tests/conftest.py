@@ -9,6 +9,12 @@ import torch
 # so the suite measures this machine once and never reads or writes the user's own cache.
 os.environ["MIXPREC_CACHE_DIR"] = tempfile.mkdtemp(prefix="mixprec-test-cache-")
 
+# Under pytest-xdist every worker, and every process a test starts, computes on one thread: workers times
+# threads then match the cores scripts/test.sh runs on, instead of each worker's threads contending for all.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -1,6 +1,7 @@
 """`mixprec train` launched by torchrun with 2 CPU processes (gloo, loopback): data parallel, one set of
 files, and the same training as one process on the same global batch."""
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -131,3 +132,51 @@ def test_sigterm_under_torchrun_stops_every_rank_after_the_same_update(tmp_path)
     assert straight.returncode == 0, straight.stderr[-2000:]
     for name, value in _weights(tmp_path / "straight").items():
         assert torch.equal(value, _weights(out)[name]), name
+
+
+def _worker_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with this RANK (a child of the launcher), or None before it started."""
+    for process in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((process / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (process / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(process.name)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc (Linux)")
+def test_a_hung_peer_stops_the_run_after_the_collective_timeout_with_a_resume_line(tmp_path):
+    """A peer that hangs (here: SIGSTOP) keeps its connections open, so the others learn of it only when a
+    collective times out: --collective-timeout 5 ends rank 0 with one line seconds later, not 30 minutes."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "mixprec", *ARGS]
+    command += ["--steps", "400", "--checkpoint-every", "1", "--collective-timeout", "5", "--out", str(out)]
+    log = tmp_path / "stderr"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(out / "checkpoints") and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    hung = _worker_pid(process.pid, rank=1)
+    assert hung is not None and process.poll() is None, log.read_text()[-3000:]
+    os.kill(hung, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    said = []
+    while not said and time.monotonic() < stopped_at + 60:
+        time.sleep(0.1)
+        said = [line for line in log.read_text().splitlines() if "mixprec train: error:" in line]
+    waited = time.monotonic() - stopped_at
+    os.kill(hung, signal.SIGKILL)  # torchrun would wait 30 s for a stopped worker to take its SIGTERM
+    process.wait(timeout=60)
+    assert len(said) == 1 and process.returncode != 0, log.read_text()[-3000:]
+    assert waited < 30, waited  # the 5 s timeout, plus the time to say so
+    assert "a process of this distributed run failed or became unreachable" in said[0]
+    assert re.search(r"the last complete checkpoint is step-\d{8}\.safetensors", said[0]), said[0]
+    assert f"Resume on every node with: mixprec train --out {out} --resume" in said[0]

@@ -52,6 +52,7 @@ class TrainConfig:
     trace_nonfinite: bool = False
     parallel: str = "ddp"  # under torchrun: "ddp" (replicas) or "fsdp" (FSDP2 shards)
     reduce_fp32: bool = False  # under torchrun: reduce gradients in FP32
+    collective_timeout: float | None = None  # under torchrun: seconds to wait for a peer (None: torch's default)
     compile: bool = False  # the training forward through torch.compile
 
     def __post_init__(self) -> None:
@@ -89,6 +90,12 @@ class TrainConfig:
                 f"config 'checkpoint_every_minutes' must be a positive finite number of minutes; received {minutes}."
             )
         check_stop_signals(self.stop_signal_names, "config 'stop_signals'")
+        timeout = self.collective_timeout
+        if timeout is not None and not 0 < timeout < math.inf:
+            raise ValueError(
+                f"config 'collective_timeout' must be a positive finite number of seconds; received {timeout} "
+                "(leave it out for torch's default: 30 minutes with gloo, 10 with NCCL)."
+            )
         if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
             raise ValueError(
                 f"config 'max_grad_norm' must be a positive finite number; received {self.max_grad_norm} "

@@ -84,7 +84,9 @@ def build_trainer(
 ) -> tuple[Trainer, TaskParts, dict]:
     """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings)."""
     # under torchrun: join the process group (FSDP2 in one process: a group of one)
-    device = init_from_env(resolve_device(config.device), sharded=config.parallel == "fsdp")
+    device = init_from_env(
+        resolve_device(config.device), sharded=config.parallel == "fsdp", timeout=config.collective_timeout
+    )
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
     defaults = parts.defaults
     settings = {

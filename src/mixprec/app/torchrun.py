@@ -9,6 +9,7 @@ ranks agree on every skipped step.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import sys
@@ -22,11 +23,13 @@ from mixprec.compute.nest import map_tensors
 __all__ = ["exit_now", "init_from_env", "leave_group", "shard"]
 
 
-def init_from_env(device: str, *, sharded: bool = False) -> str:
+def init_from_env(device: str, *, sharded: bool = False, timeout: float | None = None) -> str:
     """Join the process group torchrun describes (if WORLD_SIZE > 1); returns the device to use.
 
     ``sharded`` (FSDP2) in one process: a group of one, so that the model is sharded as under
     torchrun and reads (and writes) sharded checkpoints, whatever world size wrote them.
+    ``timeout``: seconds a collective waits for the other ranks before it raises (None: torch's
+    default). A dead peer's closed connection is seen at once; a hung one only at this timeout.
 
     Raises:
         ValueError: a distributed launch without the rendezvous variables torchrun sets.
@@ -45,7 +48,8 @@ def init_from_env(device: str, *, sharded: bool = False) -> str:
     if cuda:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
-    dist.init_process_group(_backend(device))
+    waits = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group(_backend(device), **waits)
     return device
 
 

@@ -65,6 +65,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reduce-fp32", action="store_true", help="under torchrun: reduce gradients in FP32")
     parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="under torchrun: how long a rank waits for a hung peer before the run stops with a resume line "
+        "(default: torch's, 30 minutes with gloo, 10 with NCCL); longer than the longest checkpoint or evaluation",
+    )
+    parser.add_argument(
         "--compile", action="store_true", help="run the training forward through torch.compile (first steps compile)"
     )
 
@@ -135,6 +142,7 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
         trace_nonfinite=args.trace_nonfinite,
         parallel=args.parallel,
         reduce_fp32=args.reduce_fp32,
+        collective_timeout=args.collective_timeout,
         compile=args.compile,
     )
 
@@ -181,6 +189,8 @@ def _train(args: argparse.Namespace) -> int:
         config = TrainConfig.load(args.out)
         if args.steps is not None or args.epochs is not None:  # resuming may extend the run
             config = config.replace(steps=args.steps, epochs=args.epochs)
+        if args.collective_timeout is not None:  # or wait for peers differently
+            config = config.replace(collective_timeout=args.collective_timeout)
         out = args.out
     else:
         config = config_from(args, args.policy)
