@@ -198,6 +198,11 @@ CLI_CASES = [
         ["'checkpoint_every_minutes'", "received 0.0"],
     ),
     (
+        "train collective timeout",
+        ["train", "digits", "--collective-timeout", "-5", "--out", "{tmp}/run"],
+        ["'collective_timeout'", "received -5.0", "positive finite number of seconds"],
+    ),
+    (
         "train stop signal",
         ["train", "digits", "--stop-signals", "SIGKILL", "--out", "{tmp}/run"],
         ["'stop_signals'", "'SIGKILL'"],
