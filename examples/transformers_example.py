@@ -2,6 +2,7 @@
 
     python examples/transformers_example.py              # o2_bf16
     python examples/transformers_example.py o2_fp16      # any preset or policy string
+    torchrun --standalone --nproc_per_node 2 examples/transformers_example.py  # DDP, 2 processes (each prints)
 
 The model is built from a config (nothing is downloaded) and learns to count modulo 32. Everything is
 the ordinary Trainer with fp16=False and bf16=False; the integration is ``MixprecTrainer(..., policy=...)``
