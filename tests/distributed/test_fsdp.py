@@ -129,6 +129,17 @@ def _scenarios(rank: int, out: str) -> None:
         except ValueError as exc:
             refusals.append(str(exc))
     summary["refusals"] = refusals
+    # the model sharded inside a wrapper (a LightningModule's configure_model shards self.model): the
+    # wrapper counts as sharded for the policy, unless FSDP2 sharded a part of it directly
+    wrapped = nn.ModuleDict({"model": mixprec.fully_shard(_net(), "o2_bf16")})
+    mixprec.MixedPrecision(wrapped, torch.optim.AdamW(wrapped.parameters()), "o2_bf16")
+    summary["inner_policy"] = mixprec.parallel.sharded_with(wrapped)
+    mixed = nn.ModuleDict({"model": mixprec.fully_shard(_net(), "o2_bf16"), "extra": nn.Linear(3, 3)})
+    torch.distributed.fsdp.fully_shard(mixed["extra"])
+    try:
+        mixprec.MixedPrecision(mixed, torch.optim.AdamW(mixed.parameters()), "o2_bf16")
+    except ValueError as exc:
+        summary["part_sharded_directly"] = str(exc)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(summary, f)
 
@@ -179,13 +190,15 @@ def test_an_inf_in_one_ranks_shard_makes_every_rank_skip_and_back_off(fsdp_run):
     assert ranks[0]["injected"]["scales"] == ranks[1]["injected"]["scales"]
 
 
-def test_mixed_precision_refuses_a_model_sharded_for_another_policy(fsdp_run):
+def test_mixed_precision_refuses_a_model_sharded_for_another_policy_or_partly_by_fsdp2_directly(fsdp_run):
     _, ranks = fsdp_run
     wrong_policy, unmapped = ranks[0]["refusals"]
     assert "sharded by mixprec.fully_shard for 'params=bfloat16" in wrong_policy
     assert "MixedPrecision received 'params=float32,compute=bfloat16" in wrong_policy
     assert "pass the same policy to both" in wrong_policy
     assert "Shard it with mixprec.fully_shard(model, policy)" in unmapped
+    assert ranks[0]["inner_policy"] == str(mixprec.get_policy("o2_bf16"))  # MixedPrecision took the wrapper
+    assert "Shard it with mixprec.fully_shard(model, policy)" in ranks[0]["part_sharded_directly"]
 
 
 def test_a_sharded_run_saves_once_resumes_and_continues_identically(fsdp_run):

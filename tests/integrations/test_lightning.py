@@ -1,6 +1,7 @@
 """MixprecPrecision, the Lightning precision plugin: skipped steps, FP32 tracking, exact resume, clipping,
 the refusals, and the example script."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 L = pytest.importorskip("lightning")
 
@@ -283,3 +285,63 @@ def test_ddp_ranks_skip_the_same_update_and_stay_identical():
         assert (steps, skipped, got_scale, got_params) == ("8", "1", scale, params)
         assert float(lr) == pytest.approx(1e-2 * 0.9**7, rel=1e-4)  # 7 applied updates moved the schedule, not 8
     assert ranks[0][5] == ranks[1][5]  # identical replicas: the exact FP32 weights (o2: masters) agree
+
+
+def _fsdp_worker():
+    path = Path(__file__).with_name("lightning_fsdp_worker.py")
+    spec = importlib.util.spec_from_file_location("lightning_fsdp_worker", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker
+
+
+@pytest.mark.parametrize("policy", ["o2_bf16", "pure_bf16", "mixed_fp16"])
+def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_and_resumes_exactly(policy, tmp_path):
+    # two CPU processes, the model sharded by mixprec.fully_shard in configure_model, rank 0's loss infinite
+    # at updates 2 and 6, clipping at norm 1 (the gradient norm combined over the ranks' shards)
+    worker = _fsdp_worker()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--nproc_per_node", "2", worker.__file__, policy, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = re.findall(r"RANK (\d) (\w+) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) val_loss (\S+)", done.stdout)
+    assert sorted((rank, fit) for rank, fit, *_ in ranks) == [
+        ("0", "resumed"), ("0", "straight"), ("1", "resumed"), ("1", "straight")
+    ], done.stdout  # fmt: skip
+    scale = "16384" if policy == "mixed_fp16" else "1"  # 2^16 halved at each skip
+    for *_, steps, skipped, got_scale, lr, _ in ranks:  # rank 1's loss was finite: it skipped with rank 0
+        assert (steps, skipped, got_scale) == ("8", "2", scale)
+        assert float(lr) == pytest.approx(1e-2 * 0.9**6, rel=1e-6)  # 6 applied updates moved the schedule
+    val_losses = {val_loss for *_, val_loss in ranks}  # evaluated in the policy's region on the sharded model
+    assert len(val_losses) == 1 and 0 < float(val_losses.pop()) < 1, ranks
+
+    straight = load_file(tmp_path / "straight.safetensors")
+    resumed = load_file(tmp_path / "resumed.safetensors")
+    assert straight.keys() == resumed.keys() and any(k.startswith("optimizer/") for k in straight)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # the epoch-1 checkpoint loses nothing
+
+    plugin, model = MixprecPrecision(policy), worker.Classifier(policy, shard=False)  # one process, batch 32
+    trainer = worker.trainer_for(plugin, worker.EPOCHS, accelerator="cpu", devices=1)
+    trainer.fit(model, torch.utils.data.DataLoader(worker.data(), batch_size=32))
+    assert plugin.stats().skipped_steps == 2
+    exact = plugin.mixed_precision.fp32_state_dict()  # o2: the masters; FSDP2's FP32 shards are its masters
+    worst = max((straight[f"model/{k}"].float() - v).abs().max().item() for k, v in exact.items())
+    # 16-bit gradient reductions and summation order: measured 1.8e-4 (o2_bf16), 2.9e-5 (mixed_fp16), one bf16
+    # step at 0.25-0.5 (pure_bf16, 2.0e-3); clipping by each rank's own norm instead: 4.4e-3, 4.2e-3, 7.8e-3
+    assert worst < (4e-3 if policy == "pure_bf16" else 1e-3), worst
+
+
+def test_what_model_parallel_strategy_cannot_train_correctly_is_refused_on_every_rank():
+    worker = _fsdp_worker()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--nproc_per_node", "2", worker.__file__, "refusals"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = re.findall(r"RANK 0 REFUSED (.*)", done.stdout)
+    assert len(refused) == 3 and len(re.findall(r"RANK 1 REFUSED", done.stdout)) == 3, done.stdout
+    tensor_parallel, unsharded, other_policy = refused
+    assert "tensor_parallel_size=2" in tensor_parallel and "tensor_parallel_size=1)" in tensor_parallel
+    assert "not sharded" in unsharded and "every rank would train its own model" in unsharded
+    assert 'mixprec.fully_shard(self.model, policy, mesh=self.device_mesh["data_parallel"])' in unsharded
+    assert "sharded by mixprec.fully_shard for 'params=float32,compute=bfloat16" in other_policy
+    assert "pass the same policy to both" in other_policy

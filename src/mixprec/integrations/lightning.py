@@ -3,7 +3,8 @@
     trainer = L.Trainer(plugins=[MixprecPrecision("o2_bf16")])  # the one line added
     trainer.fit(model)                                          # the LightningModule is unchanged
 
-Lightning's hooks, mapped onto MixedPrecision (automatic optimization, one optimizer, one device or DDP):
+Lightning's hooks, mapped onto MixedPrecision (automatic optimization, one optimizer; one device, DDP, or
+FSDP2 through ModelParallelStrategy with ``mixprec.fully_shard`` in ``configure_model``):
 
     connect(model, [optimizer], schedulers)  mp = MixedPrecision(model, optimizer, policy, scaler): casts the
                                              model, makes FP32 masters (o2) and the loss scaler; wraps every
@@ -36,12 +37,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 import mixprec
 from mixprec.integrations.gated_scheduler import GatedScheduler
+from mixprec.parallel import is_sharded
 
 __all__ = ["GatedScheduler", "MixprecPrecision"]
 
@@ -66,7 +69,8 @@ class MixprecPrecision(Precision):
 
     Raises (at ``trainer.fit``, with the fix in the message):
         ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward``,
-            an FSDP/DeepSpeed strategy,
+            FSDPStrategy (FSDP1) or DeepSpeed, ModelParallelStrategy with tensor parallelism or an unsharded
+            model,
             a per-step LR scheduler with ``frequency`` > 1, LBFGS, a model that is not FP32, or an
             optimizer the policy cannot use (``pure_bf16`` needs ``mixprec.AdamW``).
     """
@@ -115,6 +119,7 @@ class MixprecPrecision(Precision):
             self.precision = _lightning_precision(self.policy)
             return model, optimizers, lr_schedulers
         _check_trainable(module, optimizers)
+        _check_model_parallel(module)
         for config in lr_schedulers:
             _check_gateable(config)
         try:
@@ -248,10 +253,10 @@ def _lightning_module(model: nn.Module) -> pl.LightningModule:
     if isinstance(model, nn.parallel.DistributedDataParallel) and isinstance(inner, pl.LightningModule):
         return inner
     raise ValueError(
-        f"MixprecPrecision runs on one device or under strategy='ddp'; the strategy wrapped the model in "
-        f"{type(model).__name__}. FSDP and DeepSpeed strategies are not supported: train with devices=1 or "
-        "strategy='ddp', or use mixprec.MixedPrecision with mixprec.fully_shard in your own loop "
-        "(docs/training-step.md)."
+        f"MixprecPrecision runs on one device, under strategy='ddp' or under ModelParallelStrategy (FSDP2); the "
+        f"strategy wrapped the model in {type(model).__name__}. FSDPStrategy (FSDP1) and DeepSpeed are not "
+        "supported: for sharding, use ModelParallelStrategy and mixprec.fully_shard in configure_model "
+        "(docs/integrations.md)."
     )
 
 
@@ -296,7 +301,7 @@ def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Op
         )
     elif isinstance(optimizers[0], torch.optim.LBFGS):
         problem = "LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot follow."
-    else:
+    elif not is_sharded(module):  # sharded: mixprec.fully_shard left the policy's dtypes, MixedPrecision checks them
         low = [name for name, p in module.named_parameters() if p.requires_grad and p.dtype != torch.float32]
         if low:
             problem = (
@@ -306,6 +311,35 @@ def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Op
             )
     if problem is not None:
         raise ValueError(f"MixprecPrecision: {problem}")
+
+
+def _check_model_parallel(module: pl.LightningModule) -> None:
+    """Under ModelParallelStrategy (FSDP2), data parallelism only, sharded by mixprec.fully_shard.
+
+    Tensor parallelism splits single weights across ranks in ways the gradient norm and the overflow
+    check do not follow; a model left unsharded would train apart on every rank (the strategy adds no
+    gradient averaging of its own).
+    """
+    strategy = module.trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    mesh = strategy.device_mesh
+    fix = (
+        "shard the model in configure_model with mixprec.fully_shard(self.model, policy, "
+        'mesh=self.device_mesh["data_parallel"]), the same policy as the plugin\'s'
+    )
+    if mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"MixprecPrecision: ModelParallelStrategy with tensor_parallel_size={mesh['tensor_parallel'].size()}; "
+            "the plugin trains data-parallel FSDP2 models only. Use ModelParallelStrategy(data_parallel_size="
+            f"{mesh.size()}, tensor_parallel_size=1) and {fix}."
+        )
+    if mesh["data_parallel"].size() > 1 and not is_sharded(module):
+        raise ValueError(
+            f"MixprecPrecision: under ModelParallelStrategy on {mesh.size()} processes the LightningModule's "
+            "parameters are not sharded, so nothing would average their gradients and every rank would train "
+            f"its own model; {fix}."
+        )
 
 
 def _check_gateable(config: Any) -> None:

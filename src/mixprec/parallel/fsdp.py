@@ -120,5 +120,21 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def sharded_with(model: nn.Module) -> str | None:
-    """The policy string :func:`fully_shard` sharded ``model`` for (None if it did not)."""
-    return getattr(model, _MARK, None)
+    """The policy string :func:`fully_shard` sharded ``model`` for, or None if it did not.
+
+    ``model`` itself or the submodules that hold its sharded parameters may have been sharded (a
+    LightningModule whose ``configure_model`` shards ``self.model``). Sharded parameters outside every
+    :func:`fully_shard` call, or calls with different policies, give None: the model as a whole was
+    not sharded for one policy.
+    """
+    marks = {name: mark for name, module in model.named_modules() if (mark := getattr(module, _MARK, None))}
+    if not marks or len(set(marks.values())) > 1:
+        return None
+    for name, parameter in model.named_parameters():
+        if type(parameter).__name__ == "DTensor" and not any(_inside(name, root) for root in marks):
+            return None
+    return next(iter(marks.values()))
+
+
+def _inside(parameter: str, module: str) -> bool:
+    return not module or parameter.startswith(module + ".")
