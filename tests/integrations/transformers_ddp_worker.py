@@ -6,6 +6,7 @@ infinite at update 1. Three runs: accumulation in 16 bits (DDP's ``no_sync``) wi
 a resume from that checkpoint; accumulation in FP32 (``sync_each_batch``). Each run writes its FP32 weights to
 ``<out>/<run>-<rank or single>.safetensors`` and one line with its counters and LR."""
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -98,3 +99,6 @@ train(
     save_strategy="no",
     accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}},
 )
+if torch.distributed.is_initialized():
+    gc.collect()  # DDP wrappers caught in reference cycles go now, while the group is alive
+    torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort it (SIGABRT)

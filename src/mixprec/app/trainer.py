@@ -42,6 +42,7 @@ from mixprec.app.stop_signals import StopRequest
 from mixprec.app.torchrun import shard
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 from mixprec.checks import whole_number
+from mixprec.compute import dropped_roundings_note
 from mixprec.distributed.ranks import agree_max, copy_from_main, reduce_across_ranks, world
 from mixprec.doctor.trace import NonFiniteTracer
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
@@ -149,6 +150,9 @@ class Trainer:
         if run.compile:  # the training forward only: checkpoints and evaluation keep the plain module
             # emulate_precision_casts: inductor keeps the 16-bit roundings of emulated ops, so compiled = eager
             self._train_model = torch.compile(self._train_model, options={"emulate_precision_casts": True})
+            plan = self.mp.compute_plan
+            if note := dropped_roundings_note(plan.emulates, plan.dtype, self.mp.device.type):
+                logger.warning(note)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.data, self.update, self.run, self.checks = data, update, run, checks
         self.out_dir = Path(run.out_dir) if run.out_dir is not None else None

@@ -4,6 +4,7 @@ their exact emulation in FP32, GEMM attention, and the timed probe that picks am
 Nothing here knows about policies; :mod:`mixprec.policy` (``auto``) and :mod:`mixprec.regions` build on it.
 """
 
+from mixprec.compute.compiled_casts import dropped_roundings_note, inductor_keeps_casts
 from mixprec.compute.device import DeviceCaps, device_caps, device_type_of
 from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.compute.kernels import KERNEL_SETTINGS, KernelPlan, kernel_plan
@@ -15,5 +16,7 @@ __all__ = [
     "KernelPlan",
     "device_caps",
     "device_type_of",
+    "dropped_roundings_note",
+    "inductor_keeps_casts",
     "kernel_plan",
 ]

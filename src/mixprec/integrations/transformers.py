@@ -50,6 +50,7 @@ from torch import nn
 from transformers.optimization import GreedyLR
 
 import mixprec
+from mixprec.compute import dropped_roundings_note
 from mixprec.distributed import copy_from_main, world
 from mixprec.engine import needs_compensated_optimizer
 from mixprec.integrations.gated_scheduler import GatedScheduler
@@ -209,6 +210,10 @@ class MixprecTrainer(transformers.Trainer):
         if origin == "the Trainer built":
             origin += f" (optim={_optim_name(self.args)!r})"
         self._mp = self._mixed_precision(optimizer, origin)
+        if self.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR:
+            plan = self._mp.compute_plan  # inductor keeps the emulation's roundings only where it honours the option
+            if note := dropped_roundings_note(plan.emulates, plan.dtype, self._mp.device.type):
+                _log.warning(note)
         self._stepper = MixprecOptimizer(optimizer, self._optimizer_step)
         self._unscaled, self._last_applied = False, True
         self.optimizer = self._stepper

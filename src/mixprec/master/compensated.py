@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mixprec.distributed.ranks import local
-from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw
+from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, why_unavailable
 from mixprec.numerics.quantize import quantize
 
 __all__ = ["UPDATE_MODES", "AdamW"]
@@ -202,7 +202,10 @@ class AdamW(torch.optim.Optimizer):
             return False
         if kahan_adamw_kernel() is None:
             if self._single_pass:
-                raise RuntimeError("AdamW(single_pass=True): the compiled kernel is unavailable on this machine.")
+                raise RuntimeError(
+                    f"AdamW(single_pass=True): the compiled kernel is unavailable here ({why_unavailable()}); "
+                    "use single_pass=None to take the eager path where it is."
+                )
             return False
         return True
 

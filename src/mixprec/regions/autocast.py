@@ -76,6 +76,11 @@ class ComputePlan:
     reason: str
     kernels: KernelPlan | None = None
 
+    @property
+    def emulates(self) -> bool:
+        """Whether some 16-bit ops run emulated: FP32 arithmetic with 16-bit roundings."""
+        return self.mode in ("emulated", "hybrid")
+
     def kernel(self, family: str) -> str:
         """The kernel of one op family ("native", "emulated", "gemm"); without a kernel plan, the mode's."""
         if self.kernels is not None:
