@@ -20,7 +20,9 @@ On the CPU, where a read is a memory load, the statistics also read a flag where
 outside step() (``unscale_()``, ``clip_grad_norm_()``, a backward() after another loss's), so that only
 overflowing gradients pay for telling inf from NaN; elsewhere that check runs on the device.
 In a torch.distributed run step() also all-reduces the found-inf flags (max over ranks) before deciding,
-so every rank skips the same steps; that is a collective, not a host sync. With FSDP2-sharded parameters
+so every rank skips the same steps; that is a collective, not a host sync. A skipped step (every step, where
+a fused optimizer skips on the device) all-reduces two more numbers, whether some rank saw an inf or a NaN,
+so that every rank's statistics describe the step as a whole. With FSDP2-sharded parameters
 (:func:`mixprec.fully_shard`) each rank unscales and checks its own shards, and clip_grad_norm_ sums the
 shards' norms across ranks (one more all-reduce).
 """
@@ -433,6 +435,8 @@ class MixedPrecision:
             # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
             host = [flag != 0 for flag in torch.cat(per_loss).tolist()]
         self._check_kinds(None if host is None else any(host))
+        if host is None or any(host):  # the same on every rank: the flags are agreed
+            self._log.agree_kinds()  # a shard's inf is every rank's skip (a collective; none in one process)
         return FoundInf(per_loss, host)
 
     @property

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mixprec.checks import whole_number
+from mixprec.distributed.ranks import agree_max, world
 from mixprec.numerics.finite import max_magnitudes, nonfinite_kinds
 from mixprec.scaling.dynamic import DynamicLossScaler
 
@@ -110,6 +111,21 @@ class OverflowLog:
         if self._kinds is not None:
             has_inf, has_nan = has_inf | self._kinds[0], has_nan | self._kinds[1]
         self._kinds = (has_inf, has_nan)
+
+    def agree_kinds(self) -> None:
+        """Every rank's kinds become their union (one all-reduce of two numbers; nothing in one process).
+
+        Under FSDP2 each rank checks its own shard of every gradient, so an inf in one rank's shard
+        skips the update on every rank while the others saw only finite values: without this, their
+        diagnoses would count that skip as neither inf nor NaN, and rank 0's report is the one printed.
+        """
+        if not world().distributed:
+            return
+        none = torch.zeros((), dtype=torch.bool, device=self._device)
+        has_inf, has_nan = self._kinds or (none, none)
+        flags = [torch.as_tensor(has_inf, device=self._device), torch.as_tensor(has_nan, device=self._device)]
+        has_inf, has_nan = agree_max(flags)
+        self._kinds = (has_inf.bool(), has_nan.bool())
 
     def watch_underflow(self, grads: Sequence[torch.Tensor], loss: torch.Tensor | None) -> None:
         """After a collapse (a dynamic scale below 1), flag an update whose unscaled gradients are all zero
