@@ -40,7 +40,7 @@ from safetensors import safe_open
 
 from mixprec.app.checkpoint import list_checkpoints, load_checkpoint
 from mixprec.app.machine import machine_info
-from mixprec.app.serialize import flatten
+from mixprec.persist.serialize import flatten
 
 MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m", "mixprec"]

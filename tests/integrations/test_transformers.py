@@ -3,6 +3,7 @@ true gradients, gradient accumulation, the refusals, and the example script. Tin
 config; nothing is downloaded."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -240,7 +241,7 @@ def _resumable(tmp_path, resume=None, **options):
 
 def test_checkpoint_and_resume_equal_the_uninterrupted_run_bit_for_bit(tmp_path):
     whole = _resumable(tmp_path / "whole")  # 11 steps over two epochs, one skipped; checkpoints at 4 and 8
-    saved = torch.load(tmp_path / "whole" / "checkpoint-4" / STATE_NAME, weights_only=True)
+    saved = mixprec.persist.read_checkpoint_file(tmp_path / "whole" / "checkpoint-4" / STATE_NAME)  # verified
     assert saved["policy"] == str(whole.policy) and len(saved["masters"]) == 4 and saved["counters"]["steps"] == 4
 
     resumed = _resumable(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-4"))
@@ -256,6 +257,19 @@ def test_checkpoint_and_resume_equal_the_uninterrupted_run_bit_for_bit(tmp_path)
     assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
     assert _logs(resumed, "loss") == _logs(whole, "loss")  # the first 4 from the checkpoint's trainer_state.json
     assert _logs(resumed, "loss_scale") == _logs(whole, "loss_scale")
+
+
+def test_a_damaged_mixprec_state_is_refused_on_resume_with_the_file_and_the_fix(tmp_path):
+    _resumable(tmp_path / "whole")
+    checkpoint = tmp_path / "damaged" / "checkpoint-4"
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", checkpoint)
+    state = checkpoint / STATE_NAME
+    data = bytearray(state.read_bytes())
+    data[-3] ^= 0x01  # one bit of a tensor (a master weight, a scale): the file still parses
+    state.write_bytes(bytes(data))
+    message = rf"cannot resume from {re.escape(str(checkpoint))}: .*checksum mismatch.* earlier checkpoint-N, or delete"
+    with pytest.raises(ValueError, match=message):
+        _resumable(tmp_path / "resumed", resume=str(checkpoint))
 
 
 @pytest.mark.parametrize("flag", ["fp16", "bf16"])

@@ -20,7 +20,7 @@ from mixprec.app.checkpoint import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from mixprec.app.serialize import flatten, unflatten
+from mixprec.persist.serialize import flatten, unflatten
 
 
 def nested_state():

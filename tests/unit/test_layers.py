@@ -12,7 +12,7 @@ SOURCE = Path(__file__).resolve().parents[2] / "src" / "mixprec"
 
 # Bottom to top; a module may import its own layer and the ones below it, never one above.
 LAYERS = [
-    {"numerics", "checks", "lazy"},
+    {"numerics", "checks", "lazy", "persist"},
     {"compute"},
     {"policy"},
     {"scaling", "master", "distributed"},

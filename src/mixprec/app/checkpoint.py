@@ -1,6 +1,6 @@
 """The checkpoints of a run: one per saved step, in the run's ``checkpoints/`` folder, newest last.
 
-A checkpoint is either a file, ``step-00001200.safetensors`` (:mod:`mixprec.app.checkpoint_file`:
+A checkpoint is either a file, ``step-00001200.safetensors`` (:mod:`mixprec.persist.state_file`:
 the whole training state, checksummed, written atomically), or, for FSDP2 runs, a folder,
 ``step-00001200.sharded/`` (:mod:`mixprec.app.sharded_checkpoint`: every rank writes its own shards).
 A folder is written under a hidden staging name and renamed once every rank's part and the state
@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-from mixprec.app.checkpoint_file import (
+from mixprec.app.sharded_checkpoint import read_sharded, write_sharded
+from mixprec.distributed import agree_max, barrier, world
+from mixprec.persist.state_file import (
     CheckpointError,
     encode_checkpoint,
     fsync_directory,
     read_checkpoint_file,
     write_atomically,
 )
-from mixprec.app.sharded_checkpoint import read_sharded, write_sharded
-from mixprec.distributed import agree_max, barrier, world
 
 __all__ = [
     "CheckpointError",

@@ -7,7 +7,7 @@ Layout of ``step-00001200.sharded/``:
                           (torch.distributed.checkpoint's safetensors format: nothing is pickled)
     state.safetensors     from rank 0, written last: everything else (identity, scaler, scheduler, RNG,
                           position, optimizer settings, replicated tensors such as buffers and step
-                          counts) as one checkpoint file (:mod:`mixprec.app.checkpoint_file`), with the
+                          counts) as one checkpoint file (:mod:`mixprec.persist.state_file`), with the
                           SHA-256 of every shard file
 
 No rank gathers the model: each holds only its shards while writing. :func:`write_sharded` fills a
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.app.checkpoint_file import (
+from mixprec.distributed import world
+from mixprec.persist.state_file import (
     CheckpointError,
     encode_checkpoint,
     fsync_directory,
     read_checkpoint_file,
     write_atomically,
 )
-from mixprec.distributed import world
 
 # torch.distributed.checkpoint and .tensor are imported where used: they import torch._dynamo, 1.4 s of
 # every process's start, and only FSDP2 runs need them

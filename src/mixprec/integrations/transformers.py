@@ -39,6 +39,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,10 +55,11 @@ from mixprec.compute import dropped_roundings_note
 from mixprec.distributed import copy_from_main, world
 from mixprec.engine import needs_compensated_optimizer
 from mixprec.integrations.gated_scheduler import GatedScheduler
+from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
 
 __all__ = ["STATE_NAME", "GatedScheduler", "MixprecOptimizer", "MixprecTrainer"]
 
-STATE_NAME = "mixprec_state.pt"  # beside the Trainer's optimizer.pt and scheduler.pt in checkpoint-N/
+STATE_NAME = "mixprec_state.safetensors"  # beside the Trainer's optimizer.pt and scheduler.pt in checkpoint-N/
 _log = logging.getLogger(__name__)
 
 # Trainer methods this adapter overrides or calls beyond the documented ones; a transformers whose loop does
@@ -383,7 +385,10 @@ class MixprecTrainer(transformers.Trainer):
         super()._save_scaler(output_dir)
         if self._mp is not None and self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
-            torch.save(self._mp.state_dict(), os.path.join(output_dir, STATE_NAME))
+            # checksummed safetensors, written atomically: a crash leaves the old file or the new one, and a
+            # damaged or edited file is refused on resume instead of restoring wrong masters or scale
+            data = encode_checkpoint(self.state.global_step, self._mp.state_dict())
+            write_atomically(Path(output_dir) / STATE_NAME, data)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         """Restore MixedPrecision's state after the Trainer restored the model, optimizer and scheduler."""
@@ -401,9 +406,13 @@ class MixprecTrainer(transformers.Trainer):
                 STATE_NAME,
             )
             return
-        device = self.args.device  # "cpu:0" in a process of a CPU DDP run, which torch.load cannot map to
-        where = "cpu" if device.type == "cpu" else device
-        state = torch.load(path, map_location=where, weights_only=True)  # tensors, plain values: no code
+        try:
+            state = read_checkpoint_file(Path(path))  # verified against its checksum; nothing unpickled
+        except CheckpointError as error:
+            raise ValueError(
+                f"{self!r}: cannot resume from {checkpoint}: {error}. Resume from an earlier checkpoint-N, or delete "
+                f"{STATE_NAME} to continue with a fresh loss scaler and FP32 masters made from the saved weights."
+            ) from None
         try:
             self._require("_load_scaler").load_state_dict(state)
         except ValueError as error:

@@ -1,6 +1,6 @@
 """One checkpoint file: encoded, written atomically, read back verified; nothing is ever unpickled.
 
-A file holds the tensors of a nested training state (see :mod:`mixprec.app.serialize`) and, in the
+A file holds the tensors of a nested training state (see :mod:`mixprec.persist.serialize`) and, in the
 safetensors header's metadata, the JSON skeleton that puts them back together (every number, string
 and flag: position, counters, RNG, scaler, policy), the step, and a SHA-256 over every metadata field
 and every tensor's bytes: no byte that resuming depends on can change unnoticed.
@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from mixprec.app.serialize import flatten, unflatten
+from mixprec.persist.serialize import flatten, unflatten
 
 __all__ = ["CheckpointError", "encode_checkpoint", "fsync_directory", "read_checkpoint_file", "write_atomically"]
 
