@@ -6,7 +6,7 @@ Three fits: 2 epochs (8 updates) straight; 1 epoch and a checkpoint; a fresh mod
 writes the gathered full model and optimizer states of the straight and the resumed fit as safetensors;
 every rank prints its counters and LR after each fit.
 
-    torchrun --nproc_per_node 2 lightning_fsdp_worker.py POLICY OUT_DIR
+    torchrun --nproc_per_node 2 lightning_fsdp_worker.py POLICY OUT_DIR [ACCUMULATE]
     torchrun --nproc_per_node 2 lightning_fsdp_worker.py refusals
 """
 
@@ -104,17 +104,19 @@ def trainer_for(plugin: MixprecPrecision, epochs: int, **options) -> L.Trainer:
     )
 
 
-def fit(policy: str, epochs: int, ckpt_path=None) -> tuple[L.Trainer, Classifier, MixprecPrecision]:
-    """Rank r trains on samples r, r + 2, ...: update k's two batches are together the one-process run's
-    k-th batch of 32 (sequential; no sampler of Lightning's, which would shuffle)."""
+def fit(
+    policy: str, epochs: int, ckpt_path=None, accumulate: int = 1
+) -> tuple[L.Trainer, Classifier, MixprecPrecision]:
+    """Rank r trains on samples r, r + 2, ...: update k's batches are together the one-process run's k-th
+    batch of 32 (sequential; no sampler of Lightning's, which would shuffle), in ``accumulate`` micro-batches."""
     plugin, model = MixprecPrecision(policy), Classifier(policy)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     options = {"accelerator": "cpu", "devices": 2, "strategy": strategy, "use_distributed_sampler": False}
-    trainer = trainer_for(plugin, epochs, **options)
+    trainer = trainer_for(plugin, epochs, accumulate_grad_batches=accumulate, **options)
     share = Subset(data(), range(int(os.environ["RANK"]), len(data()), 2))
     trainer.fit(
         model,
-        DataLoader(share, batch_size=16),
+        DataLoader(share, batch_size=16 // accumulate),
         DataLoader(Subset(share, range(32)), batch_size=16),
         ckpt_path=ckpt_path,
     )
@@ -158,8 +160,9 @@ if __name__ == "__main__":
         refusals()
         sys.exit()
     policy, out = sys.argv[1], Path(sys.argv[2])
-    report(out, "straight", *fit(policy, EPOCHS))
-    trainer, model, plugin = fit(policy, 1)
+    accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    report(out, "straight", *fit(policy, EPOCHS, accumulate=accumulate))
+    trainer, model, plugin = fit(policy, 1, accumulate=accumulate)
     checkpoint = out / "epoch1.ckpt"
     trainer.save_checkpoint(checkpoint)  # a distributed checkpoint: a folder of shards and meta.pt
-    report(out, "resumed", *fit(policy, EPOCHS, ckpt_path=checkpoint))
+    report(out, "resumed", *fit(policy, EPOCHS, ckpt_path=checkpoint, accumulate=accumulate))

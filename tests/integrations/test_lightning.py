@@ -295,13 +295,18 @@ def _fsdp_worker():
     return worker
 
 
-@pytest.mark.parametrize("policy", ["o2_bf16", "pure_bf16", "mixed_fp16"])
-def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_and_resumes_exactly(policy, tmp_path):
+@pytest.mark.parametrize(
+    ("policy", "accumulate"), [("o2_bf16", 1), ("pure_bf16", 1), ("mixed_fp16", 1), ("o2_bf16", 2)]
+)
+def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_and_resumes_exactly(
+    policy, accumulate, tmp_path
+):
     # two CPU processes, the model sharded by mixprec.fully_shard in configure_model, rank 0's loss infinite
-    # at updates 2 and 6, clipping at norm 1 (the gradient norm combined over the ranks' shards)
+    # at updates 2 and 6, clipping at norm 1 (the gradient norm combined over the ranks' shards); each update
+    # 32 samples, in 1 or 2 micro-batches per rank (accumulate_grad_batches)
     worker = _fsdp_worker()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--nproc_per_node", "2", worker.__file__, policy, str(tmp_path)]
+    command = [torchrun, "--nproc_per_node", "2", worker.__file__, policy, str(tmp_path), str(accumulate)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = re.findall(r"RANK (\d) (\w+) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) val_loss (\S+)", done.stdout)
@@ -321,8 +326,10 @@ def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_a
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # the epoch-1 checkpoint loses nothing
 
     plugin, model = MixprecPrecision(policy), worker.Classifier(policy, shard=False)  # one process, batch 32
-    trainer = worker.trainer_for(plugin, worker.EPOCHS, accelerator="cpu", devices=1)
-    trainer.fit(model, torch.utils.data.DataLoader(worker.data(), batch_size=32))
+    trainer = worker.trainer_for(
+        plugin, worker.EPOCHS, accelerator="cpu", devices=1, accumulate_grad_batches=accumulate
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(worker.data(), batch_size=32 // accumulate))
     assert plugin.stats().skipped_steps == 2
     exact = plugin.mixed_precision.fp32_state_dict()  # o2: the masters; FSDP2's FP32 shards are its masters
     worst = max((straight[f"model/{k}"].float() - v).abs().max().item() for k, v in exact.items())
