@@ -62,7 +62,9 @@ class Classifier(L.LightningModule):
         self.policy, self.shard = policy, shard
 
     def configure_model(self):
-        if self.shard:
+        if self.shard and self.policy == "pure_bf16":  # the plugin's helper: shards for the plugin's own policy
+            self.trainer.precision_plugin.fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+        elif self.shard:
             mixprec.fully_shard(self.model, self.policy, mesh=self.device_mesh["data_parallel"])
 
     def forward(self, x):

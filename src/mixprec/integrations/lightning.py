@@ -136,6 +136,20 @@ class MixprecPrecision(Precision):
         gated = [_gated(config, self._gate_open) for config in lr_schedulers]
         return model, optimizers, gated
 
+    def fully_shard(self, module: nn.Module, *, mesh: Any = None, **options: Any) -> nn.Module:
+        """``mixprec.fully_shard(module, policy, mesh=mesh, **options)`` with this plugin's policy, for
+        ``configure_model`` under ModelParallelStrategy::
+
+            def configure_model(self):
+                self.trainer.precision_plugin.fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+        ``auto`` is resolved for the mesh's device type (the module may still be on the meta device).
+        ``options``: ``reduce_dtype``, ``units`` (see :func:`mixprec.fully_shard`).
+        """
+        device = torch.device(mesh.device_type) if mesh is not None else _device_of(module)
+        policy = self.policy if self.policy is not None else mixprec.get_policy(self._spec, device=device)
+        return mixprec.fully_shard(module, policy, mesh=mesh, **options)
+
     def _gate_open(self) -> bool:
         return self._last_applied
 
