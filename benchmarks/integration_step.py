@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model: checks the script runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must exceed the {WARMUP} untimed warm-up updates; received {args.steps}")
     if args.tiny:
         SIZE.update(TINY)
     out = args.out
@@ -168,9 +170,11 @@ def main() -> None:
             record = {"framework": framework, "framework_mode": own, "mixprec_mode": ours,
                       "framework_ms": statistics.median(rounds[own]), "mixprec_ms": statistics.median(rounds[ours]),
                       "ratio": statistics.median(ratios), "ratios": ratios,
+                      "ratio_of_medians": statistics.median(rounds[ours]) / statistics.median(rounds[own]),
                       "rounds": {own: len(rounds[own]), ours: len(rounds[ours])}}  # fmt: skip
             records.append(record)
-            print(f"{framework:9} {ours:20} / {own:12} {record['ratio']:.3f}x  "
+            print(f"{framework:9} {ours:20} / {own:12} {record['ratio']:.3f}x (per round {min(ratios):.3f}-"
+                  f"{max(ratios):.3f}, of medians {record['ratio_of_medians']:.3f})  "
                   f"({record['mixprec_ms']:.1f} vs {record['framework_ms']:.1f} ms CPU/step)")  # fmt: skip
     path = out / "integration_step.json"
     summary = {"machine": machine_info(), "steps": args.steps, "size": SIZE, "records": records}

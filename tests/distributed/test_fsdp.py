@@ -142,6 +142,11 @@ def _scenarios(rank: int, out: str) -> None:
         mixprec.MixedPrecision(mixed, torch.optim.AdamW(mixed.parameters()), "o2_bf16")
     except ValueError as exc:
         summary["part_sharded_directly"] = str(exc)
+    partly = nn.ModuleDict({"model": mixprec.fully_shard(_net(), "mixed_bf16"), "head": nn.Linear(3, 3)})
+    try:  # the head left out: replicated, never averaged, counted once per rank in the clip norm
+        mixprec.MixedPrecision(partly, torch.optim.AdamW(partly.parameters()), "mixed_bf16")
+    except ValueError as exc:
+        summary["partly_sharded"] = str(exc)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(summary, f)
 
@@ -204,6 +209,8 @@ def test_mixed_precision_refuses_a_model_sharded_for_another_policy_or_partly_by
     assert "Shard it with mixprec.fully_shard(model, policy)" in unmapped
     assert ranks[0]["inner_policy"] == str(mixprec.get_policy("o2_bf16"))  # MixedPrecision took the wrapper
     assert "Shard it with mixprec.fully_shard(model, policy)" in ranks[0]["part_sharded_directly"]
+    assert "trainable parameter 'head.weight' (and 1 more) is not" in ranks[0]["partly_sharded"]
+    assert "Shard the whole model" in ranks[1]["partly_sharded"]
 
 
 def test_a_sharded_run_saves_once_resumes_and_continues_identically(fsdp_run):

@@ -55,10 +55,11 @@ class Net(nn.Module):
 class Classifier(L.LightningModule):
     """Also built by the test, in one process on the global batch, as the reference."""
 
-    def __init__(self, policy: str, shard: bool = True) -> None:
+    def __init__(self, policy: str, shard: bool = True, loose: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = Net()
+        self.loose = nn.Linear(2, 2) if loose else None  # a parameter configure_model leaves unsharded
         self.policy, self.shard = policy, shard
 
     def configure_model(self):
@@ -141,15 +142,17 @@ def report(out: Path, name: str, trainer: L.Trainer, model: Classifier, plugin: 
 
 def refusals() -> None:
     """ModelParallelStrategy with tensor parallelism, the model left unsharded, the model sharded for
-    another policy than the plugin's: each rank prints the ValueError of fit."""
+    another policy than the plugin's, a parameter left out of the sharding: each rank prints the ValueError
+    of fit."""
     data_parallel = {"data_parallel_size": 2, "tensor_parallel_size": 1}
     cases = (
-        ({"data_parallel_size": 1, "tensor_parallel_size": 2}, "o2_bf16", "o2_bf16"),
-        (data_parallel, "o2_bf16", None),
-        (data_parallel, "o2_bf16", "mixed_bf16"),
+        ({"data_parallel_size": 1, "tensor_parallel_size": 2}, "o2_bf16", "o2_bf16", False),
+        (data_parallel, "o2_bf16", None, False),
+        (data_parallel, "o2_bf16", "mixed_bf16", False),
+        (data_parallel, "mixed_bf16", "mixed_bf16", True),
     )
-    for sizes, policy, shard in cases:
-        plugin, model = MixprecPrecision(policy), Classifier(shard or policy, shard=shard is not None)
+    for sizes, policy, shard, loose in cases:
+        plugin, model = MixprecPrecision(policy), Classifier(shard or policy, shard=shard is not None, loose=loose)
         trainer = trainer_for(plugin, 1, accelerator="cpu", devices=2, strategy=ModelParallelStrategy(**sizes))
         try:
             trainer.fit(model, DataLoader(data(), batch_size=16))

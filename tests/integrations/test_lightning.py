@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 L = pytest.importorskip("lightning")
 
 import mixprec  # noqa: E402
+import mixprec.compute  # noqa: E402
+import mixprec.persist  # noqa: E402
 from mixprec.integrations.lightning import GatedScheduler, MixprecPrecision  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_example.py"
@@ -345,13 +347,14 @@ def test_what_model_parallel_strategy_cannot_train_correctly_is_refused_on_every
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     refused = re.findall(r"RANK 0 REFUSED (.*)", done.stdout)
-    assert len(refused) == 3 and len(re.findall(r"RANK 1 REFUSED", done.stdout)) == 3, done.stdout
-    tensor_parallel, unsharded, other_policy = refused
+    assert len(refused) == 4 and len(re.findall(r"RANK 1 REFUSED", done.stdout)) == 4, done.stdout
+    tensor_parallel, unsharded, other_policy, partly = refused
     assert "tensor_parallel_size=2" in tensor_parallel and "tensor_parallel_size=1)" in tensor_parallel
     assert "not sharded" in unsharded and "every rank would train its own model" in unsharded
     assert 'mixprec.fully_shard(self.model, policy, mesh=self.device_mesh["data_parallel"])' in unsharded
     assert "sharded by mixprec.fully_shard for 'params=float32,compute=bfloat16" in other_policy
     assert "pass the same policy to both" in other_policy
+    assert "trainable parameter 'loose.weight' (and 1 more) is not" in partly and "Shard the whole model" in partly
 
 
 class PoisonedBatch(Regression):
@@ -372,7 +375,7 @@ def _poisoned_data() -> torch.utils.data.DataLoader:
 def test_a_compiled_lightning_module_keeps_the_policys_emulated_roundings_and_skips(kernel_cache):
     # fp16 matmuls emulated (seeded kernel cache): FP32 products rounded to fp16; with emulate_precision_casts
     # inductor keeps those roundings, so the compiled fit follows the eager one: the same skips and scale
-    # (without the option: the same skips here, weights 6e-6 apart)
+    # (without the option: the same skips here, weights 6.4e-6 apart)
     kernel_cache(torch.float16, matmul="emulated")
     runs = {}
     for name in ("eager", "compiled"):
@@ -389,5 +392,5 @@ def test_a_compiled_lightning_module_keeps_the_policys_emulated_roundings_and_sk
     assert exact_stats.skipped_steps >= 3  # the poisoned batch in each epoch
     assert (fast_stats.skipped_steps, fast_stats.scale) == (exact_stats.skipped_steps, exact_stats.scale)
     exact, fast = eager.mixed_precision.fp32_state_dict(), compiled.mixed_precision.fp32_state_dict()
-    for name in exact:
-        torch.testing.assert_close(fast[name], exact[name], rtol=1e-5, atol=1e-6)
+    worst = max((fast[name] - exact[name]).abs().max().item() for name in exact)
+    assert worst <= 2e-6, worst  # measured 7.2e-7 (inductor's FP32 reorderings); without the option: 6.4e-6

@@ -19,6 +19,8 @@ pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402
 
 import mixprec  # noqa: E402
+import mixprec.compute  # noqa: E402
+import mixprec.persist  # noqa: E402
 from mixprec.integrations.transformers import STATE_NAME, GatedScheduler, MixprecTrainer  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_example.py"
@@ -270,6 +272,19 @@ def test_a_damaged_mixprec_state_is_refused_on_resume_with_the_file_and_the_fix(
     message = rf"cannot resume from {re.escape(str(checkpoint))}: .*checksum mismatch.* earlier checkpoint-N, or delete"
     with pytest.raises(ValueError, match=message):
         _resumable(tmp_path / "resumed", resume=str(checkpoint))
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_from_its_mixprec_state_pt(tmp_path):
+    whole = _resumable(tmp_path / "whole")
+    checkpoint = tmp_path / "legacy" / "checkpoint-4"
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", checkpoint)
+    state = mixprec.persist.read_checkpoint_file(checkpoint / STATE_NAME)
+    torch.save(state, checkpoint / "mixprec_state.pt")  # what earlier versions wrote
+    (checkpoint / STATE_NAME).unlink()
+    resumed = _resumable(tmp_path / "resumed", resume=str(checkpoint))
+    exact, exact_resumed = whole.mixed_precision.fp32_state_dict(), resumed.mixed_precision.fp32_state_dict()
+    assert all(torch.equal(exact[name], exact_resumed[name]) for name in exact)  # the masters came back
+    assert resumed.stats().scale == whole.stats().scale
 
 
 @pytest.mark.parametrize("flag", ["fp16", "bf16"])

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+import mixprec.compute
 
 # FP8: delayed scaling (an amax history updated in place) and current scaling (keep=first+last)
 FP8_POLICIES = ["base=fp8", "base=fp8_hybrid,fp8=(scaling=current)"]

@@ -18,6 +18,7 @@ PACKAGES = [
     "mixprec.regions",
     "mixprec.regions.fp8",
     "mixprec.parallel",
+    "mixprec.persist",
     "mixprec.engine",
     "mixprec.doctor",
     "mixprec.app",

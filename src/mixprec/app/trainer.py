@@ -151,7 +151,7 @@ class Trainer:
             # emulate_precision_casts: inductor keeps the 16-bit roundings of emulated ops, so compiled = eager
             self._train_model = torch.compile(self._train_model, options={"emulate_precision_casts": True})
             plan = self.mp.compute_plan
-            if note := dropped_roundings_note(plan.emulates, plan.dtype, self.mp.device.type):
+            if note := dropped_roundings_note(plan.emulates, plan.dtype, self.mp.device):
                 logger.warning(note)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.data, self.update, self.run, self.checks = data, update, run, checks

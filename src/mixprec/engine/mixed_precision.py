@@ -20,11 +20,11 @@ On the CPU, where a read is a memory load, the statistics also read a flag where
 outside step() (``unscale_()``, ``clip_grad_norm_()``, a backward() after another loss's), so that only
 overflowing gradients pay for telling inf from NaN; elsewhere that check runs on the device.
 In a torch.distributed run step() also all-reduces the found-inf flags (max over ranks) before deciding,
-so every rank skips the same steps; that is a collective, not a host sync. A skipped step (every step, where
-a fused optimizer skips on the device) all-reduces two more numbers, whether some rank saw an inf or a NaN,
-so that every rank's statistics describe the step as a whole. With FSDP2-sharded parameters
+so every rank skips the same steps; that is a collective, not a host sync. With FSDP2-sharded parameters
 (:func:`mixprec.fully_shard`) each rank unscales and checks its own shards, and clip_grad_norm_ sums the
-shards' norms across ranks (one more all-reduce).
+shards' norms across ranks (one more all-reduce); a skipped step (every step, where a fused optimizer skips
+on the device) all-reduces two more numbers, whether some rank's shards held an inf or a NaN, so that every
+rank's statistics describe the step as a whole.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch import nn
 
 from mixprec.checks import whole_number
 from mixprec.compute.device import device_type_of
-from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
+from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks, world
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_dtypes import ParameterDtypes
@@ -77,8 +77,16 @@ def needs_compensated_optimizer(policy: Policy) -> bool:
 
 
 def _check_sharding(model: nn.Module, policy: Policy) -> None:
-    """A sharded model must have been sharded for this policy (by mixprec.fully_shard), unless the
-    policy keeps FP32 weights, which plain FSDP2 sharding already holds."""
+    """A sharded model must be sharded whole (on several ranks), and for this policy (by mixprec.fully_shard),
+    unless the policy keeps FP32 weights, which plain FSDP2 sharding already holds."""
+    loose = [name for name, p in model.named_parameters() if p.requires_grad and type(p).__name__ != "DTensor"]
+    if loose and world().distributed:
+        raise ValueError(
+            f"MixedPrecision(model=...): the model is sharded with FSDP2, but its trainable parameter {loose[0]!r}"
+            f"{f' (and {len(loose) - 1} more)' if len(loose) > 1 else ''} is not: nothing would average its "
+            "gradient across ranks, so each rank would train its own copy. Shard the whole model: "
+            "mixprec.fully_shard on the module that holds every trained parameter (it shards that root too)."
+        )
     sharded_for = sharded_with(model)
     if sharded_for is None and (policy.param_dtype != torch.float32 or policy.fp32_modules or policy.fp32_names):
         raise ValueError(
@@ -435,8 +443,8 @@ class MixedPrecision:
             # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
             host = [flag != 0 for flag in torch.cat(per_loss).tolist()]
         self._check_kinds(None if host is None else any(host))
-        if host is None or any(host):  # the same on every rank: the flags are agreed
-            self._log.agree_kinds()  # a shard's inf is every rank's skip (a collective; none in one process)
+        if self.sharded and (host is None or any(host)):  # the same on every rank: the flags are agreed
+            self._log.agree_kinds()  # a shard's NaN is every rank's skip (DDP replicas agree already)
         return FoundInf(per_loss, host)
 
     @property

@@ -113,7 +113,8 @@ class OverflowLog:
         self._kinds = (has_inf, has_nan)
 
     def agree_kinds(self) -> None:
-        """Every rank's kinds become their union (one all-reduce of two numbers; nothing in one process).
+        """Every rank's kinds become their union (one all-reduce of two numbers; nothing in one process);
+        called for sharded models, whose ranks each check a different part of every gradient.
 
         Under FSDP2 each rank checks its own shard of every gradient, so an inf in one rank's shard
         skips the update on every rank while the others saw only finite values: without this, their

@@ -60,6 +60,7 @@ from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_
 __all__ = ["STATE_NAME", "GatedScheduler", "MixprecOptimizer", "MixprecTrainer"]
 
 STATE_NAME = "mixprec_state.safetensors"  # beside the Trainer's optimizer.pt and scheduler.pt in checkpoint-N/
+_LEGACY_STATE_NAME = "mixprec_state.pt"  # what earlier versions wrote (torch.save, no checksum); still read
 _log = logging.getLogger(__name__)
 
 # Trainer methods this adapter overrides or calls beyond the documented ones; a transformers whose loop does
@@ -214,7 +215,7 @@ class MixprecTrainer(transformers.Trainer):
         self._mp = self._mixed_precision(optimizer, origin)
         if self.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR:
             plan = self._mp.compute_plan  # inductor keeps the emulation's roundings only where it honours the option
-            if note := dropped_roundings_note(plan.emulates, plan.dtype, self._mp.device.type):
+            if note := dropped_roundings_note(plan.emulates, plan.dtype, self._mp.device):
                 _log.warning(note)
         self._stepper = MixprecOptimizer(optimizer, self._optimizer_step)
         self._unscaled, self._last_applied = False, True
@@ -398,6 +399,9 @@ class MixprecTrainer(transformers.Trainer):
 
     def _load_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, STATE_NAME)
+        if not os.path.isfile(path) and os.path.isfile(os.path.join(checkpoint, _LEGACY_STATE_NAME)):
+            self._load_legacy_state(os.path.join(checkpoint, _LEGACY_STATE_NAME))
+            return
         if not os.path.isfile(path):
             _log.warning(
                 "%s has no %s (a checkpoint of transformers.Trainer, or saved with save_only_model): MixprecTrainer "
@@ -413,6 +417,16 @@ class MixprecTrainer(transformers.Trainer):
                 f"{self!r}: cannot resume from {checkpoint}: {error}. Resume from an earlier checkpoint-N, or delete "
                 f"{STATE_NAME} to continue with a fresh loss scaler and FP32 masters made from the saved weights."
             ) from None
+        try:
+            self._require("_load_scaler").load_state_dict(state)
+        except ValueError as error:
+            raise ValueError(f"{self!r}: cannot resume from {path}: {error}") from error
+
+    def _load_legacy_state(self, path: str) -> None:
+        """A checkpoint of an earlier mixprec (``mixprec_state.pt``, no checksum): read as the Trainer reads its
+        own files, tensors and plain values only, so loading executes nothing."""
+        device = self.args.device  # "cpu:0" in a process of a CPU DDP run, which torch.load cannot map to
+        state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
         try:
             self._require("_load_scaler").load_state_dict(state)
         except ValueError as error:
