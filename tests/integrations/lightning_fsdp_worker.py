@@ -10,6 +10,7 @@ every rank prints its counters and LR after each fit.
     torchrun --nproc_per_node 2 lightning_fsdp_worker.py refusals
 """
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -160,14 +161,21 @@ def refusals() -> None:
             os.write(1, f"RANK {trainer.global_rank} REFUSED {error}\n".encode())
 
 
-if __name__ == "__main__":
+def main() -> None:
     if sys.argv[1] == "refusals":
         refusals()
-        sys.exit()
+        return
     policy, out = sys.argv[1], Path(sys.argv[2])
     accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     report(out, "straight", *fit(policy, EPOCHS, accumulate=accumulate))
-    trainer, model, plugin = fit(policy, 1, accumulate=accumulate)
+    trainer = fit(policy, 1, accumulate=accumulate)[0]
     checkpoint = out / "epoch1.ckpt"
     trainer.save_checkpoint(checkpoint)  # a distributed checkpoint: a folder of shards and meta.pt
     report(out, "resumed", *fit(policy, EPOCHS, ckpt_path=checkpoint, accumulate=accumulate))
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_initialized():
+        gc.collect()  # sharded modules caught in reference cycles go now, while the group is alive
+        torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort it (torch 2.11)

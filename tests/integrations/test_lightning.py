@@ -270,7 +270,10 @@ def _ddp_run(policy: str) -> subprocess.CompletedProcess:
     worker = Path(__file__).with_name("lightning_ddp_worker.py")
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     return subprocess.run(
-        [torchrun, "--nproc_per_node", "2", str(worker), policy], capture_output=True, text=True, timeout=240
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(worker), policy],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 
@@ -308,7 +311,16 @@ def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_a
     # 32 samples, in 1 or 2 micro-batches per rank (accumulate_grad_batches)
     worker = _fsdp_worker()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--nproc_per_node", "2", worker.__file__, policy, str(tmp_path), str(accumulate)]
+    command = [
+        torchrun,
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        worker.__file__,
+        policy,
+        str(tmp_path),
+        str(accumulate),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = re.findall(r"RANK (\d) (\w+) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) val_loss (\S+)", done.stdout)
@@ -343,7 +355,7 @@ def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_a
 def test_what_model_parallel_strategy_cannot_train_correctly_is_refused_on_every_rank():
     worker = _fsdp_worker()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--nproc_per_node", "2", worker.__file__, "refusals"]
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", worker.__file__, "refusals"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     refused = re.findall(r"RANK 0 REFUSED (.*)", done.stdout)
