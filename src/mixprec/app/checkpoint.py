@@ -31,13 +31,7 @@ import torch
 
 from mixprec.app.sharded_checkpoint import read_sharded, write_sharded
 from mixprec.distributed import agree_max, barrier, world
-from mixprec.persist.state_file import (
-    CheckpointError,
-    encode_checkpoint,
-    fsync_directory,
-    read_checkpoint_file,
-    write_atomically,
-)
+from mixprec.persist import CheckpointError, encode_checkpoint, fsync_directory, read_checkpoint_file, write_atomically
 
 __all__ = [
     "CheckpointError",

@@ -31,13 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.distributed import world
-from mixprec.persist.state_file import (
-    CheckpointError,
-    encode_checkpoint,
-    fsync_directory,
-    read_checkpoint_file,
-    write_atomically,
-)
+from mixprec.persist import CheckpointError, encode_checkpoint, fsync_directory, read_checkpoint_file, write_atomically
 
 # torch.distributed.checkpoint and .tensor are imported where used: they import torch._dynamo, 1.4 s of
 # every process's start, and only FSDP2 runs need them
