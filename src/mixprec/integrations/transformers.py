@@ -398,11 +398,21 @@ class MixprecTrainer(transformers.Trainer):
             self._load_state(checkpoint)
 
     def _load_state(self, checkpoint: str) -> None:
-        path = os.path.join(checkpoint, STATE_NAME)
-        if not os.path.isfile(path) and os.path.isfile(os.path.join(checkpoint, _LEGACY_STATE_NAME)):
-            self._load_legacy_state(os.path.join(checkpoint, _LEGACY_STATE_NAME))
-            return
-        if not os.path.isfile(path):
+        path, legacy = os.path.join(checkpoint, STATE_NAME), os.path.join(checkpoint, _LEGACY_STATE_NAME)
+        if os.path.isfile(path):
+            try:
+                state = read_checkpoint_file(Path(path))  # verified against its checksum; nothing unpickled
+            except CheckpointError as error:
+                raise ValueError(
+                    f"{self!r}: cannot resume from {checkpoint}: {error}. Resume from an earlier checkpoint-N, or "
+                    f"delete {STATE_NAME} to continue with a fresh loss scaler and FP32 masters made from the saved "
+                    "weights."
+                ) from None
+        elif os.path.isfile(legacy):  # an earlier mixprec's file (no checksum): tensors and plain values only
+            path = legacy
+            device = self.args.device  # "cpu:0" in a process of a CPU DDP run, which torch.load cannot map to
+            state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
+        else:
             _log.warning(
                 "%s has no %s (a checkpoint of transformers.Trainer, or saved with save_only_model): MixprecTrainer "
                 "continues with a fresh loss scaler and FP32 masters made from the checkpoint's weights.",
@@ -410,23 +420,6 @@ class MixprecTrainer(transformers.Trainer):
                 STATE_NAME,
             )
             return
-        try:
-            state = read_checkpoint_file(Path(path))  # verified against its checksum; nothing unpickled
-        except CheckpointError as error:
-            raise ValueError(
-                f"{self!r}: cannot resume from {checkpoint}: {error}. Resume from an earlier checkpoint-N, or delete "
-                f"{STATE_NAME} to continue with a fresh loss scaler and FP32 masters made from the saved weights."
-            ) from None
-        try:
-            self._require("_load_scaler").load_state_dict(state)
-        except ValueError as error:
-            raise ValueError(f"{self!r}: cannot resume from {path}: {error}") from error
-
-    def _load_legacy_state(self, path: str) -> None:
-        """A checkpoint of an earlier mixprec (``mixprec_state.pt``, no checksum): read as the Trainer reads its
-        own files, tensors and plain values only, so loading executes nothing."""
-        device = self.args.device  # "cpu:0" in a process of a CPU DDP run, which torch.load cannot map to
-        state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
         try:
             self._require("_load_scaler").load_state_dict(state)
         except ValueError as error:
