@@ -4,7 +4,7 @@ Emulated ops compute in FP32 and round their inputs and results to fp16/bf16 and
 tensors. Inductor fuses such a round trip away (``x.to(torch.float16).float()`` becomes ``x``) unless
 compiled with ``emulate_precision_casts``, and that option is not honoured everywhere: measured, torch
 2.13 keeps the round trips on the CPU with it, torch 2.11 drops them on the CPU with or without it. The
-answer is measured, not looked up by version: the round trip itself is compiled once per device type.
+answer is measured, not looked up by version: the round trip itself is compiled once per device.
 """
 
 from __future__ import annotations

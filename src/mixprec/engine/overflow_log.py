@@ -116,9 +116,10 @@ class OverflowLog:
         """Every rank's kinds become their union (one all-reduce of two numbers; nothing in one process);
         called for sharded models, whose ranks each check a different part of every gradient.
 
-        Under FSDP2 each rank checks its own shard of every gradient, so an inf in one rank's shard
-        skips the update on every rank while the others saw only finite values: without this, their
-        diagnoses would count that skip as neither inf nor NaN, and rank 0's report is the one printed.
+        Under FSDP2 each rank checks its own shard of every gradient, so a NaN in one rank's shard
+        skips the update on every rank while the others saw only finite values: without this, they
+        would count that skip as inf (a flagged step without a NaN of its own), and rank 0's report is
+        the one printed.
         """
         if not world().distributed:
             return

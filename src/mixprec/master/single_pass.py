@@ -60,14 +60,18 @@ def _kahan_adamw_(p, c, g, m, v, keep, one_minus_beta1, beta2, one_minus_beta2, 
 def kahan_adamw_kernel():
     """The compiled kernel ``(p, c, g, m, v, *scalars)``, updating its first four arguments in place; or
     None where it cannot be built (``MIXPREC_SINGLE_PASS=0``, no compiler), after a one-line notice."""
-    if os.environ.get("MIXPREC_SINGLE_PASS", "1").strip() == "0" or _unavailable:
+    if _switched_off() or _unavailable:
         return None
     return _compiled_kernel()
 
 
+def _switched_off() -> bool:
+    return os.environ.get("MIXPREC_SINGLE_PASS", "1").strip() == "0"
+
+
 def why_unavailable() -> str:
     """Why :func:`kahan_adamw_kernel` returned None in this process (after it did)."""
-    if os.environ.get("MIXPREC_SINGLE_PASS", "1").strip() == "0":
+    if _switched_off():
         return "MIXPREC_SINGLE_PASS=0"
     return _unavailable[0] if _unavailable else "not known yet"
 
