@@ -39,16 +39,18 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import nn
 
 import mixprec
+from mixprec.compute import dropped_roundings_note
 from mixprec.integrations.gated_scheduler import GatedScheduler
 from mixprec.parallel import is_sharded
 
 __all__ = ["GatedScheduler", "MixprecPrecision"]
 
 _LIGHTNING_DTYPE_NAMES = {torch.float16: "16", torch.bfloat16: "bf16"}
+_FORMAT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class MixprecPrecision(Precision):
@@ -129,6 +131,8 @@ class MixprecPrecision(Precision):
                 f"{self!r}: MixedPrecision refused the LightningModule and the {type(optimizers[0]).__name__} "
                 f"that configure_optimizers returned: {error}"
             ) from error
+        if note := _compiled_roundings_note(module, self._mp):
+            rank_zero_warn(note)
         model = _rewrap_ddp(model, module)  # o2/pure under strategy="ddp": buckets for 16-bit gradients
         self.policy = self._mp.policy
         self.precision = _lightning_precision(self.policy)
@@ -272,6 +276,33 @@ def _lightning_module(model: nn.Module) -> pl.LightningModule:
         "supported: for sharding, use ModelParallelStrategy and mixprec.fully_shard in configure_model "
         "(docs/integrations.md)."
     )
+
+
+def _compiled_roundings_note(module: pl.LightningModule, mp: mixprec.MixedPrecision) -> str | None:
+    """The warning for a LightningModule compiled by inductor (``trainer.fit(torch.compile(model))``) that
+    would lose the 16-bit roundings of the policy's emulated ops; None where nothing is lost.
+
+    Lightning keeps the compile context (``from_compiled``); its backend and inductor options are read from
+    torch.compile's wrapper (private attributes: where they cannot be read, inductor with unknown options
+    is assumed, the default backend)."""
+    context = getattr(module, "_compiler_ctx", None)
+    plan = mp.compute_plan
+    if not context or not plan.emulates:
+        return None
+    wrapper = getattr(getattr(context.get("dynamo_ctx"), "callback", None), "_torchdynamo_orig_backend", None)
+    backend = getattr(wrapper, "_torchdynamo_orig_backend", None)
+    if getattr(backend, "__name__", "inductor") != "inductor":
+        return None  # eager, aot_eager, ...: the traced casts run as they are
+    options = getattr(backend, "config", None)
+    if isinstance(options, dict) and not options.get("emulate_precision_casts"):
+        name = _FORMAT_NAMES.get(plan.dtype, str(plan.dtype))
+        return (
+            "MixprecPrecision: the LightningModule was compiled by inductor without emulate_precision_casts, "
+            f"which fuses away the roundings of the policy's emulated {name} ops: they would compute in FP32 "
+            "(closer to FP32 than the run they emulate, with fewer loss-scale overflows). Compile with "
+            "torch.compile(model, options={'emulate_precision_casts': True})."
+        )
+    return dropped_roundings_note(plan.emulates, plan.dtype, mp.device)
 
 
 def _rewrap_ddp(old: nn.Module, module: pl.LightningModule) -> nn.Module:
