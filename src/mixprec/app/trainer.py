@@ -37,6 +37,7 @@ from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.progress import ProgressBar
 from mixprec.app.resume import restore_latest, run_identity
+from mixprec.app.rng_state import get_rng_state, set_rng_state
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded, split_sharded
 from mixprec.app.stop_signals import StopRequest
 from mixprec.app.torchrun import shard
@@ -351,7 +352,7 @@ class Trainer:
 
     def _commit(self) -> None:
         """Remember where a resume would start: position, random state, buffers (after each update)."""
-        self._committed, self._committed_rng = (self.epoch, self.batch_in_epoch), _get_rng()
+        self._committed, self._committed_rng = (self.epoch, self.batch_in_epoch), get_rng_state()
         buffers = [b for b in self.model.buffers()]
         if len(self._committed_buffers) != len(buffers):
             self._committed_buffers = [b.detach().clone() for b in buffers]
@@ -363,7 +364,7 @@ class Trainer:
         self.mp.zero_grad()
         self.epoch, self.batch_in_epoch = self._committed
         if self._committed_rng is not None:
-            _set_rng(self._committed_rng)
+            set_rng_state(self._committed_rng)
         with torch.no_grad():
             for buffer, saved in zip(self.model.buffers(), self._committed_buffers, strict=False):
                 buffer.copy_(saved)
@@ -489,7 +490,7 @@ class Trainer:
             "sharded": self.mp.sharded,  # FSDP2: tensors keyed by name, whole or in a sharded checkpoint
             "mixed_precision": self.mp.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": _get_rng(),
+            "rng": get_rng_state(),
             "position": {
                 "step": self.step,
                 "epoch": self.epoch,
@@ -519,7 +520,7 @@ class Trainer:
                 self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state["scheduler"] is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
-            _set_rng(state["rng"])
+            set_rng_state(state["rng"])
             position = state["position"]
             if not all(type(position[k]) is int and position[k] >= 0 for k in _POSITION):
                 raise TypeError(f"position {position!r}: expected whole numbers >= 0 for {', '.join(_POSITION)}")
@@ -601,35 +602,3 @@ def _length(data: Iterable) -> int | None:
         return len(data)  # type: ignore[arg-type]
     except TypeError:
         return None
-
-
-def _get_rng() -> dict[str, Any]:
-    """Every global random state a training step may draw from."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(_numpy_rng_from(state["numpy"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _numpy_rng_state() -> dict[str, Any]:
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    return {
-        "name": name,
-        "keys": torch.from_numpy(keys.astype(np.int64)),
-        "position": int(position),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
-
-
-def _numpy_rng_from(state: dict[str, Any]) -> tuple:
-    keys = state["keys"].numpy().astype(np.uint32)
-    return state["name"], keys, state["position"], state["has_gauss"], state["cached_gaussian"]
