@@ -38,14 +38,14 @@ from torch import nn
 
 from mixprec.checks import whole_number
 from mixprec.compute.device import device_type_of
-from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks, world
+from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_dtypes import ParameterDtypes
+from mixprec.engine.setup_checks import check_model_and_optimizer, check_sharding, needs_compensated_optimizer
 from mixprec.engine.stats import Stats, model_state_bytes
-from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.weights import MasterWeights
-from mixprec.parallel.fsdp import is_sharded, sharded_with
+from mixprec.parallel.fsdp import is_sharded
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.regions.autocast import (
@@ -68,77 +68,6 @@ def default_scaler(policy: Policy) -> LossScaler:
     if torch.float16 in (policy.compute_dtype, policy.param_dtype):
         return DynamicLossScaler()
     return NoOpLossScaler()
-
-
-def needs_compensated_optimizer(policy: Policy) -> bool:
-    """True when the policy keeps no FP32 copy of low-precision weights (``pure_bf16``): the optimizer
-    must then compensate its rounding itself (``mixprec.AdamW``)."""
-    return policy.master_dtype == policy.param_dtype != torch.float32
-
-
-def _check_sharding(model: nn.Module, policy: Policy) -> None:
-    """A sharded model must be sharded whole (on several ranks), and for this policy (by mixprec.fully_shard),
-    unless the policy keeps FP32 weights, which plain FSDP2 sharding already holds."""
-    loose = [name for name, p in model.named_parameters() if p.requires_grad and type(p).__name__ != "DTensor"]
-    if loose and world().distributed:
-        raise ValueError(
-            f"MixedPrecision(model=...): the model is sharded with FSDP2, but its trainable parameter {loose[0]!r}"
-            f"{f' (and {len(loose) - 1} more)' if len(loose) > 1 else ''} is not: nothing would average its "
-            "gradient across ranks, so each rank would train its own copy. Shard the whole model: "
-            "mixprec.fully_shard on the module that holds every trained parameter (it shards that root too)."
-        )
-    sharded_for = sharded_with(model)
-    if sharded_for is None and (policy.param_dtype != torch.float32 or policy.fp32_modules or policy.fp32_names):
-        raise ValueError(
-            f"MixedPrecision(model=...): the model was sharded with FSDP2 directly; policy {policy} changes "
-            "parameter dtypes, which FSDP2 must carry out. Shard it with mixprec.fully_shard(model, policy)."
-        )
-    if sharded_for is not None and sharded_for != str(policy):
-        raise ValueError(
-            f"MixedPrecision(policy=...): the model was sharded by mixprec.fully_shard for {sharded_for!r}, "
-            f"but MixedPrecision received {str(policy)!r}; pass the same policy to both."
-        )
-
-
-def _check_model_and_optimizer(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    policy: Policy,
-    lowered: list[nn.Parameter],
-    mastered: list[nn.Parameter],
-) -> None:
-    """The model holds FP32 weights, and a policy without FP32 masters gets a compensated optimizer.
-
-    FP32 masters and the policy's casts must start from the exact weights: a 16-bit weight would give a
-    master rounded from 16 bits, or be silently widened to FP32. Where the policy stores a weight in 16
-    bits and makes no FP32 master of it (``pure_bf16``, or a weight the optimizer does not train), a
-    weight already in that dtype is accepted: casting it from FP32 would give the same bits. This holds
-    for sharded models too, whose shards :func:`mixprec.fully_shard` left in the policy's dtypes.
-    """
-    as_stored = {id(p) for p in lowered} - {id(p) for p in mastered}
-    wrong: dict[torch.dtype, list[str]] = {}
-    for name, param in model.named_parameters():
-        allowed = (torch.float32, policy.param_dtype if id(param) in as_stored else torch.float32)
-        if param.dtype.is_floating_point and param.dtype not in allowed:
-            wrong.setdefault(param.dtype, []).append(name)
-    if wrong:
-        received = "; ".join(
-            f"{len(names)} parameter{'s are' if len(names) > 1 else ' is'} {dtype}, e.g. {names[0]!r}"
-            for dtype, names in wrong.items()
-        )
-        raise ValueError(
-            f"MixedPrecision(model=...) needs a model with FP32 parameters (policy {policy} casts them itself, "
-            f"and FP32 master weights must start from the exact values); received one where {received}. "
-            "Build the model in FP32 (model.float(), before any mixprec.fully_shard) and let the policy cast it; for "
-            "inference of a 16-bit model, use mixprec.autocast / cast_module instead."
-        )
-    if needs_compensated_optimizer(policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
-        raise ValueError(
-            f"policy {policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
-            "round small updates away in low precision. Build the optimizer as "
-            "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
-            "keep FP32 masters."
-        )
 
 
 class StepResult:
@@ -216,7 +145,7 @@ class MixedPrecision:
         self.optimizer = optimizer
         self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included
         if self.sharded:
-            _check_sharding(model, self.policy)
+            check_sharding(model, self.policy)
         self.accumulation_steps = accumulation_steps
         self.num_losses = num_losses
         self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
@@ -224,7 +153,7 @@ class MixedPrecision:
         lowered = lowered_parameters(model, self.policy) if self.policy.param_dtype != torch.float32 else []
         trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
         mastered = [p for p in lowered if id(p) in trained] if self.policy.keeps_fp32_masters else []
-        _check_model_and_optimizer(model, optimizer, self.policy, lowered, mastered)
+        check_model_and_optimizer(model, optimizer, self.policy, lowered, mastered)
         # made before the cast, from the exact values; sharded o2 models need none: their FP32 shards are the
         # masters, which FSDP2 gathers in 16 bits
         self.masters = MasterWeights(optimizer, mastered) if mastered and not self.sharded else None

@@ -1,0 +1,86 @@
+"""What MixedPrecision checks before it touches a model: FP32 weights to start from, an optimizer that can
+keep the policy's updates, and FSDP2 sharding done whole and for the same policy. Each refusal names the
+argument and the fix."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.distributed.ranks import world
+from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.parallel.fsdp import sharded_with
+from mixprec.policy.policy import Policy
+
+__all__ = ["check_model_and_optimizer", "check_sharding", "needs_compensated_optimizer"]
+
+
+def needs_compensated_optimizer(policy: Policy) -> bool:
+    """True when the policy keeps no FP32 copy of low-precision weights (``pure_bf16``): the optimizer
+    must then compensate its rounding itself (``mixprec.AdamW``)."""
+    return policy.master_dtype == policy.param_dtype != torch.float32
+
+
+def check_sharding(model: nn.Module, policy: Policy) -> None:
+    """A sharded model must be sharded whole (on several ranks), and for this policy (by mixprec.fully_shard),
+    unless the policy keeps FP32 weights, which plain FSDP2 sharding already holds."""
+    loose = [name for name, p in model.named_parameters() if p.requires_grad and type(p).__name__ != "DTensor"]
+    if loose and world().distributed:
+        raise ValueError(
+            f"MixedPrecision(model=...): the model is sharded with FSDP2, but its trainable parameter {loose[0]!r}"
+            f"{f' (and {len(loose) - 1} more)' if len(loose) > 1 else ''} is not: nothing would average its "
+            "gradient across ranks, so each rank would train its own copy. Shard the whole model: "
+            "mixprec.fully_shard on the module that holds every trained parameter (it shards that root too)."
+        )
+    sharded_for = sharded_with(model)
+    if sharded_for is None and (policy.param_dtype != torch.float32 or policy.fp32_modules or policy.fp32_names):
+        raise ValueError(
+            f"MixedPrecision(model=...): the model was sharded with FSDP2 directly; policy {policy} changes "
+            "parameter dtypes, which FSDP2 must carry out. Shard it with mixprec.fully_shard(model, policy)."
+        )
+    if sharded_for is not None and sharded_for != str(policy):
+        raise ValueError(
+            f"MixedPrecision(policy=...): the model was sharded by mixprec.fully_shard for {sharded_for!r}, "
+            f"but MixedPrecision received {str(policy)!r}; pass the same policy to both."
+        )
+
+
+def check_model_and_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: Policy,
+    lowered: list[nn.Parameter],
+    mastered: list[nn.Parameter],
+) -> None:
+    """The model holds FP32 weights, and a policy without FP32 masters gets a compensated optimizer.
+
+    FP32 masters and the policy's casts must start from the exact weights: a 16-bit weight would give a
+    master rounded from 16 bits, or be silently widened to FP32. Where the policy stores a weight in 16
+    bits and makes no FP32 master of it (``pure_bf16``, or a weight the optimizer does not train), a
+    weight already in that dtype is accepted: casting it from FP32 would give the same bits. This holds
+    for sharded models too, whose shards :func:`mixprec.fully_shard` left in the policy's dtypes.
+    """
+    as_stored = {id(p) for p in lowered} - {id(p) for p in mastered}
+    wrong: dict[torch.dtype, list[str]] = {}
+    for name, param in model.named_parameters():
+        allowed = (torch.float32, policy.param_dtype if id(param) in as_stored else torch.float32)
+        if param.dtype.is_floating_point and param.dtype not in allowed:
+            wrong.setdefault(param.dtype, []).append(name)
+    if wrong:
+        received = "; ".join(
+            f"{len(names)} parameter{'s are' if len(names) > 1 else ' is'} {dtype}, e.g. {names[0]!r}"
+            for dtype, names in wrong.items()
+        )
+        raise ValueError(
+            f"MixedPrecision(model=...) needs a model with FP32 parameters (policy {policy} casts them itself, "
+            f"and FP32 master weights must start from the exact values); received one where {received}. "
+            "Build the model in FP32 (model.float(), before any mixprec.fully_shard) and let the policy cast it; for "
+            "inference of a 16-bit model, use mixprec.autocast / cast_module instead."
+        )
+    if needs_compensated_optimizer(policy) and lowered and not isinstance(optimizer, CompensatedAdamW):
+        raise ValueError(
+            f"policy {policy} keeps no FP32 master weights, so a plain {type(optimizer).__name__} would "
+            "round small updates away in low precision. Build the optimizer as "
+            "mixprec.AdamW(model.parameters(), ...) (Kahan-compensated updates), or use policy 'o2_bf16' to "
+            "keep FP32 masters."
+        )
