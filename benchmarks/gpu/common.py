@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import re
 import time
 import traceback
@@ -15,6 +16,7 @@ import torch
 __all__ = [
     "Part",
     "Settings",
+    "Stopped",
     "bf16_peak_flops",
     "describe",
     "device_slug",
@@ -22,6 +24,11 @@ __all__ = [
     "log",
     "sync",
 ]
+
+
+class Stopped(BaseException):
+    """The command was told to stop (SIGTERM: the GPU machine's time limit, say). A BaseException, so that
+    a part's own per-case handling does not take it for a failed case and go on."""
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,14 @@ class Settings:
     repo: Path
     compile_budget_s: float = 240.0  # the gpt part stops compiling more modes past this
     tests_timeout_s: float = 480.0
+    deadline: float | None = None  # time.monotonic() by which the command must be done (None: no limit)
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def seconds_left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
 
 
 @dataclass
@@ -56,13 +67,21 @@ class Part:
     meta: dict = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     not_run: list[dict] = field(default_factory=list)
+    # called after each case and each left-out case, to save what the part has so far (a command killed
+    # in the middle of a part still leaves its finished cases on disk)
+    on_progress: Callable[[Part], None] | None = field(default=None, repr=False, compare=False)
 
     def skip(self, reason: str) -> None:
         self.status, self.reason = "skipped", reason
 
+    def progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self)
+
     def leave_out(self, case: str, reason: str) -> None:
         self.not_run.append({"case": case, "reason": reason})
         log(f"  {case}: not run ({reason})")
+        self.progress()
 
     def attempt(self, label: dict, action: Callable[[], object]) -> object | None:
         """``action()``, or None after recording its error against ``label`` (a failing case is a finding)."""
@@ -72,6 +91,7 @@ class Part:
             self.records.append({**label, "error": describe(error)})
             log(f"  {_label(label)}: FAILED {type(error).__name__}: {str(error)[:300]}")
             free_memory()
+            self.progress()
             return None
 
     def case(self, label: dict, measure: Callable[[], dict]) -> dict | None:
@@ -81,6 +101,7 @@ class Part:
         if figures is not None:
             self.records.append({**label, **figures})
             log(f"  {_label(label)}: done in {time.perf_counter() - start:.1f} s")
+            self.progress()
         return figures
 
     def settle(self) -> None:

@@ -72,5 +72,7 @@ def time_modes(prepared: list[Prepared], repeats: int, warmup: int) -> tuple[dic
         return call
 
     steps = {p.mode.name: guarded(p.mode.name, p.step) for p in prepared}
-    timings = interleaved(steps, repeats=repeats, warmup=warmup)
+    # every mode gets every round: a GPU's FP32 step may be 10x a compiled bf16 one and is still worth
+    # its repeats, and a mode that failed (its later calls return at once) must not look fastest
+    timings = interleaved(steps, repeats=repeats, warmup=warmup, slow_factor=None)
     return {name: t for name, t in timings.items() if name not in failed}, failed

@@ -118,7 +118,8 @@ def run(settings: Settings, part: Part) -> None:
     device = settings.device
     kernel = mixprec.fp8.scaled_mm_available(device)
     if not kernel:
-        part.meta["kernel_note"] = f"torch._scaled_mm does not run on {device}: emulation held to the exact product"
+        why = mixprec.fp8.scaled_mm_unavailable_reason(device)
+        part.meta["kernel_note"] = f"{why}: the emulation is held to the exact product alone"
     small = settings.dry_run
     exact_shapes = [(16, 32, 16), (17, 32, 16)] if small else [(64, 128, 48), (256, 4096, 512), (17, 256, 64)]
     for name, pair in PAIRS.items():

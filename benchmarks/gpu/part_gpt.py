@@ -34,6 +34,9 @@ TWINS = {"fp32": "torch fp32", "mixed_bf16": "torch autocast bf16", "mixed_fp16"
 # compiled while the budget lasts, most telling first: the loop users write, then mixprec's counterpart
 COMPILED = ("torch autocast bf16", "mixed_bf16", "torch autocast fp16", "mixed_fp16", "o2_bf16", "pure_bf16")
 DRY_RUN_POLICIES = ("fp32", "mixed_bf16", "fp8")
+# no compile starts with less than this left before the time limit: one more compile (~40-90 s for this
+# model, forward and backward) and the interleaved timing of every mode (~17 modes x 13 steps) must fit
+_TIMING_RESERVE_S = 180.0
 
 
 def _workload(config: GPTConfig, batch: int) -> Workload:
@@ -95,12 +98,17 @@ def _prepare_all(settings: Settings, modes: list[Mode], part: Part) -> list[Prep
         if mode.compiled and compiling > settings.compile_budget_s:
             part.leave_out(mode.name, f"compile budget of {settings.compile_budget_s:.0f} s spent ({compiling:.0f} s)")
             continue
+        if mode.compiled and settings.seconds_left() < _TIMING_RESERVE_S:
+            part.leave_out(mode.name, f"{settings.seconds_left():.0f} s left of the time limit: kept for the timing")
+            continue
         start = time.perf_counter()
         made = part.attempt({"mode": mode.name}, lambda m=mode: prepare(m, settings.device))
         compiling += time.perf_counter() - start if mode.compiled else 0.0
         if made is not None:
             log(f"  {mode.name}: ready, first call {made.figures['first_call_s']:.1f} s")
             ready.append(made)
+            part.meta.setdefault("prepared", {})[mode.name] = made.figures  # saved now: kept if timing is cut
+            part.progress()
     return ready
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,23 +76,50 @@ def run(settings: Settings, part: Part) -> None:
         src = str(settings.repo / "src")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
         part.meta["command"] = " ".join(command[1:])
-        try:
-            done = subprocess.run(command, cwd=settings.repo, env=env, capture_output=True, text=True,
-                                  timeout=settings.tests_timeout_s)  # fmt: skip
-        except subprocess.TimeoutExpired as expired:
-            part.status, part.reason = "failed", f"pytest ran past {settings.tests_timeout_s:.0f} s (--tests-timeout)"
-            output = expired.stdout or b""  # bytes, whatever text= says (subprocess docs)
-            output = output.decode(errors="replace") if isinstance(output, bytes) else output
-            part.meta["output_tail"] = output[-3000:]
-            return
-        part.meta["output_tail"] = (done.stdout + done.stderr)[-3000:]
+        limit = min(settings.tests_timeout_s, settings.seconds_left() - 30)  # 30 s for pytest's report and ours
+        output, code, stopped = _pytest(command, settings.repo, env, limit)
+        part.meta["output_tail"] = output[-3000:]
         if not xml.exists():
-            part.status, part.reason = "failed", f"pytest wrote no report (exit code {done.returncode})"
+            part.status, part.reason = (
+                "failed",
+                f"pytest wrote no report (exit code {code}{'; ' + stopped if stopped else ''})",
+            )
             return
         counts = junit_counts(xml)
-    part.records.append({"exit_code": done.returncode, **counts})
-    if counts["failures"] or counts["errors"] or done.returncode not in (0, 5):
+    part.records.append({"exit_code": code, **counts})
+    if stopped:
         part.status = "failed"
-        part.reason = f"{counts['failures']} failed, {counts['errors']} errors (pytest exit code {done.returncode})"
+        part.reason = (f"{stopped}: counts are of the {counts['tests']} cases run by then "
+                       f"({counts['failures']} failed, {counts['errors']} errors)")  # fmt: skip
+    elif counts["failures"] or counts["errors"] or code not in (0, 5):
+        part.status = "failed"
+        part.reason = f"{counts['failures']} failed, {counts['errors']} errors (pytest exit code {code})"
     elif counts["tests"] == 0:
         part.status, part.reason = "failed", "no CUDA case was selected: the suite lost its device parametrization"
+
+
+def _pytest(command: list[str], cwd: Path, env: dict, limit: float) -> tuple[str, int | None, str | None]:
+    """Run pytest for at most ``limit`` seconds: its output, exit code, and why it was stopped (or None).
+
+    At the limit it gets SIGINT, on which pytest stops after the case in progress and still writes its
+    JUnit report of the cases run so far; SIGKILL 60 s later if it has not exited. If this process is
+    stopped itself (SIGTERM), pytest is killed first, never left running on the device.
+    """
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = None
+    try:
+        try:
+            output, _ = process.communicate(timeout=max(limit, 1.0))
+        except subprocess.TimeoutExpired:
+            stopped = f"pytest stopped at the time limit ({limit:.0f} s: --tests-timeout or --time-limit)"
+            process.send_signal(signal.SIGINT)
+            try:
+                output, _ = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                output, _ = process.communicate()
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return output or "", process.returncode, stopped

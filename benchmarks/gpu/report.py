@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 __all__ = ["load", "save", "summary"]
@@ -44,9 +45,14 @@ def load(path: Path) -> dict:
 
 
 def save(folder: Path, results: dict) -> None:
+    """Both files, each written whole to a temporary name and renamed: a command stopped in the middle
+    leaves the previous version, never half a file."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (folder / "summary.md").write_text(summary(results))
+    for name, text in (("gpu_check.json", json.dumps(results, indent=2, default=str) + "\n"),
+                       ("summary.md", summary(results))):  # fmt: skip
+        partial = folder / f".{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, folder / name)
 
 
 def _cell(value) -> str:
@@ -77,7 +83,8 @@ def _part(name: str, part: dict) -> list[str]:
     if part.get("error"):
         error = part["error"]
         lines += [f"Error: `{error['type']}: {error['message'][:500]}` at {' <- '.join(reversed(error['where']))}", ""]
-    meta = {k: v for k, v in part.get("meta", {}).items() if k != "output_tail"}
+    hidden = {"output_tail", "prepared"} if part["records"] else {"output_tail"}  # prepared: in the records too
+    meta = {k: v for k, v in part.get("meta", {}).items() if k not in hidden}
     lines += [f"- {key}: {value}" for key, value in meta.items()] + ([""] if meta else [])
     good = [r for r in part["records"] if "error" not in r]
     lines += _table(good, COLUMNS.get(name, []))

@@ -20,6 +20,14 @@ from mixprec.regions.fp8 import (
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def _accumulation_eps(device: torch.device) -> float:
+    """The relative precision of the kernel's partial sums: FP32 on the CPU. Hopper's FP8 tensor cores keep
+    about 14 bits of each partial sum before cuBLAS promotes it to FP32 (DeepSeek-V3 technical report,
+    section 3.3.2), so on CUDA the bounds are those of 14-bit accumulation; the GPU check (docs/gpu.md)
+    records the error actually measured against the FP32 bound."""
+    return torch.finfo(torch.float32).eps if device.type == "cpu" else 2.0**-13
+
+
 def _devices():
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
@@ -58,11 +66,13 @@ def test_kernel_agrees_with_emulation_to_the_order_of_additions(device):
     kernel = fp8_matmul(xq, wq.t(), sx, sw, kernel=True).cpu()
     emulated = fp8_matmul(xq, wq.t(), sx, sw, kernel=False).cpu()
     exact = (xq.double() @ wq.double().t()).cpu() / (sx * sw).double().cpu()
-    # FP32 accumulation of K=256 exact products: each path is within K ulps of the magnitude sum
-    bound = 256 * torch.finfo(torch.float32).eps * (xq.double().abs() @ wq.double().abs().t()).cpu() / (sx * sw).cpu()
-    assert torch.all((kernel.double() - exact).abs() <= bound)
+    # accumulation of K=256 exact products: each path is within K roundings of the magnitude sum, FP32's
+    # for the emulation, the kernel's own for the kernel
+    magnitude = (xq.double().abs() @ wq.double().abs().t()).cpu() / (sx * sw).double().cpu()
+    bound, kernel_bound = (256 * eps * magnitude for eps in (torch.finfo(torch.float32).eps, _accumulation_eps(device)))
     assert torch.all((emulated.double() - exact).abs() <= bound)
-    assert (kernel - emulated).abs().max() <= bound.max()
+    assert torch.all((kernel.double() - exact).abs() <= kernel_bound)
+    assert (kernel - emulated).abs().max() <= (bound + kernel_bound).max()
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -81,9 +91,15 @@ def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
             y = fp8_linear(x, w, b, state, torch.bfloat16)
             y.float().backward(grad)
         results[gemm] = (y.float(), x.grad, w.grad, b.grad)
-    for kernel, emulated in zip(results["scaled_mm"], results["emulated"], strict=True):
+    # FP32 accumulation (CPU): a few FP32 roundings apart. 14-bit accumulation (CUDA): the output, rounded
+    # to bf16, may differ by one bf16 ulp; the gradients (K = 48 at most) by K of the kernel's roundings
+    # relative to the largest value
+    out_rtol = 1e-5 if device.type == "cpu" else 2.0**-7
+    for i, (kernel, emulated) in enumerate(zip(results["scaled_mm"], results["emulated"], strict=True)):
         assert kernel.shape == emulated.shape
-        torch.testing.assert_close(kernel, emulated, rtol=1e-5, atol=1e-6 * emulated.abs().max().item())
+        rtol = out_rtol if i == 0 else 1e-5
+        atol = (1e-6 if device.type == "cpu" else 48 * _accumulation_eps(device)) * emulated.abs().max().item()
+        torch.testing.assert_close(kernel, emulated, rtol=rtol, atol=atol)
     assert results["scaled_mm"][0].shape == (4, 12, 32)
 
 
@@ -141,6 +157,25 @@ def test_a_delayed_history_loaded_on_the_cpu_is_kept_on_the_tensors_device(devic
     assert state.history.device.type == device
     assert state.history.cpu().tolist() == [5.0, 3.0, 2.0, 1.0]  # the loaded amaxes kept, the new one first
     assert scale.item() == 2.0 ** math.floor(math.log2(448.0 / 3.0))  # scaled from the loaded history's max
+
+
+def test_where_the_kernel_fails_the_probe_says_why_and_the_compute_plan_repeats_it(monkeypatch):
+    from mixprec.regions.autocast import compute_plan
+    from mixprec.regions.fp8 import gemm
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore lines")
+
+    monkeypatch.setattr(gemm, "_WHY_NOT", {})  # a fresh probe
+    monkeypatch.setattr(torch, "_scaled_mm", failing)
+    why = mixprec.fp8.scaled_mm_unavailable_reason(torch.device("cpu"))
+    assert (
+        why == "torch._scaled_mm failed on cpu: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
+    )
+    assert not scaled_mm_available(torch.device("cpu"))
+    plan = compute_plan(mixprec.get_policy("base=fp8,fp8=(gemm=scaled_mm)"), "cpu")
+    assert f"Linear layers in FP8 emulated with FP32 arithmetic ({why})" in plan.reason
+    assert "(torch._scaled_mm failed" not in compute_plan(mixprec.get_policy("fp8"), "cpu").reason  # auto: emulated
 
 
 def test_the_probe_carries_the_mark_that_makes_torch_compile_take_it_as_a_constant():

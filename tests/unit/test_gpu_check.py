@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,3 +219,73 @@ def test_syncs_are_counted_per_source_line_and_the_debug_mode_restored(gpu_check
     assert modes == ["warn", 0]
     assert len(sites) == 1 and sum(sites.values()) == 3  # the same line every step: counted every time
     assert next(iter(sites)).startswith("tests/unit/test_gpu_check.py:")
+
+
+def test_a_part_that_would_not_fit_in_the_time_left_is_not_started_and_says_so(gpu_check, tmp_path, capsys):
+    # the GPU machine stops a command at 10 minutes: a part started too late would leave nothing behind
+    status = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--parts", "fp8", "--time-limit", "5"])
+    assert status == 1
+    fp8 = json.loads((tmp_path / "cpu-dry-run" / "gpu_check.json").read_text())["parts"]["fp8"]
+    assert fp8["status"] == "skipped" and fp8["reason"].startswith("not started: 5 s left of the time limit")
+    assert "--parts fp8" in fp8["reason"] and "part fp8: not started" in capsys.readouterr().out
+
+
+def test_a_sigterm_mid_part_keeps_the_cases_that_finished_and_stops_the_run(gpu_check, monkeypatch, tmp_path):
+    import signal
+
+    def interrupted(settings, part):
+        part.case({"case": "first"}, lambda: {"value": 1.0})
+        # saved already, before the part ends: a SIGKILL from here on would still leave this case on disk
+        saved = json.loads((tmp_path / "cpu-dry-run" / "gpu_check.json").read_text())["parts"]["fp8"]
+        assert saved["status"] == "unfinished" and saved["records"] == [{"case": "first", "value": 1.0}]
+        os.kill(os.getpid(), signal.SIGTERM)  # the device machine's time limit
+        part.case({"case": "second"}, lambda: {"value": 2.0})
+
+    monkeypatch.setitem(gpu_check.PARTS, "fp8", interrupted)
+    before = signal.getsignal(signal.SIGTERM)
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--parts", "fp8,bert"]) == 1
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+    parts = json.loads((tmp_path / "cpu-dry-run" / "gpu_check.json").read_text())["parts"]
+    assert list(parts) == ["fp8"]  # bert never started
+    assert parts["fp8"]["status"] == "failed" and parts["fp8"]["reason"].startswith("stopped by SIGTERM")
+    assert parts["fp8"]["records"] == [{"case": "first", "value": 1.0}]
+    assert "stopped by SIGTERM" in (tmp_path / "cpu-dry-run" / "summary.md").read_text()
+
+
+def test_pytest_stopped_at_the_time_limit_still_reports_the_cases_it_ran(gpu_check, tmp_path):
+    from benchmarks.gpu.part_tests import _pytest, junit_counts
+
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(120)\n"
+    )
+    xml = tmp_path / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_slow.py"]
+    output, code, stopped = _pytest(command, tmp_path, dict(os.environ), limit=8.0)
+    assert code == 2, output  # pytest's exit code when interrupted
+    assert stopped and "time limit (8 s" in stopped, output
+    assert xml.exists(), output  # SIGINT: pytest wrote its report of what ran
+    counts = junit_counts(xml)
+    assert counts["passed"] == 1 and counts["failures"] == 0, counts
+
+
+def test_a_mode_that_fails_does_not_cut_the_others_repeats(gpu_check):
+    from benchmarks.gpu.measure import Prepared, time_modes
+    from benchmarks.gpu.steps import Mode
+
+    calls = {"fine": 0, "broken": 0}
+
+    def fine():
+        calls["fine"] += 1
+        time.sleep(0.005)  # over 10x the failed mode's instant return: the slow-mode cut would drop it
+
+    def broken():
+        calls["broken"] += 1
+        if calls["broken"] > 2:  # fails from the first timed round on: later calls return at once
+            raise RuntimeError("made to fail")
+
+    prepared = [
+        Prepared(Mode(name, None, False), step, None, {}) for name, step in (("fine", fine), ("broken", broken))
+    ]
+    timings, failed = time_modes(prepared, repeats=6, warmup=2)
+    assert list(failed) == ["broken"] and failed["broken"]["type"] == "RuntimeError"
+    assert timings["fine"].repeats == 6 and calls["fine"] == 8

@@ -44,9 +44,12 @@ def _sync() -> None:
         torch.cuda.synchronize()  # host sync: a timing must include the queued device work
 
 
-def interleaved(steps: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2) -> dict[str, Timing]:
+def interleaved(
+    steps: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2, slow_factor: float | None = SLOW_FACTOR
+) -> dict[str, Timing]:
     """Time each callable ``repeats`` times, interleaved, after ``warmup`` untimed calls each; a mode
-    ``SLOW_FACTOR`` times slower than the fastest, ``SLOW_REPEATS`` times."""
+    ``slow_factor`` times slower than the fastest, ``SLOW_REPEATS`` times (None: every mode ``repeats``
+    times)."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -55,8 +58,8 @@ def interleaved(steps: dict[str, Callable[[], object]], repeats: int = 7, warmup
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     timed = dict(steps)
     for round_ in range(repeats):
-        if round_ == SLOW_REPEATS:
-            timed = _without_slow(timed, samples)
+        if round_ == SLOW_REPEATS and slow_factor is not None:
+            timed = _without_slow(timed, samples, slow_factor)
         for name, step in timed.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             step()
@@ -69,7 +72,9 @@ def interleaved(steps: dict[str, Callable[[], object]], repeats: int = 7, warmup
     }
 
 
-def _without_slow(steps: dict[str, Callable[[], object]], samples: dict[str, list[float]]) -> dict[str, Callable]:
-    """The modes whose median so far is within SLOW_FACTOR of the fastest's."""
+def _without_slow(
+    steps: dict[str, Callable[[], object]], samples: dict[str, list[float]], factor: float
+) -> dict[str, Callable]:
+    """The modes whose median so far is within ``factor`` of the fastest's."""
     fastest = min(statistics.median(samples[name]) for name in steps)
-    return {name: step for name, step in steps.items() if statistics.median(samples[name]) <= SLOW_FACTOR * fastest}
+    return {name: step for name, step in steps.items() if statistics.median(samples[name]) <= factor * fastest}

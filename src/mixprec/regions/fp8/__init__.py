@@ -3,7 +3,7 @@
 The recipe (formats, scaling, layers kept out of FP8) is a policy value: :class:`mixprec.policy.Fp8Recipe`.
 """
 
-from mixprec.regions.fp8.gemm import fp8_matmul, scaled_mm_available
+from mixprec.regions.fp8.gemm import fp8_matmul, scaled_mm_available, scaled_mm_unavailable_reason
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.region import Fp8State, fp8_layers, fp8_region, fp8_state
 from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8, power_of_two_scale
@@ -20,4 +20,5 @@ __all__ = [
     "fp8_state",
     "power_of_two_scale",
     "scaled_mm_available",
+    "scaled_mm_unavailable_reason",
 ]

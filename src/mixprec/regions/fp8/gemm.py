@@ -1,9 +1,11 @@
 """The FP8 matrix product: PyTorch's real FP8 GEMM (``torch._scaled_mm``) or its exact emulation.
 
 Both take operands already cast to FP8 storage and the power-of-two scales they were cast with, and
-return FP32. A product of two FP8 values is exact in FP32 and both paths accumulate in FP32, so they
-agree to the order of the additions (bit for bit whenever the partial sums are exact); the tests hold
-the kernel to the emulation on every device that has it.
+return FP32. A product of two FP8 values is exact in FP32; the emulation and PyTorch's CPU kernel
+accumulate in FP32, so they agree to the order of the additions (bit for bit whenever the partial sums
+are exact). Hopper's FP8 tensor cores keep about 14 bits of each partial sum before promoting it to
+FP32, so CUDA's kernel may differ by more; the tests hold the kernel to the emulation on every device
+that has it, within that device's accumulation precision.
 
 Which path a recipe's ``gemm`` setting picks:
     "emulated"   FP32 matmul of the FP8 values: any device, any shape
@@ -18,19 +20,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp8_matmul", "scaled_mm_available", "uses_kernel"]
+__all__ = ["fp8_matmul", "scaled_mm_available", "scaled_mm_unavailable_reason", "uses_kernel"]
 
 _CUDA_ALIGNMENT = 16
 
 
-_AVAILABLE: dict[torch.device, bool] = {}  # the probe's answers, by device
+_WHY_NOT: dict[torch.device, str | None] = {}  # the probe's answers, by device: None where the kernel runs
 
 
 def scaled_mm_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs on ``device`` (probed once per device with a tiny product)."""
-    if device not in _AVAILABLE:
-        _AVAILABLE[device] = _probe(device)
-    return _AVAILABLE[device]
+    return scaled_mm_unavailable_reason(device) is None
 
 
 # torch.compile calls it eagerly and takes the answer as a constant, rather than tracing the probe into
@@ -40,18 +40,27 @@ def scaled_mm_available(device: torch.device) -> bool:
 scaled_mm_available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _probe(device: torch.device) -> bool:
+def scaled_mm_unavailable_reason(device: torch.device) -> str | None:
+    """Why ``torch._scaled_mm`` does not run on ``device`` (the probe's error, say), or None where it does."""
+    if device not in _WHY_NOT:
+        _WHY_NOT[device] = _probe(device)
+    return _WHY_NOT[device]
+
+
+def _probe(device: torch.device) -> str | None:
     if not hasattr(torch, "_scaled_mm"):
-        return False
+        return f"torch {torch.__version__} has no torch._scaled_mm"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return False
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 GEMM needs 8.9"
     try:
         a = torch.ones(16, 16, device=device, dtype=torch.float8_e4m3fn)
         one = torch.ones((), device=device)
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+    except (RuntimeError, NotImplementedError) as error:  # kept: on a GPU that should have it, this is a finding
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"torch._scaled_mm failed on {device}: {type(error).__name__}: {first[:300]}"
+    return None
 
 
 def uses_kernel(gemm: str, device: torch.device) -> bool:
