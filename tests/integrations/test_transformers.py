@@ -2,6 +2,7 @@
 true gradients, gradient accumulation, the refusals, and the example script. Tiny models built from code or a
 config; nothing is downloaded."""
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -24,6 +25,17 @@ import mixprec.persist  # noqa: E402
 from mixprec.integrations.transformers import STATE_NAME, GatedScheduler, MixprecTrainer  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_example.py"
+# the installed transformers' names: gradient checkpointing was renamed activation checkpointing after 5.17
+_CHECKPOINTING_METHOD = (
+    "activation_checkpointing"
+    if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    else "gradient_checkpointing"
+)
+_CHECKPOINTING_ARGUMENT = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    else "gradient_checkpointing"
+)
 BATCH = 8
 
 
@@ -395,7 +407,7 @@ class Bf16Model(Regression):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"activation_checkpointing": True}, r"recomputed forward would run outside the policy's region"),
+        ({_CHECKPOINTING_ARGUMENT: True}, r"recomputed forward would run outside the policy's region"),
         ({"auto_find_batch_size": True}, r"set per_device_train_batch_size yourself"),
         ({"optim": "lomo"}, r"optim='lomo'.* updates inside the backward pass"),
     ],
@@ -432,8 +444,8 @@ def test_what_mixed_precision_refuses_is_refused_at_train_with_the_trainer_named
 
 def test_a_model_with_activation_checkpointing_on_is_refused_at_train(tmp_path):
     model = _gpt2()
-    model.activation_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"activation checkpointing on .* model\.activation_checkpointing_disable\(\)"):
+    getattr(model, f"{_CHECKPOINTING_METHOD}_enable")()
+    with pytest.raises(ValueError, match=rf"activation checkpointing on .* model\.{_CHECKPOINTING_METHOD}_disable\(\)"):
         _train(tmp_path, "mixed_bf16", model=model, data=Counting())
 
 

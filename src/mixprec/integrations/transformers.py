@@ -35,6 +35,7 @@ On the CPU all are memory loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -70,12 +71,22 @@ _missing = [name for name in _TRAINER_HOOKS if not callable(getattr(transformers
 if _missing:
     raise ImportError(
         f"mixprec.integrations.transformers maps transformers.Trainer's hooks onto MixedPrecision, and transformers "
-        f"{transformers.__version__} has no Trainer.{_missing[0]}; install transformers 5 (tested with 5.23)."
+        f"{transformers.__version__} has no Trainer.{_missing[0]}; install transformers 5 (tested with 5.17 and 5.24)."
     )
 # stepped on evaluation metrics, not after updates: the Trainer never steps them in its update loop
 _METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 _TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused")  # the Trainer's AdamW, built as mixprec.AdamW for pure_bf16
 _DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # one device per process, Accelerate's DDP
+# transformers renamed gradient checkpointing to activation checkpointing (after 5.17): the messages use the
+# installed version's names
+_CHECKPOINTING_METHOD = next(
+    name for name in ("activation_checkpointing", "gradient_checkpointing")
+    if hasattr(transformers.PreTrainedModel, f"{name}_enable")
+)  # fmt: skip
+_CHECKPOINTING_ARGUMENT = next(
+    (f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.name == "activation_checkpointing"),
+    "gradient_checkpointing",
+)
 
 
 class MixprecOptimizer(torch.optim.Optimizer):
@@ -231,9 +242,9 @@ class MixprecTrainer(transformers.Trainer):
             )
         if _checkpoints_activations(self.model):
             raise ValueError(
-                f"{self!r}: the model has activation checkpointing on (model.activation_checkpointing_enable()); "
+                f"{self!r}: the model has activation checkpointing on (model.{_CHECKPOINTING_METHOD}_enable()); "
                 "its recomputed forward would run outside the policy's region. Call "
-                "model.activation_checkpointing_disable()."
+                f"model.{_CHECKPOINTING_METHOD}_disable()."
             )
         # under DDP, Accelerate wraps the model after this and broadcasts rank 0's weights into it; the masters are
         # made here, so they must be made from rank 0's weights too, or each rank would train its own
@@ -364,7 +375,7 @@ class MixprecTrainer(transformers.Trainer):
                 f"MixprecTrainer: transformers {transformers.__version__} stepped the optimizer without asking for "
                 "the gradient norm first (Trainer._clip_grad_norm / _get_grad_norm), so it may have clipped scaled "
                 "gradients behind MixedPrecision's back. Its training loop differs from the one this adapter maps "
-                "(transformers 5.23); use that version, or mixprec.MixedPrecision in a loop of your own."
+                "(transformers 5.17 to 5.24); use one of those, or mixprec.MixedPrecision in a loop of your own."
             )
         self._unscaled = False
         self._last_applied = bool(mp.step())  # host sync (free on the CPU): the scheduler's gate
@@ -475,7 +486,7 @@ def _argument_problem(args: transformers.TrainingArguments, policy: Any) -> str 
     checks = [
         (args.deepspeed, "a DeepSpeed config (args.deepspeed)"),
         (args.fsdp, f"FSDP (fsdp={args.fsdp!r})"),
-        (args.parallelism_config, "a parallelism_config"),
+        (getattr(args, "parallelism_config", None), "a parallelism_config"),
     ]
     for value, what in checks:
         if value:
@@ -485,13 +496,15 @@ def _argument_problem(args: transformers.TrainingArguments, policy: Any) -> str 
                 "with mixprec.MixedPrecision in a loop of your own (docs/training-step.md)."
             )
     unsupported = {
-        "activation_checkpointing=True": args.activation_checkpointing or args.gradient_checkpointing,
+        f"{_CHECKPOINTING_ARGUMENT}=True": any(
+            getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing")
+        ),
         "auto_find_batch_size=True": args.auto_find_batch_size,
         f"optim={optim!r}": optim in ("lomo", "adalomo") or optim.endswith("layerwise"),
     }
     why = {
-        "activation_checkpointing=True": "the recomputed forward would run outside the policy's region (its casts "
-        "and FP32 ops), so backward would differ from forward; set activation_checkpointing=False",
+        f"{_CHECKPOINTING_ARGUMENT}=True": "the recomputed forward would run outside the policy's region (its "
+        f"casts and FP32 ops), so backward would differ from forward; set {_CHECKPOINTING_ARGUMENT}=False",
         "auto_find_batch_size=True": "a retry after running out of memory would restart a half-trained mixed-"
         "precision run; set per_device_train_batch_size yourself",
         f"optim={optim!r}": "this optimizer updates inside the backward pass, before gradients can be unscaled "
