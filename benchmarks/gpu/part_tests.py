@@ -98,6 +98,12 @@ def run(settings: Settings, part: Part) -> None:
         part.status, part.reason = "failed", "no CUDA case was selected: the suite lost its device parametrization"
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT's default disposition, so that its Python turns it into KeyboardInterrupt even
+    where this process was started with SIGINT ignored (a background job of a script, a pytest-xdist worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _pytest(command: list[str], cwd: Path, env: dict, limit: float) -> tuple[str, int | None, str | None]:
     """Run pytest for at most ``limit`` seconds: its output, exit code, and why it was stopped (or None).
 
@@ -105,7 +111,10 @@ def _pytest(command: list[str], cwd: Path, env: dict, limit: float) -> tuple[str
     JUnit report of the cases run so far; SIGKILL 60 s later if it has not exited. If this process is
     stopped itself (SIGTERM), pytest is killed first, never left running on the device.
     """
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_default_sigint,
+    )  # fmt: skip
     stopped = None
     try:
         try:
