@@ -35,7 +35,6 @@ On the CPU all are memory loads.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
+from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers.optimization import GreedyLR
@@ -56,6 +55,13 @@ from mixprec.compute import dropped_roundings_note
 from mixprec.distributed import copy_from_main, world
 from mixprec.engine import needs_compensated_optimizer
 from mixprec.integrations.gated_scheduler import GatedScheduler
+from mixprec.integrations.transformers_refusals import (
+    CHECKPOINTING_METHOD,
+    argument_problem,
+    checkpoints_activations,
+    optim_name,
+    setup_problem,
+)
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
 
 __all__ = ["STATE_NAME", "GatedScheduler", "MixprecOptimizer", "MixprecTrainer"]
@@ -76,17 +82,6 @@ if _missing:
 # stepped on evaluation metrics, not after updates: the Trainer never steps them in its update loop
 _METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 _TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused")  # the Trainer's AdamW, built as mixprec.AdamW for pure_bf16
-_DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # one device per process, Accelerate's DDP
-# transformers renamed gradient checkpointing to activation checkpointing (after 5.17): the messages use the
-# installed version's names
-_CHECKPOINTING_METHOD = next(
-    name for name in ("activation_checkpointing", "gradient_checkpointing")
-    if hasattr(transformers.PreTrainedModel, f"{name}_enable")
-)  # fmt: skip
-_CHECKPOINTING_ARGUMENT = next(
-    (f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.name == "activation_checkpointing"),
-    "gradient_checkpointing",
-)
 
 
 class MixprecOptimizer(torch.optim.Optimizer):
@@ -192,14 +187,14 @@ class MixprecTrainer(transformers.Trainer):
         # resolved now unless 'auto', which depends on the Trainer's device: a bad policy fails here
         resolved = None if _is_auto(policy) else mixprec.get_policy(policy)
         if args is not None:  # before the Trainer builds its Accelerator from them: one clear error
-            _refuse(_argument_problem(args, policy))
+            _refuse(argument_problem(args, policy))
         self.scaler = scaler
         self._mp: mixprec.MixedPrecision | None = None
         self._stepper: MixprecOptimizer | None = None
         self._unscaled = False  # the Trainer asked for this update's gradient norm: gradients are unscaled
         self._last_applied = True  # whether the last update was applied (the scheduler's gate)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        _refuse(_setup_problem(self))
+        _refuse(setup_problem(self))
         _keep_casts_when_compiled(self.accelerator.state.dynamo_plugin)
         self.policy: mixprec.Policy = resolved or mixprec.get_policy(policy, device=self.args.device)
 
@@ -222,7 +217,7 @@ class MixprecTrainer(transformers.Trainer):
             self.optimizer = self._compensated_adamw()
         optimizer = super().create_optimizer(model)
         if origin == "the Trainer built":
-            origin += f" (optim={_optim_name(self.args)!r})"
+            origin += f" (optim={optim_name(self.args)!r})"
         self._mp = self._mixed_precision(optimizer, origin)
         if self.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR:
             plan = self._mp.compute_plan  # inductor keeps the emulation's roundings only where it honours the option
@@ -240,11 +235,11 @@ class MixprecTrainer(transformers.Trainer):
                 f"{self!r}: LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot "
                 "follow; use a first-order optimizer."
             )
-        if _checkpoints_activations(self.model):
+        if checkpoints_activations(self.model):
             raise ValueError(
-                f"{self!r}: the model has activation checkpointing on (model.{_CHECKPOINTING_METHOD}_enable()); "
+                f"{self!r}: the model has activation checkpointing on (model.{CHECKPOINTING_METHOD}_enable()); "
                 "its recomputed forward would run outside the policy's region. Call "
-                f"model.{_CHECKPOINTING_METHOD}_disable()."
+                f"model.{CHECKPOINTING_METHOD}_disable()."
             )
         # under DDP, Accelerate wraps the model after this and broadcasts rank 0's weights into it; the masters are
         # made here, so they must be made from rank 0's weights too, or each rank would train its own
@@ -279,7 +274,7 @@ class MixprecTrainer(transformers.Trainer):
         return (
             needs_compensated_optimizer(self.policy)
             and self.optimizer_cls_and_kwargs is None
-            and _optim_name(self.args) in _TRAINER_ADAMW
+            and optim_name(self.args) in _TRAINER_ADAMW
         )
 
     def _compensated_adamw(self) -> mixprec.AdamW:
@@ -452,68 +447,8 @@ def _refuse(problem: str | None) -> None:
         raise ValueError(f"MixprecTrainer: {problem}")
 
 
-def _checkpoints_activations(model: nn.Module) -> bool:
-    """transformers 5 names it is_activation_checkpointing; is_gradient_checkpointing before (deprecated)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
-
-
 def _is_auto(policy: Any) -> bool:
     return isinstance(policy, str) and policy.strip().lower() == "auto"
-
-
-def _optim_name(args: transformers.TrainingArguments) -> str:
-    return str(getattr(args.optim, "value", args.optim))
-
-
-def _argument_problem(args: transformers.TrainingArguments, policy: Any) -> str | None:
-    """What in TrainingArguments would fight mixprec or that the adapter cannot guarantee; None if nothing."""
-    halves = [f"{name}=True" for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name)]
-    if halves:
-        return (
-            f"received TrainingArguments({', '.join(halves)}) together with policy={str(policy)!r}; two "
-            "mixed-precision systems would fight (Accelerate's autocast and GradScaler, mixprec's region and loss "
-            "scaler). The policy is the precision: set fp16=False and bf16=False (and their *_full_eval)."
-        )
-    if getattr(args, "mixed_precision", "no") != "no":
-        return (
-            f"Accelerate's mixed precision is on (mixed_precision={args.mixed_precision!r}, from the launcher or "
-            "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
-        )
-    optim = _optim_name(args)
-    checks = [
-        (args.deepspeed, "a DeepSpeed config (args.deepspeed)"),
-        (args.fsdp, f"FSDP (fsdp={args.fsdp!r})"),
-        (getattr(args, "parallelism_config", None), "a parallelism_config"),
-    ]
-    for value, what in checks:
-        if value:
-            return (
-                f"received {what}; MixprecTrainer runs on one device or under DDP (DeepSpeed and FSDP keep their own "
-                "precision and optimizer step). Train with DDP, or use mixprec.fully_shard / mixprec.parallel "
-                "with mixprec.MixedPrecision in a loop of your own (docs/training-step.md)."
-            )
-    unsupported = {
-        f"{_CHECKPOINTING_ARGUMENT}=True": any(
-            getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing")
-        ),
-        "auto_find_batch_size=True": args.auto_find_batch_size,
-        f"optim={optim!r}": optim in ("lomo", "adalomo") or optim.endswith("layerwise"),
-    }
-    why = {
-        f"{_CHECKPOINTING_ARGUMENT}=True": "the recomputed forward would run outside the policy's region (its "
-        f"casts and FP32 ops), so backward would differ from forward; set {_CHECKPOINTING_ARGUMENT}=False",
-        "auto_find_batch_size=True": "a retry after running out of memory would restart a half-trained mixed-"
-        "precision run; set per_device_train_batch_size yourself",
-        f"optim={optim!r}": "this optimizer updates inside the backward pass, before gradients can be unscaled "
-        "and checked; choose another optim (e.g. 'adamw_torch')",
-    }
-    for name, present in unsupported.items():
-        if present:
-            return f"received TrainingArguments({name}), which MixprecTrainer does not support: {why[name]}."
-    return None
 
 
 def _keep_casts_when_compiled(plugin: TorchDynamoPlugin) -> None:
@@ -530,27 +465,3 @@ def _keep_casts_when_compiled(plugin: TorchDynamoPlugin) -> None:
         options = {**list_mode_options(plugin.mode), **options}
         plugin.mode = "default"
     plugin.options = {**options, "emulate_precision_casts": True}
-
-
-def _setup_problem(trainer: transformers.Trainer) -> str | None:
-    """What the Trainer set up that the adapter cannot guarantee (launcher environment, devices)."""
-    accelerator = trainer.accelerator
-    if accelerator.mixed_precision != "no":
-        return (
-            f"Accelerate runs its own mixed precision ({accelerator.mixed_precision!r}, from the launcher or "
-            "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
-        )
-    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        return "Accelerate enabled DeepSpeed or FSDP; MixprecTrainer runs on one device or under DDP."
-    if trainer.args.n_gpu > 1 or trainer.is_model_parallel:
-        return (
-            f"the model is spread over {trainer.args.n_gpu} devices of one process (DataParallel, or a model split "
-            "across devices); MixprecTrainer runs one device per process. Launch one process per device "
-            "(torchrun --nproc_per_node N or accelerate launch): the Trainer then uses DistributedDataParallel."
-        )
-    if trainer.args.world_size > 1 and accelerator.distributed_type not in _DDP_TYPES:
-        return (
-            f"the run spans {trainer.args.world_size} processes as {accelerator.distributed_type.value}; "
-            "MixprecTrainer runs on one device or under DDP (MULTI_CPU, MULTI_GPU)."
-        )
-    return None

@@ -1,0 +1,119 @@
+"""What MixprecTrainer refuses, with the fix: TrainingArguments and set-ups (another mixed-precision system,
+DeepSpeed, FSDP, activation checkpointing, optimizers that update inside backward, several devices per
+process) under which it could not guarantee skip-on-overflow, unscaled clipping and an unmoved schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import transformers
+from accelerate.utils import DistributedType
+from torch import nn
+
+__all__ = [
+    "CHECKPOINTING_ARGUMENT",
+    "CHECKPOINTING_METHOD",
+    "DDP_TYPES",
+    "argument_problem",
+    "checkpoints_activations",
+    "optim_name",
+    "setup_problem",
+]
+
+DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # one device per process, Accelerate's DDP
+# transformers renamed gradient checkpointing to activation checkpointing (after 5.17): the messages use the
+# installed version's names
+CHECKPOINTING_METHOD = next(
+    name for name in ("activation_checkpointing", "gradient_checkpointing")
+    if hasattr(transformers.PreTrainedModel, f"{name}_enable")
+)  # fmt: skip
+CHECKPOINTING_ARGUMENT = next(
+    (f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.name == "activation_checkpointing"),
+    "gradient_checkpointing",
+)
+
+
+def checkpoints_activations(model: nn.Module) -> bool:
+    """Whether the model recomputes activations: ``is_activation_checkpointing`` after the rename (5.17 and
+    earlier: ``is_gradient_checkpointing``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def optim_name(args: transformers.TrainingArguments) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def argument_problem(args: transformers.TrainingArguments, policy: Any) -> str | None:
+    """What in TrainingArguments would fight mixprec or that the adapter cannot guarantee; None if nothing."""
+    halves = [f"{name}=True" for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name)]
+    if halves:
+        return (
+            f"received TrainingArguments({', '.join(halves)}) together with policy={str(policy)!r}; two "
+            "mixed-precision systems would fight (Accelerate's autocast and GradScaler, mixprec's region and loss "
+            "scaler). The policy is the precision: set fp16=False and bf16=False (and their *_full_eval)."
+        )
+    if getattr(args, "mixed_precision", "no") != "no":
+        return (
+            f"Accelerate's mixed precision is on (mixed_precision={args.mixed_precision!r}, from the launcher or "
+            "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
+        )
+    optim = optim_name(args)
+    checks = [
+        (args.deepspeed, "a DeepSpeed config (args.deepspeed)"),
+        (args.fsdp, f"FSDP (fsdp={args.fsdp!r})"),
+        (getattr(args, "parallelism_config", None), "a parallelism_config"),
+    ]
+    for value, what in checks:
+        if value:
+            return (
+                f"received {what}; MixprecTrainer runs on one device or under DDP (DeepSpeed and FSDP keep their own "
+                "precision and optimizer step). Train with DDP, or use mixprec.fully_shard / mixprec.parallel "
+                "with mixprec.MixedPrecision in a loop of your own (docs/training-step.md)."
+            )
+    unsupported = {
+        f"{CHECKPOINTING_ARGUMENT}=True": any(
+            getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing")
+        ),
+        "auto_find_batch_size=True": args.auto_find_batch_size,
+        f"optim={optim!r}": optim in ("lomo", "adalomo") or optim.endswith("layerwise"),
+    }
+    why = {
+        f"{CHECKPOINTING_ARGUMENT}=True": "the recomputed forward would run outside the policy's region (its "
+        f"casts and FP32 ops), so backward would differ from forward; set {CHECKPOINTING_ARGUMENT}=False",
+        "auto_find_batch_size=True": "a retry after running out of memory would restart a half-trained mixed-"
+        "precision run; set per_device_train_batch_size yourself",
+        f"optim={optim!r}": "this optimizer updates inside the backward pass, before gradients can be unscaled "
+        "and checked; choose another optim (e.g. 'adamw_torch')",
+    }
+    for name, present in unsupported.items():
+        if present:
+            return f"received TrainingArguments({name}), which MixprecTrainer does not support: {why[name]}."
+    return None
+
+
+def setup_problem(trainer: transformers.Trainer) -> str | None:
+    """What the Trainer set up that the adapter cannot guarantee (launcher environment, devices)."""
+    accelerator = trainer.accelerator
+    if accelerator.mixed_precision != "no":
+        return (
+            f"Accelerate runs its own mixed precision ({accelerator.mixed_precision!r}, from the launcher or "
+            "ACCELERATE_MIXED_PRECISION); two mixed-precision systems would fight. Launch with --mixed_precision no."
+        )
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        return "Accelerate enabled DeepSpeed or FSDP; MixprecTrainer runs on one device or under DDP."
+    if trainer.args.n_gpu > 1 or trainer.is_model_parallel:
+        return (
+            f"the model is spread over {trainer.args.n_gpu} devices of one process (DataParallel, or a model split "
+            "across devices); MixprecTrainer runs one device per process. Launch one process per device "
+            "(torchrun --nproc_per_node N or accelerate launch): the Trainer then uses DistributedDataParallel."
+        )
+    if trainer.args.world_size > 1 and accelerator.distributed_type not in DDP_TYPES:
+        return (
+            f"the run spans {trainer.args.world_size} processes as {accelerator.distributed_type.value}; "
+            "MixprecTrainer runs on one device or under DDP (MULTI_CPU, MULTI_GPU)."
+        )
+    return None
