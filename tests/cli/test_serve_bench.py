@@ -53,3 +53,15 @@ def test_serve_bench_refuses_bad_arguments_in_one_line(digits_run, args, said):
     done = run("serve-bench", digits_run, *args)
     assert done.returncode == 2 and said in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_serve_bench_measures_a_model_with_tied_weights(tmp_path):
+    # charlm's embedding is its output head: one tensor under two names, stored (and counted) once
+    out = tmp_path / "charlm"
+    done = run("train", "charlm", "--size", "tiny", "--steps", "4", "--quiet", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = run("serve-bench", out, "--batches", "1,2", "--seq", "16", "--repeats", "1", "--latency-samples", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = {r["mode"]: r for r in json.loads((out / "serve_bench.json").read_text())["results"]}
+    assert list(results) == MODES
+    assert abs(results["mixprec bf16"]["size_bytes"] / results["mixprec fp32"]["size_bytes"] - 0.5) < 0.05

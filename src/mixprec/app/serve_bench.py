@@ -124,6 +124,18 @@ def _timed(modes: dict[str, _Mode], inputs: torch.Tensor, device: torch.device, 
     return times
 
 
+def _stored_bytes(model: nn.Module) -> int:
+    """The size of the model's safetensors file, each tensor stored once: weights tied to each other (a
+    GPT's embedding and output head) count once, as safetensors' ``save_model`` stores them."""
+    seen, state = set(), {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if key not in seen:  # a view of other storage is copied: safetensors refuses shared memory
+            seen.add(key)
+            state[name] = tensor.detach().contiguous().clone()
+    return len(safetensors_bytes(state))
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -152,9 +164,8 @@ def serve_bench(
     results = {}
     for name, mode in modes.items():
         progress(f"evaluating {name}")
-        state = {k: v.contiguous() for k, v in mode.model.state_dict().items()}
         evaluation = evaluate(mode.model, data, parts.loss_fn, parts.metric, mode.region, device)
-        results[name] = ServeResult(name, len(safetensors_bytes(state)), evaluation, split)
+        results[name] = ServeResult(name, _stored_bytes(mode.model), evaluation, split)
     for batch in batches:
         inputs = timing_batch(data, batch, seq).to(device)
         progress(f"timing batch {batch}")
