@@ -209,6 +209,9 @@ def nan_factory_file(tmp_path):
         (("train", "--out", "{tmp}", "--resume"), ("is not a mixprec run folder",)),
         (("export", "{tmp}"), ("is not a mixprec run folder",)),
         (("compare", "digits", "--policies", "fp32,bogus"), ("'bogus'",)),
+        (("train", "digits", "--device", "tpu"), ("config 'device': received 'tpu'", "auto, cpu, cuda or cuda:N")),
+        (("train", "digits", "--device", "meta"), ("config 'device': received 'meta'",)),
+        (("doctor", "digits", "--device", "xyz"), ("device: received 'xyz'",)),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
@@ -220,6 +223,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+    if "--device" in args:  # refused before anything was written
+        assert not (tmp_path / "runs").exists()
 
 
 def test_two_runs_started_into_one_folder_at_once_one_proceeds(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -23,6 +24,14 @@ __all__ = ["CONFIG_FILE", "TrainConfig"]
 CONFIG_FILE = "config.json"
 SIZES = ("default", "tiny")
 PARALLEL_MODES = ("ddp", "fsdp")
+
+
+def check_device(spec: str, where: str) -> None:
+    """ValueError unless ``spec`` names a device mixprec trains on: auto, cpu, cuda or cuda:N."""
+    if not isinstance(spec, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", spec):
+        raise ValueError(
+            f"{where}: received {spec!r}; use auto, cpu, cuda or cuda:N (mixprec trains on CPUs and CUDA GPUs)."
+        )
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class TrainConfig:
             )
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"config 'parallel': received {self.parallel!r}; use one of {', '.join(PARALLEL_MODES)}.")
+        check_device(self.device, "config 'device'")
         if self.size not in SIZES:
             raise ValueError(f"config 'size': received {self.size!r}; use one of {', '.join(SIZES)}.")
 

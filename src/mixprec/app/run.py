@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mixprec.app.config import TrainConfig
+from mixprec.app.config import TrainConfig, check_device
 from mixprec.app.machine import machine_info
 from mixprec.app.report import plot_run, write_run_report
 from mixprec.app.run_lock import run_lock
@@ -55,10 +55,16 @@ class RunOutcome:
 
 
 def resolve_device(spec: str) -> str:
+    check_device(spec, "device")
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={spec!r}: no CUDA device is visible; use --device cpu (or auto).")
+    index = torch.device(spec).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device={spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0."
+        )
     return spec
 
 
