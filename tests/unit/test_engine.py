@@ -639,3 +639,16 @@ def test_a_loss_without_gradients_gets_a_mixprec_message():
         loss = F.cross_entropy(model(x), y)
     with pytest.raises(ValueError, match=r"backward\(loss=...\): the loss does not require gradients.*no trainable"):
         mp.backward(loss)
+
+
+@pytest.mark.parametrize("policy", ["o2_bf16", "mixed_bf16", "fp32"])
+def test_an_optimizer_of_another_models_parameters_is_refused(policy):
+    # it would step the other model's tensors: every update "applied", the model never changed
+    model, other = make_model(), make_model()
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"MixedPrecision\(optimizer=\.\.\.\): the SGD holds none of the model's"):
+        mixprec.MixedPrecision(model, optimizer, policy)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything was changed
+    # an optimizer holding the model's parameters and one more of its own (a learnable loss temperature) is fine
+    temperature = nn.Parameter(torch.ones(()))
+    mixprec.MixedPrecision(model, torch.optim.SGD([*model.parameters(), temperature], lr=0.1), policy)

@@ -60,6 +60,13 @@ def check_model_and_optimizer(
     weight already in that dtype is accepted: casting it from FP32 would give the same bits. This holds
     for sharded models too, whose shards :func:`mixprec.fully_shard` left in the policy's dtypes.
     """
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and not {id(p) for p in held} & {id(p) for p in model.parameters()}:
+        raise ValueError(
+            f"MixedPrecision(optimizer=...): the {type(optimizer).__name__} holds none of the model's parameters "
+            f"({len(held)} tensors of its own), so no step would change the model. Build the optimizer from "
+            "model.parameters() of the model you pass."
+        )
     as_stored = {id(p) for p in lowered} - {id(p) for p in mastered}
     wrong: dict[torch.dtype, list[str]] = {}
     for name, param in model.named_parameters():
