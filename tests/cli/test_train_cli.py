@@ -241,3 +241,15 @@ def test_two_runs_started_into_one_folder_at_once_one_proceeds(tmp_path):
     winner_seed = codes.index(0)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == winner_seed  # one run's files
     assert {json.loads(line).get("step") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()}
+
+
+def test_a_run_of_a_user_model_resumes_and_exports_from_the_folder_it_was_trained_in(tmp_path):
+    # the run's config names examples.custom_model:build, importable from the repository root, where these run
+    out = tmp_path / "custom"
+    done = run("train", "--model", "examples.custom_model:build", "--steps", "3", "--quiet", "--out", out, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = run("train", "--out", out, "--resume", "--steps", "5", "--quiet", cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = run("export", out, "--dtype", "bf16", cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "export" / "model-bf16.safetensors").is_file()

@@ -60,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return USAGE_ERROR
+    # a run's MODULE:FACTORY (--model, and the config.json that resume, export and serve-bench read) imports
+    # from the current folder, as under `python -m mixprec`
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.run(args)
     except ModuleNotFoundError as exc:

@@ -102,8 +102,7 @@ def task_spec(args: argparse.Namespace) -> str:
     if args.task and args.model:
         raise ValueError(f"give a task ({args.task!r}) or --model ({args.model!r}), not both.")
     if args.model:
-        sys.path.insert(0, os.getcwd())  # so that --model finds modules next to where the command runs
-        return args.model
+        return args.model  # imported from the current folder too (cli.main puts it on sys.path)
     if not args.task:
         raise ValueError(f"name a task ({', '.join(TASK_NAMES)}) or pass --model MODULE:FACTORY.")
     return args.task
