@@ -1,6 +1,7 @@
 """mixprec train / compare / export, run as a user would, on tiny settings."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -253,3 +254,25 @@ def test_a_run_of_a_user_model_resumes_and_exports_from_the_folder_it_was_traine
     done = run("export", out, "--dtype", "bf16", cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "export" / "model-bf16.safetensors").is_file()
+
+
+def test_resume_refuses_flags_that_would_train_another_run_and_keeps_a_new_length(tmp_path):
+    out = tmp_path / "run"
+    done = run("train", "digits", "--size", "tiny", "--steps", "2", "--policy", "mixed_fp16", "--quiet", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for flags, said in [
+        (["--policy", "fp32"], "received --policy 'fp32', but the run has 'mixed_fp16'"),
+        (["charlm"], "received the task 'charlm', but the run has 'digits'"),
+        (["--lr", "0.5"], "received --lr 0.5, but the run has the task's default"),
+        (["--seed", "3"], "received --seed 3, but the run has 0"),
+    ]:
+        done = run("train", *flags, "--out", out, "--resume", "--steps", "4")
+        assert done.returncode == 2 and said in done.stderr, (flags, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    # the same values as the run's, and a new length and checkpoint count, are taken; config.json keeps them
+    done = run("train", "--out", out, "--resume", "--policy", "mixed_fp16", "--steps", "4", "--keep", "2", "--quiet")
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["steps"], saved["keep_checkpoints"], saved["policy"]) == (4, 2, "mixed_fp16")
+    done = run("train", "--out", out, "--resume", "--quiet")  # continues to the kept length: nothing left to do
+    assert done.returncode == 0 and re.search(r"trained\s+4 steps", done.stdout), done.stdout + done.stderr

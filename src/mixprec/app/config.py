@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.stop_signals import check_stop_signals
+from mixprec.persist import write_atomically
 
 __all__ = ["CONFIG_FILE", "TrainConfig"]
 
@@ -141,7 +142,7 @@ class TrainConfig:
 
     def save(self, run_dir: Path) -> Path:
         path = run_dir / CONFIG_FILE
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        write_atomically(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())  # never half a config
         return path
 
     @classmethod

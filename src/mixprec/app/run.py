@@ -175,7 +175,7 @@ def _train_in(  # long: the run's steps in order, each one or two lines
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     main = trainer.world.is_main
-    if not resume and main:
+    if main:  # on resume too: a length or checkpoint setting given with --resume holds for later resumes
         config.save(run_dir)
     length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
     result = trainer.fit(**length, resume=resume)

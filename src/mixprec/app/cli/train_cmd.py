@@ -146,6 +146,41 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
     )
 
 
+# on --resume, flags that change how the run goes on, not what it computes: applied (and kept in config.json)
+RESUME_MAY_CHANGE = (
+    "steps", "epochs", "collective_timeout", "log_every", "eval_every", "checkpoint_every",
+    "checkpoint_every_minutes", "keep_checkpoints", "stop_signals",
+)  # fmt: skip
+
+
+def resumed_config(saved: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """The run's config with the flags given on --resume: those of RESUME_MAY_CHANGE applied; any other
+    that differs from the run's (its task, policy, learning rate, seed, ...) refused, since the checkpoint
+    continues the run config.json describes and a silently ignored flag would train something else."""
+    defaults = argparse.ArgumentParser()
+    add_run_arguments(defaults)
+    given = {k: v for k, v in vars(args).items() if k in vars(defaults.parse_args([])) and v != defaults.get_default(k)}
+    if args.policy != "auto":
+        given["policy"] = args.policy
+    if given.get("model"):
+        given["task"] = given.pop("model")
+    changes = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE}
+    if "steps" in changes or "epochs" in changes:  # one or the other: the new length replaces the old
+        changes = {"steps": None, "epochs": None, **changes}
+    conflicts = [(k, v) for k, v in given.items() if k not in RESUME_MAY_CHANGE and getattr(saved, k, v) != v]
+    if conflicts:
+        flags = {a.dest: a.option_strings[-1] for a in defaults._actions if a.option_strings}
+        flags.update(task="the task", policy="--policy")
+        name, value = conflicts[0]
+        has = "the task's default" if getattr(saved, name) is None else repr(getattr(saved, name))
+        raise ValueError(
+            f"--resume continues the run in its folder as its config.json describes it; received {flags[name]} "
+            f"{value!r}, but the run has {has}. Drop the flag to continue it, or start a new "
+            f"run in another --out (only {', '.join(flags[k] for k in RESUME_MAY_CHANGE)} may change)."
+        )
+    return saved.replace(**changes) if changes else saved
+
+
 def run_stamp() -> str:
     """The run folder's suffix: the time, or under torchrun its run id (the same on every rank)."""
     return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
@@ -185,11 +220,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.out is None:
             raise ValueError("--resume needs --out RUN_FOLDER: the run to continue.")
-        config = TrainConfig.load(args.out)
-        if args.steps is not None or args.epochs is not None:  # resuming may extend the run
-            config = config.replace(steps=args.steps, epochs=args.epochs)
-        if args.collective_timeout is not None:  # or wait for peers differently
-            config = config.replace(collective_timeout=args.collective_timeout)
+        config = resumed_config(TrainConfig.load(args.out), args)
         out = args.out
     else:
         config = config_from(args, args.policy)
