@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.stop_signals import check_stop_signals
-from mixprec.persist import write_atomically
 
 __all__ = ["CONFIG_FILE", "TrainConfig"]
 
@@ -141,6 +140,8 @@ class TrainConfig:
         return cls(**data)
 
     def save(self, run_dir: Path) -> Path:
+        from mixprec.persist import write_atomically  # imports torch: not when the CLI only checks its flags
+
         path = run_dir / CONFIG_FILE
         write_atomically(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())  # never half a config
         return path

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from mixprec.app.checkpoint import load_latest
 from mixprec.app.config import TrainConfig
@@ -25,6 +25,7 @@ from mixprec.app.resume import check_run_identity
 from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
 from mixprec.parallel.state import with_tied_names
+from mixprec.persist import write_atomically
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import NORM, Policy
 from mixprec.regions.autocast import autocast
@@ -74,10 +75,11 @@ def export_run(
     out.mkdir(exist_ok=True)
     metadata = {"task": config.task, "policy": config.policy, "source": str(source)}
     fp32_path, half_path = out / "model-fp32.safetensors", out / f"model-{dtype}.safetensors"
-    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(fp32_path), {**metadata, "dtype": "fp32"})
+    fp32_tensors = {k: v.contiguous().clone() for k, v in weights.items()}
+    write_atomically(fp32_path, safetensors_bytes(fp32_tensors, {**metadata, "dtype": "fp32"}))
     half_state = half_model.state_dict()  # each tensor in its kept or lowered dtype
     half_weights = {k: half_state[k].contiguous().clone() for k in weights}
-    save_file(half_weights, str(half_path), {**metadata, "dtype": dtype})
+    write_atomically(half_path, safetensors_bytes(half_weights, {**metadata, "dtype": dtype}))
 
     device = trainer.device
     fp32_policy = get_policy("fp32")

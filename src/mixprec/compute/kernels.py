@@ -34,7 +34,6 @@ import contextlib
 import functools
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.device import cpu_model
 from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.persist import write_atomically
 
 __all__ = ["CACHE_VERSION", "FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan", "machine_key"]
 
@@ -239,9 +239,7 @@ def _write_cache(path: Path, entries: dict) -> None:
     """Atomic replace; a cache that cannot be written (read-only home) only costs a re-measure."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as tmp:
-            json.dump({"version": CACHE_VERSION, "entries": entries}, tmp, indent=1)
-        os.replace(tmp.name, path)
+        write_atomically(path, json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1).encode())
 
 
 # -- the real probe ----------------------------------------------------------------------------------

@@ -8,12 +8,11 @@ Reading parses JSON only (no code runs) and checks every key.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from mixprec.checks import positive_number
 from mixprec.doctor.advice import Diagnosis
+from mixprec.persist import write_atomically
 from mixprec.policy.parse import get_policy
 
 __all__ = ["read_policy_file", "write_policy_file"]
@@ -29,11 +28,7 @@ def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") 
         "source": source,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as tmp:
-        json.dump(payload, tmp, indent=1)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    os.replace(tmp.name, path)
+    write_atomically(path, json.dumps(payload, indent=1).encode())
     return path
 
 
