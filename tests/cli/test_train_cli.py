@@ -210,6 +210,7 @@ def nan_factory_file(tmp_path):
         (("train", "--out", "{tmp}", "--resume"), ("is not a mixprec run folder",)),
         (("export", "{tmp}"), ("is not a mixprec run folder",)),
         (("compare", "digits", "--policies", "fp32,bogus"), ("'bogus'",)),
+        (("compare", "digits", "--policies", "fp32,mixed_bf16,fp32"), ("--policies: received 'fp32' twice",)),
         (("train", "digits", "--device", "tpu"), ("config 'device': received 'tpu'", "auto, cpu, cuda or cuda:N")),
         (("train", "digits", "--device", "meta"), ("config 'device': received 'meta'",)),
         (("doctor", "digits", "--device", "xyz"), ("device: received 'xyz'",)),

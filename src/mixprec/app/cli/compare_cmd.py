@@ -37,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.policy.parse import parse_policy_list
 
     policies = parse_policy_list(args.policies, device=None if args.device == "auto" else args.device)
+    folders = [slug(spec) for spec, _ in policies]
+    twice = next((spec for (spec, _), folder in zip(policies, folders, strict=True) if folders.count(folder) > 1), None)
+    if twice is not None:  # said now, not after the first run has trained
+        raise ValueError(f"--policies: received {twice!r} twice ({args.policies!r}); name each policy once.")
     base = config_from(args, policies[0][0])
     out = args.out or Path("runs") / slug(f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     outcomes: list[RunOutcome] = []
