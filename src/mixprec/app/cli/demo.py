@@ -63,40 +63,61 @@ def _model(seed: int) -> nn.Module:
     )
 
 
-def train_once(policy: Policy, steps: int, seed: int) -> dict:
-    """Train under ``policy`` with MixedPrecision; returns losses, accuracy, time per step and stats."""
-    import torch
-    import torch.nn.functional as F
+class Training:
+    """One policy's run of the demo, a step at a time, so that the policies' steps can be interleaved: the
+    machine's drift (other processes, frequency) then hits every policy alike, not whichever runs first."""
 
-    from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
-    from mixprec.master.compensated import AdamW
+    def __init__(self, policy: Policy, seed: int) -> None:
+        import torch
 
-    x, y = _data(seed)
-    split = _SAMPLES * 7 // 8
-    train_x, train_y, test_x, test_y = x[:split], y[:split], x[split:], y[split:]
-    model = _model(seed)
-    optimizer_class = AdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
-    mp = MixedPrecision(model, optimizer_class(model.parameters(), lr=2e-3), policy)
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    start = time.perf_counter()
+        from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
+        from mixprec.master.compensated import AdamW
+
+        x, y = _data(seed)
+        split = _SAMPLES * 7 // 8
+        self.train_x, self.train_y, self.test_x, self.test_y = x[:split], y[:split], x[split:], y[split:]
+        self.model = _model(seed)
+        optimizer_class = AdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
+        self.mp = MixedPrecision(self.model, optimizer_class(self.model.parameters(), lr=2e-3), policy)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.losses: list[float] = []
+        self.seconds: list[float] = []
+
+    def step(self) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        start = time.perf_counter()
+        idx = torch.randint(0, len(self.train_x), (_BATCH,), generator=self.gen)
+        with self.mp.autocast():
+            loss = F.cross_entropy(self.model(self.train_x[idx]), self.train_y[idx])
+        self.mp.backward(loss)
+        self.mp.step()
+        self.losses.append(loss.item())  # host sync, once per step: fine for a demo
+        self.seconds.append(time.perf_counter() - start)
+
+    def result(self) -> dict:
+        import torch
+
+        with torch.no_grad(), self.mp.autocast():
+            accuracy = (self.model(self.test_x).argmax(dim=1) == self.test_y).float().mean().item()
+        timed = sorted(self.seconds[min(10, len(self.seconds) // 4) :])  # first steps: allocations, set-up
+        return {
+            "first_loss": sum(self.losses[:10]) / 10,
+            "last_loss": sum(self.losses[-10:]) / 10,
+            "accuracy": accuracy,
+            "ms_per_step": 1e3 * timed[len(timed) // 2],  # the median step
+            "stats": self.mp.stats(),
+        }
+
+
+def train_side_by_side(policies: list[Policy], steps: int, seed: int) -> list[dict]:
+    """Train every policy ``steps`` steps, their steps interleaved (A, B, A, B, ...); a result per policy."""
+    trainings = [Training(policy, seed) for policy in policies]
     for _ in range(steps):
-        idx = torch.randint(0, len(train_x), (_BATCH,), generator=gen)
-        with mp.autocast():
-            loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
-        mp.backward(loss)
-        mp.step()
-        losses.append(loss.item())  # host sync, once per step: fine for a demo
-    seconds = time.perf_counter() - start
-    with torch.no_grad(), mp.autocast():
-        accuracy = (model(test_x).argmax(dim=1) == test_y).float().mean().item()
-    return {
-        "first_loss": sum(losses[:10]) / 10,
-        "last_loss": sum(losses[-10:]) / 10,
-        "accuracy": accuracy,
-        "ms_per_step": 1e3 * seconds / steps,
-        "stats": mp.stats(),
-    }
+        for training in trainings:
+            training.step()
+    return [training.result() for training in trainings]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,13 +131,13 @@ def run(args: argparse.Namespace) -> int:
     pairs = parse_policy_list(args.policies)
     print(
         f"Training a {_FEATURES}-{_HIDDEN}-{_HIDDEN}-{_CLASSES} MLP for {args.steps} steps per policy "
-        f"(synthetic data, seed {args.seed}, {torch.get_num_threads()} threads)\n"
+        f"(synthetic data, seed {args.seed}, {torch.get_num_threads()} threads; the policies' steps interleaved, "
+        "ms/step their median)\n"
     )
     for spec, policy in pairs:
         print(f"{spec}: {policy}" + (f"  [{policy.reason}]" if policy.reason else ""))
     rows, reference_ms = [], None
-    for spec, policy in pairs:
-        result = train_once(policy, args.steps, args.seed)
+    for (spec, _), result in zip(pairs, train_side_by_side([p for _, p in pairs], args.steps, args.seed), strict=True):
         reference_ms = reference_ms or result["ms_per_step"]
         stats = result["stats"]
         rows.append(
