@@ -211,6 +211,7 @@ def nan_factory_file(tmp_path):
         (("export", "{tmp}"), ("is not a mixprec run folder",)),
         (("compare", "digits", "--policies", "fp32,bogus"), ("'bogus'",)),
         (("compare", "digits", "--policies", "fp32,mixed_bf16,fp32"), ("--policies: received 'fp32' twice",)),
+        (("train", "digits", "--out", "{file}"), ("run folder (--out):", "is a file, not a folder")),
         (("train", "digits", "--device", "tpu"), ("config 'device': received 'tpu'", "auto, cpu, cuda or cuda:N")),
         (("train", "digits", "--device", "meta"), ("config 'device': received 'meta'",)),
         (("doctor", "digits", "--device", "xyz"), ("device: received 'xyz'",)),
@@ -218,7 +219,10 @@ def nan_factory_file(tmp_path):
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
     nan_factory_file(tmp_path)
-    args = [str(a).replace("{tmp}", str(tmp_path / "notarun")) for a in args]
+    (tmp_path / "a-file").write_text("not a folder")
+    args = [
+        str(a).replace("{tmp}", str(tmp_path / "notarun")).replace("{file}", str(tmp_path / "a-file")) for a in args
+    ]
     result = run(*args, cwd=tmp_path)  # runs land in tmp_path/runs; factories import from tmp_path
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()

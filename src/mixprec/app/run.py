@@ -158,6 +158,8 @@ def run_training(
     A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
     """
     created = not run_dir.exists()
+    if not created and not run_dir.is_dir():
+        raise ValueError(f"run folder (--out): {run_dir} is a file, not a folder; name a folder for the run.")
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):  # RunFolderBusy: the folder is another run's, left as it is
         return _train_in(run_dir, created, config, resume, progress, allow_foreign_checkpoint)
