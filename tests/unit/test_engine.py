@@ -632,8 +632,7 @@ def test_a_loss_without_gradients_gets_a_mixprec_message():
     model = make_model()
     for p in model.parameters():
         p.requires_grad_(False)  # nothing trainable reaches the loss
-    trainable = torch.nn.Parameter(torch.zeros(1))  # the optimizer's own, unused by the model
-    mp = mixprec.MixedPrecision(model, torch.optim.SGD([trainable], lr=0.1), "mixed_bf16")
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
     x, y = batch(0)
     with mp.autocast():
         loss = F.cross_entropy(model(x), y)
