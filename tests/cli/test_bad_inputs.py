@@ -270,12 +270,10 @@ def _argument(value: str, tmp: Path) -> str:
 
 
 @pytest.mark.parametrize(("case", "args", "phrases"), CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_the_cli_prints_one_line_exits_2_and_leaves_nothing(tmp_path, case, args, phrases):
+def test_the_cli_prints_one_line_exits_2_and_leaves_nothing(tmp_path, mixprec_cli, case, args, phrases):
     argv = [_argument(a, tmp_path) for a in args]
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    result = subprocess.run(
-        [str(MIXPREC), *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
-    )  # fmt: skip
+    result = mixprec_cli(*argv, cwd=tmp_path)
     assert result.returncode == 2, (case, result.stdout[-500:], result.stderr[-2000:])
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -283,6 +281,18 @@ def test_the_cli_prints_one_line_exits_2_and_leaves_nothing(tmp_path, case, args
         assert phrase in lines[0], f"{case}: {phrase!r} not in {lines[0]!r}"
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert after == before, f"{case}: left behind {sorted(set(after) - set(before))}"
+
+
+def test_the_console_script_prints_the_same_one_line(tmp_path):
+    # the cases above run the command's main() in this process; one goes through the installed script
+    result = subprocess.run(
+        [str(MIXPREC), "train", "digits", "--policy", "p=bf16,q=1", "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == "", result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mixprec train: error: ") and "unknown key 'q'" in lines[0], lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_table_is_at_least_forty_inputs():

@@ -1,4 +1,5 @@
-"""The real ``mixprec`` command, run as a user would."""
+"""The ``mixprec`` command as a user runs it: its main() in this process (tests/cli/conftest.py), or the
+installed script where the process itself is the subject."""
 
 import json
 import subprocess
@@ -16,7 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(MIXPREC), *args], capture_output=True, text=True, timeout=120, check=False)
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+def assert_one_line_error(result, *needles: str) -> None:
     assert result.returncode == 2, result
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -78,7 +79,8 @@ def test_the_library_and_the_cli_load_without_torchs_compiler():
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-500:]
 
 
-def test_the_help_lists_exactly_the_built_in_tasks():
+def test_the_help_lists_exactly_the_built_in_tasks(mixprec_cli):
+    run = mixprec_cli
     from mixprec.app.cli.train_cmd import TASK_NAMES
     from mixprec.app.task import BUILTIN_TASKS
 
@@ -104,7 +106,8 @@ def test_python_dash_m():
     assert result.stdout.startswith("mixprec ")
 
 
-def test_formats_table():
+def test_formats_table(mixprec_cli):
+    run = mixprec_cli
     result = run("formats")
     assert result.returncode == 0
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[2:]}
@@ -114,14 +117,16 @@ def test_formats_table():
     assert "not needed" in rows["bf16"] and "16 (1/8/7)" in rows["bf16"]
 
 
-def test_formats_json_matches_library():
+def test_formats_json_matches_library(mixprec_cli):
+    run = mixprec_cli
     records = json.loads(run("formats", "--json", "-f", "fp16", "e3m2").stdout)
     assert [r["format"] for r in records] == ["fp16", "e3m2"]
     assert records[0]["max"] == 65504.0 and records[0]["min_subnormal"] == 2.0**-24
     assert records[1]["max"] == mixprec.get_format("e3m2").max
 
 
-def test_formats_values():
+def test_formats_values(mixprec_cli):
+    run = mixprec_cli
     result = run("formats", "--value", "1e-8", "70000", "-1e-40", "--json")
     outcome = {(r["value"], r["format"]): r["outcome"] for r in json.loads(result.stdout)}
     assert outcome[(1e-8, "fp16")] == "underflow to 0"
@@ -134,7 +139,8 @@ def test_formats_values():
     assert "value 0.1" in table and "0.0999755859" in table  # fp16's 0.1
 
 
-def test_policy_command():
+def test_policy_command(mixprec_cli):
+    run = mixprec_cli
     listed = run("policy").stdout
     for preset in mixprec.PRESETS:
         assert preset in listed
@@ -145,7 +151,8 @@ def test_policy_command():
     assert auto["reason"] == mixprec.get_policy("auto", device="cpu").reason
 
 
-def test_demo_trains_under_each_policy():
+def test_demo_trains_under_each_policy(mixprec_cli):
+    run = mixprec_cli
     result = run("demo", "--steps", "20", "--policies", "fp32,mixed_bf16,o2_fp16,pure_bf16")
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if " -> " in line]
@@ -172,5 +179,5 @@ def test_demo_trains_under_each_policy():
         (("formats", "--nope"), ("unrecognized arguments: --nope",)),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args, needles):
-    assert_one_line_error(run(*args), *needles)
+def test_bad_input_is_one_line_and_exit_2(mixprec_cli, args, needles):
+    assert_one_line_error(mixprec_cli(*args), *needles)

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from test_train_cli import run  # the installed command, run as a user would
 
 
-def test_doctor_reports_advises_and_applies(tmp_path):
+def test_doctor_reports_advises_and_applies(tmp_path, mixprec_cli):
+    run = mixprec_cli
     advice = tmp_path / "advice.json"
     result = run("doctor", "digits", "--size", "tiny", "--steps", "3", "--out", tmp_path / "doc", "--apply", advice)
     assert result.returncode == 0, result.stderr
@@ -27,7 +27,8 @@ def test_doctor_reports_advises_and_applies(tmp_path):
     assert config["policy"] == written["policy"] and config["loss_scale"] == written["loss_scale"]
 
 
-def test_train_traces_the_first_non_finite_value(tmp_path):
+def test_train_traces_the_first_non_finite_value(tmp_path, mixprec_cli):
+    run = mixprec_cli
     # a loss scale of 2**120 overflows fp16 gradients on every step until it backs off
     result = run(
         "train", "digits", "--size", "tiny", "--steps", "3", "--policy", "mixed_fp16", "--loss-scale", 2.0**120,
@@ -47,7 +48,8 @@ def test_train_traces_the_first_non_finite_value(tmp_path):
         (["train", "digits", "--loss-scale", "-1"], "config 'loss_scale': received -1.0"),
     ],
 )
-def test_bad_input_is_one_line(args, message):
+def test_bad_input_is_one_line(args, message, mixprec_cli):
+    run = mixprec_cli
     result = run(*args)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1

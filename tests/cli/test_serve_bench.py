@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODES = ["mixprec fp32", "mixprec bf16", "mixprec fp16", "plain fp32", "plain bf16"]
 
 
-def run(*args):
+def run(*args):  # the installed script: for the module's shared run, which no test's capture can hold
     command = [MIXPREC, *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
 
@@ -25,7 +25,8 @@ def digits_run(tmp_path_factory):
     return out
 
 
-def test_serve_bench_measures_every_mode_side_by_side(digits_run):
+def test_serve_bench_measures_every_mode_side_by_side(digits_run, mixprec_cli):
+    run = mixprec_cli
     done = run("serve-bench", digits_run, "--batches", "1,4", "--repeats", "1", "--latency-samples", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
@@ -49,13 +50,15 @@ def test_serve_bench_measures_every_mode_side_by_side(digits_run):
         (["--repeats", "0"], "--repeats must be >= 1"),
     ],
 )
-def test_serve_bench_refuses_bad_arguments_in_one_line(digits_run, args, said):
+def test_serve_bench_refuses_bad_arguments_in_one_line(digits_run, args, said, mixprec_cli):
+    run = mixprec_cli
     done = run("serve-bench", digits_run, *args)
     assert done.returncode == 2 and said in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
-def test_serve_bench_measures_a_model_with_tied_weights(tmp_path):
+def test_serve_bench_measures_a_model_with_tied_weights(tmp_path, mixprec_cli):
+    run = mixprec_cli
     # charlm's embedding is its output head: one tensor under two names, stored (and counted) once
     out = tmp_path / "charlm"
     done = run("train", "charlm", "--size", "tiny", "--steps", "4", "--quiet", "--out", out)

@@ -1,4 +1,5 @@
-"""mixprec train / compare / export, run as a user would, on tiny settings."""
+"""mixprec train / compare / export, run as a user would, on tiny settings: in this process (main()), or as a
+new process where signals, concurrent runs or a fresh import are the subject."""
 
 import json
 import re
@@ -18,17 +19,24 @@ MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(*args, cwd=REPO, timeout=300):
+def run_process(*args, cwd=REPO, timeout=300):
+    """The installed script, for what only a new process shows."""
     return subprocess.run(
         [MIXPREC, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
     )
+
+
+@pytest.fixture
+def run(mixprec_cli):
+    """The command's main() in this process, from the repository root."""
+    return mixprec_cli
 
 
 def summary(stdout):
     return {line[:18].strip(): line[18:].strip() for line in stdout.splitlines() if line[:18].strip()}
 
 
-def test_train_writes_a_complete_run(tmp_path):
+def test_train_writes_a_complete_run(tmp_path, run):
     result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run")
     assert result.returncode == 0, result.stderr
     progress = [line for line in result.stdout.splitlines() if line.startswith("training ")]
@@ -50,7 +58,7 @@ def assert_same_weights(a, b):
         assert torch.equal(x, y)
 
 
-def test_resume_from_the_cli_is_bit_identical(tmp_path):
+def test_resume_from_the_cli_is_bit_identical(tmp_path, run):
     # A 20-step run keeps its step-10 checkpoint; a copy of the run stopped there resumes to step 20.
     args = ("train", "digits", "--size", "tiny", "--policy", "o2_bf16", "--steps", "20", "--checkpoint-every", "10")
     assert run(*args, "--out", tmp_path / "straight", "--quiet").returncode == 0
@@ -66,7 +74,7 @@ def test_resume_from_the_cli_is_bit_identical(tmp_path):
     assert_same_weights(load_checkpoint(tmp_path / "straight" / final), load_checkpoint(stopped / final))
 
 
-def test_compare_prints_one_table_and_a_report(tmp_path):
+def test_compare_prints_one_table_and_a_report(tmp_path, run):
     result = run(
         "compare", "digits", "--size", "tiny", "--steps", "12", "--policies", "fp32,mixed_bf16,pure_bf16", "--out",
         tmp_path, "--quiet",
@@ -86,7 +94,7 @@ def test_compare_prints_one_table_and_a_report(tmp_path):
     assert "| mixed_bf16 |" in (tmp_path / "report.md").read_text()
 
 
-def test_export_halves_the_file_and_reports_accuracy(tmp_path):
+def test_export_halves_the_file_and_reports_accuracy(tmp_path, run):
     assert run("train", "digits", "--size", "tiny", "--policy", "o2_bf16", "--out", tmp_path, "--quiet").returncode == 0
     result = run("export", tmp_path, "--dtype", "bf16", "--repeats", "2")
     assert result.returncode == 0, result.stderr
@@ -98,7 +106,7 @@ def test_export_halves_the_file_and_reports_accuracy(tmp_path):
     assert "accuracy change" in result.stdout
 
 
-def test_users_own_model_from_a_factory(tmp_path):
+def test_users_own_model_from_a_factory(tmp_path, run):
     result = run(
         "train",
         "--model",
@@ -116,13 +124,13 @@ def test_users_own_model_from_a_factory(tmp_path):
 
 
 @pytest.mark.parametrize("task", ["charlm", "hf"])
-def test_language_model_tasks(tmp_path, task):
+def test_language_model_tasks(tmp_path, run, task):
     result = run("train", task, "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path, "--quiet")
     assert result.returncode == 0, result.stderr
     assert 0 < float(summary(result.stdout)["eval bits_per_char"]) < 8.5  # below uniform over bytes is 8
 
 
-def test_sigterm_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path):
+def test_sigterm_saves_says_how_to_resume_and_resume_is_bit_identical(tmp_path, run):
     # what Slurm preemption, Kubernetes, docker stop and systemd send first
     stop, code, said = signal.SIGTERM, 143, "interrupted by SIGTERM at step "
     args = ["train", "digits", "--policy", "mixed_bf16", "--steps", "80", "--checkpoint-every", "5", "--quiet"]
@@ -217,13 +225,13 @@ def nan_factory_file(tmp_path):
         (("doctor", "digits", "--device", "xyz"), ("device: received 'xyz'",)),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, mixprec_cli, args, needles):
     nan_factory_file(tmp_path)
     (tmp_path / "a-file").write_text("not a folder")
     args = [
         str(a).replace("{tmp}", str(tmp_path / "notarun")).replace("{file}", str(tmp_path / "a-file")) for a in args
     ]
-    result = run(*args, cwd=tmp_path)  # runs land in tmp_path/runs; factories import from tmp_path
+    result = mixprec_cli(*args, cwd=tmp_path)  # runs land in tmp_path/runs; factories import from tmp_path
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -249,16 +257,17 @@ def test_two_runs_started_into_one_folder_at_once_one_proceeds(tmp_path):
     assert {json.loads(line).get("step") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()}
 
 
-def test_a_run_of_a_user_model_resumes_from_the_folder_it_was_trained_in(tmp_path):
+def test_a_run_of_a_user_model_resumes_from_the_folder_it_was_trained_in(tmp_path, run):
     # the run's config names examples.custom_model:build, importable from the repository root, where these run
     out = tmp_path / "custom"
-    done = run("train", "--model", "examples.custom_model:build", "--steps", "2", "--quiet", "--out", out, cwd=REPO)
+    done = run("train", "--model", "examples.custom_model:build", "--steps", "2", "--quiet", "--out", out)
     assert done.returncode == 0, done.stderr[-2000:]
-    done = run("train", "--out", out, "--resume", "--steps", "3", "--quiet", cwd=REPO)  # imports the factory again
+    # a new process, as a user resumes: it imports the factory again, from the current folder
+    done = run_process("train", "--out", out, "--resume", "--steps", "3", "--quiet")
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_resume_refuses_flags_that_would_train_another_run_and_keeps_a_new_length(tmp_path):
+def test_resume_refuses_flags_that_would_train_another_run_and_keeps_a_new_length(tmp_path, run):
     out = tmp_path / "run"
     done = run("train", "digits", "--size", "tiny", "--steps", "2", "--policy", "mixed_fp16", "--quiet", "--out", out)
     assert done.returncode == 0, done.stderr[-2000:]

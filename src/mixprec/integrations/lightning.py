@@ -50,7 +50,6 @@ from mixprec.parallel import is_sharded
 __all__ = ["GatedScheduler", "MixprecPrecision"]
 
 _LIGHTNING_DTYPE_NAMES = {torch.float16: "16", torch.bfloat16: "bf16"}
-_FORMAT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class MixprecPrecision(Precision):
@@ -295,7 +294,7 @@ def _compiled_roundings_note(module: pl.LightningModule, mp: mixprec.MixedPrecis
         return None  # eager, aot_eager, ...: the traced casts run as they are
     options = getattr(backend, "config", None)
     if isinstance(options, dict) and not options.get("emulate_precision_casts"):
-        name = _FORMAT_NAMES.get(plan.dtype, str(plan.dtype))
+        name = mixprec.get_format(plan.dtype).name
         return (
             "MixprecPrecision: the LightningModule was compiled by inductor without emulate_precision_casts, "
             f"which fuses away the roundings of the policy's emulated {name} ops: they would compute in FP32 "

@@ -47,7 +47,7 @@ from mixprec.compute.nest import map_floating
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
-from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel
+from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel, wants_kernel
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.op_overrides import FP32Ops
 
@@ -99,8 +99,7 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     device = torch.device(device_type)
     kernel = uses_kernel(recipe.gemm, device)
     how = "on PyTorch's FP8 GEMM (torch._scaled_mm)" if kernel else "emulated with FP32 arithmetic"
-    wanted = recipe.gemm == "scaled_mm" or (recipe.gemm == "auto" and device.type == "cuda")
-    if wanted and not kernel:  # the recipe would use the kernel here: say why it does not run
+    if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
         how += f" ({scaled_mm_unavailable_reason(device)})"
     note = (
         f"Linear layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "

@@ -63,11 +63,14 @@ def _probe(device: torch.device) -> str | None:
     return None
 
 
+def wants_kernel(gemm: str, device: torch.device) -> bool:
+    """Whether a recipe's ``gemm`` setting asks for the kernel on ``device`` (``auto``: on GPUs only)."""
+    return gemm == "scaled_mm" or (gemm == "auto" and device.type == "cuda")
+
+
 def uses_kernel(gemm: str, device: torch.device) -> bool:
     """Whether a recipe's ``gemm`` setting computes with the kernel on ``device``."""
-    if gemm == "emulated" or (gemm == "auto" and device.type != "cuda"):
-        return False
-    return scaled_mm_available(device)
+    return wants_kernel(gemm, device) and scaled_mm_available(device)
 
 
 def fp8_matmul(
