@@ -2,12 +2,12 @@
 (FSDP2, data parallel), the model sharded by mixprec.fully_shard in configure_model, rank 0's loss infinite
 at updates 2 and 6, gradients clipped to norm 1.
 
-Three fits: 2 epochs (8 updates) straight; 1 epoch and a checkpoint; a fresh model resumed from it to 2. Rank 0
-writes the gathered full model and optimizer states of the straight and the resumed fit as safetensors;
-every rank prints its counters and LR after each fit.
+Per case (a policy and the micro-batches per update), three fits: 2 epochs (8 updates) straight; 1 epoch and a
+checkpoint; a fresh model resumed from it to 2. Rank 0 writes the gathered full model and optimizer states of
+the straight and the resumed fit as safetensors under OUT_DIR/POLICY-ACCUMULATE/; every rank prints its counters
+and LR after each fit. All cases run in one launch: starting the processes costs more than a case.
 
-    torchrun --nproc_per_node 2 lightning_fsdp_worker.py POLICY OUT_DIR [ACCUMULATE]
-    torchrun --nproc_per_node 2 lightning_fsdp_worker.py refusals
+    torchrun --nproc_per_node 2 lightning_fsdp_worker.py OUT_DIR POLICY-ACCUMULATE... [refusals]
 """
 
 import gc
@@ -127,18 +127,19 @@ def fit(
     return trainer, model, plugin
 
 
-def report(out: Path, name: str, trainer: L.Trainer, model: Classifier, plugin: MixprecPrecision) -> None:
+def report(out: Path, case: str, name: str, trainer: L.Trainer, model: Classifier, plugin: MixprecPrecision) -> None:
     s = plugin.stats()
     lr = trainer.optimizers[0].param_groups[0]["lr"]
     model_state, optimizer_state = gather_state(model, trainer.optimizers[0])  # collective; full on rank 0
-    line = f"RANK {trainer.global_rank} {name} steps {s.steps} skipped {s.skipped_steps} scale {s.scale:g} lr {lr:.8f}"
-    line += f" val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.6f}"
+    line = f"RANK {trainer.global_rank} {case} {name} steps {s.steps} skipped {s.skipped_steps} scale {s.scale:g}"
+    line += f" lr {lr:.8f} val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.6f}"
     os.write(1, (line + "\n").encode())  # one write: the ranks' lines do not interleave
     if trainer.global_rank == 0:
         flat = {f"model/{k}": v for k, v in model_state.items()}
         for index, values in optimizer_state["state"].items():
             flat.update({f"optimizer/{index}/{k}": v for k, v in values.items() if torch.is_tensor(v)})
-        save_file({k: v.contiguous() for k, v in flat.items()}, str(out / f"{name}.safetensors"))
+        (out / case).mkdir(exist_ok=True)
+        save_file({k: v.contiguous() for k, v in flat.items()}, str(out / case / f"{name}.safetensors"))
 
 
 def refusals() -> None:
@@ -161,17 +162,22 @@ def refusals() -> None:
             os.write(1, f"RANK {trainer.global_rank} REFUSED {error}\n".encode())
 
 
-def main() -> None:
-    if sys.argv[1] == "refusals":
-        refusals()
-        return
-    policy, out = sys.argv[1], Path(sys.argv[2])
-    accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    report(out, "straight", *fit(policy, EPOCHS, accumulate=accumulate))
-    trainer = fit(policy, 1, accumulate=accumulate)[0]
-    checkpoint = out / "epoch1.ckpt"
+def run_case(out: Path, case: str) -> None:
+    policy, accumulate = case.rsplit("-", 1)
+    report(out, case, "straight", *fit(policy, EPOCHS, accumulate=int(accumulate)))
+    trainer = fit(policy, 1, accumulate=int(accumulate))[0]
+    checkpoint = out / case / "epoch1.ckpt"
     trainer.save_checkpoint(checkpoint)  # a distributed checkpoint: a folder of shards and meta.pt
-    report(out, "resumed", *fit(policy, EPOCHS, ckpt_path=checkpoint, accumulate=accumulate))
+    report(out, case, "resumed", *fit(policy, EPOCHS, ckpt_path=checkpoint, accumulate=int(accumulate)))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        if case == "refusals":
+            refusals()
+        else:
+            run_case(out, case)
 
 
 if __name__ == "__main__":

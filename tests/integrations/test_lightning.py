@@ -301,33 +301,36 @@ def _fsdp_worker():
     return worker
 
 
-@pytest.mark.parametrize(
-    ("policy", "accumulate"), [("o2_bf16", 1), ("pure_bf16", 1), ("mixed_fp16", 1), ("o2_bf16", 2)]
-)
+FSDP_CASES = [("o2_bf16", 1), ("pure_bf16", 1), ("mixed_fp16", 1), ("o2_bf16", 2)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_launch(tmp_path_factory):
+    """One torchrun launch of two CPU processes for every case and the refusals (lightning_fsdp_worker.py):
+    its stdout and its folder."""
+    out = tmp_path_factory.mktemp("lightning-fsdp")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cases = [f"{policy}-{accumulate}" for policy, accumulate in FSDP_CASES]
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", _fsdp_worker().__file__, str(out), *cases, "refusals"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, out
+
+
+@pytest.mark.parametrize(("policy", "accumulate"), FSDP_CASES)
 def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_and_resumes_exactly(
-    policy, accumulate, tmp_path
+    policy, accumulate, fsdp_launch
 ):
     # two CPU processes, the model sharded by mixprec.fully_shard in configure_model, rank 0's loss infinite
     # at updates 2 and 6, clipping at norm 1 (the gradient norm combined over the ranks' shards); each update
     # 32 samples, in 1 or 2 micro-batches per rank (accumulate_grad_batches)
-    worker = _fsdp_worker()
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [
-        torchrun,
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        worker.__file__,
-        policy,
-        str(tmp_path),
-        str(accumulate),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = re.findall(r"RANK (\d) (\w+) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) val_loss (\S+)", done.stdout)
+    worker, (stdout, out) = _fsdp_worker(), fsdp_launch
+    case = f"{policy}-{accumulate}"
+    pattern = rf"RANK (\d) {case} (\w+) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) val_loss (\S+)"
+    ranks = re.findall(pattern, stdout)
     assert sorted((rank, fit) for rank, fit, *_ in ranks) == [
         ("0", "resumed"), ("0", "straight"), ("1", "resumed"), ("1", "straight")
-    ], done.stdout  # fmt: skip
+    ], stdout  # fmt: skip
     scale = "16384" if policy == "mixed_fp16" else "1"  # 2^16 halved at each skip
     for *_, steps, skipped, got_scale, lr, _ in ranks:  # rank 1's loss was finite: it skipped with rank 0
         assert (steps, skipped, got_scale) == ("8", "2", scale)
@@ -335,8 +338,8 @@ def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_a
     val_losses = {val_loss for *_, val_loss in ranks}  # evaluated in the policy's region on the sharded model
     assert len(val_losses) == 1 and 0 < float(val_losses.pop()) < 1, ranks
 
-    straight = load_file(tmp_path / "straight.safetensors")
-    resumed = load_file(tmp_path / "resumed.safetensors")
+    straight = load_file(out / case / "straight.safetensors")
+    resumed = load_file(out / case / "resumed.safetensors")
     assert straight.keys() == resumed.keys() and any(k.startswith("optimizer/") for k in straight)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # the epoch-1 checkpoint loses nothing
 
@@ -353,14 +356,10 @@ def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_a
     assert worst < (4e-3 if policy == "pure_bf16" else 1e-3), worst
 
 
-def test_what_model_parallel_strategy_cannot_train_correctly_is_refused_on_every_rank():
-    worker = _fsdp_worker()
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", "--nproc_per_node", "2", worker.__file__, "refusals"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    refused = re.findall(r"RANK 0 REFUSED (.*)", done.stdout)
-    assert len(refused) == 4 and len(re.findall(r"RANK 1 REFUSED", done.stdout)) == 4, done.stdout
+def test_what_model_parallel_strategy_cannot_train_correctly_is_refused_on_every_rank(fsdp_launch):
+    stdout, _ = fsdp_launch
+    refused = re.findall(r"RANK 0 REFUSED (.*)", stdout)
+    assert len(refused) == 4 and len(re.findall(r"RANK 1 REFUSED", stdout)) == 4, stdout
     tensor_parallel, unsharded, other_policy, partly = refused
     assert "tensor_parallel_size=2" in tensor_parallel and "tensor_parallel_size=1)" in tensor_parallel
     assert "not sharded" in unsharded and "every rank would train its own model" in unsharded
