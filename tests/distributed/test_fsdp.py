@@ -131,6 +131,17 @@ def _scenarios(rank: int, out: str) -> None:
         except ValueError as exc:
             refusals.append(str(exc))
     summary["refusals"] = refusals
+    # FSDP2 applied after MixedPrecision, as Accelerate's and the HF Trainer's FSDP would: new parameter tensors
+    # that neither the optimizer nor the masters update; refused at the next region entry and update
+    late = _net()
+    late_mp = mixprec.MixedPrecision(late, torch.optim.AdamW(late.parameters()), "o2_bf16")
+    torch.distributed.fsdp.fully_shard(late)
+    summary["sharded_after"] = []
+    for attempt in (late_mp.autocast().__enter__, late_mp.step):
+        try:
+            attempt()
+        except ValueError as exc:
+            summary["sharded_after"].append(str(exc))
     # the model sharded inside a wrapper (a LightningModule's configure_model shards self.model): the
     # wrapper counts as sharded for the policy, unless FSDP2 sharded a part of it directly
     wrapped = nn.ModuleDict({"model": mixprec.fully_shard(_net(), "o2_bf16")})
@@ -200,7 +211,7 @@ def test_a_nan_in_one_ranks_shard_makes_every_rank_skip_back_off_and_say_nan(fsd
     assert ranks[0]["injected"]["kinds"] == ranks[1]["injected"]["kinds"] == {"inf_steps": 0, "nan_steps": 1}
 
 
-def test_mixed_precision_refuses_a_model_sharded_for_another_policy_or_partly_by_fsdp2_directly(fsdp_run):
+def test_mixed_precision_refuses_a_model_sharded_for_another_policy_partly_or_after_it(fsdp_run):
     _, ranks = fsdp_run
     wrong_policy, unmapped = ranks[0]["refusals"]
     assert "sharded by mixprec.fully_shard for 'params=bfloat16" in wrong_policy
@@ -211,6 +222,10 @@ def test_mixed_precision_refuses_a_model_sharded_for_another_policy_or_partly_by
     assert "Shard it with mixprec.fully_shard(model, policy)" in ranks[0]["part_sharded_directly"]
     assert "trainable parameter 'head.weight' (and 1 more) is not" in ranks[0]["partly_sharded"]
     assert "Shard the whole model" in ranks[1]["partly_sharded"]
+    for said in ranks[0]["sharded_after"] + ranks[1]["sharded_after"]:  # region entry and step, both ranks
+        assert "is no longer the tensor it was" in said and "fully_shard" in said, said
+        assert "Shard with mixprec.fully_shard(model, policy) before building MixedPrecision" in said
+    assert len(ranks[0]["sharded_after"]) == len(ranks[1]["sharded_after"]) == 2
 
 
 def test_a_sharded_run_saves_once_resumes_and_continues_identically(fsdp_run):

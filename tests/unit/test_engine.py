@@ -499,6 +499,20 @@ def test_a_model_cast_after_setup_is_refused_before_the_update(policy):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("policy", ["fp32", "mixed_bf16", "o2_bf16", "pure_bf16"])
+def test_parameters_replaced_after_setup_are_refused_before_anything_trains(policy):
+    # load_state_dict(assign=True) puts new tensors in the model: the optimizer (and o2's FP32 masters) would
+    # go on updating the old ones, and the model the forward runs would never change
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    train_step(mp, model, 0)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' is no longer the tensor it was: .* assign=True"):
+        train_step(mp, model, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 @pytest.mark.parametrize(
     ("policy", "total"), [("fp32", 16), ("mixed_bf16", 16), ("o2_bf16", 16), ("o2_fp16", 16), ("pure_bf16", 10)]
 )

@@ -41,7 +41,7 @@ from mixprec.compute.device import device_type_of
 from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
-from mixprec.engine.parameter_dtypes import ParameterDtypes
+from mixprec.engine.parameter_guard import ParameterGuard
 from mixprec.engine.setup_checks import check_model_and_optimizer, check_sharding, needs_compensated_optimizer
 from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.master.weights import MasterWeights
@@ -159,7 +159,7 @@ class MixedPrecision:
         self.masters = MasterWeights(optimizer, mastered) if mastered and not self.sharded else None
         if not self.sharded:
             cast_module(model, self.policy)
-        self._dtypes = ParameterDtypes(model)  # as the policy set them; checked at every update
+        self._parameters = ParameterGuard(model, self.sharded)  # as the policy set them; checked at every update
         self._region = Region(self.policy, model, self.device)  # prepared once: entering it only enters contexts
         self.compute_plan: ComputePlan = self._region.plan  # native or emulated, and why
 
@@ -189,7 +189,7 @@ class MixedPrecision:
     @contextlib.contextmanager
     def autocast(self) -> Iterator[Policy]:
         """The policy's low-precision region for this model (see :func:`mixprec.autocast`)."""
-        self._dtypes.check()  # a clear error, not a dtype clash deep in the forward
+        self._parameters.check()  # a clear error, not a dtype clash deep in the forward (or no training at all)
         self._order.on_forward()
         with self._region.enter() as policy:
             yield policy
@@ -316,7 +316,7 @@ class MixedPrecision:
         Inside an accumulation window only counts the micro-batch. Returns a StepResult, truthy when the
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
         """
-        self._dtypes.check()  # before anything changes: a model cast behind the policy's back is refused
+        self._parameters.check()  # before anything changes: a model cast or re-sharded behind the policy's back
         already_unscaled = self._order.unscaled
         if not self._order.on_step():
             self._last = StepResult(False, False)
