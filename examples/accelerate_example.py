@@ -30,7 +30,7 @@ def main() -> None:
 
     accelerator = Accelerator(cpu=True, mixed_precision="no")  # the precision is mixprec's
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(accelerator.device)  # before mixprec
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mp = mixprec.MixedPrecision(model, optimizer, policy=args.policy)  # before prepare: exact FP32 masters
     data = torch.utils.data.TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))

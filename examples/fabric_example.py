@@ -28,7 +28,7 @@ def main() -> None:
 
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=args.fabric_precision)  # the precision is mixprec's
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(fabric.device)  # before mixprec
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mp = mixprec.MixedPrecision(model, optimizer, policy=args.policy)  # before setup: exact FP32 masters
     fabric_model, _ = fabric.setup(model, optimizer)  # the optimizer steps through mp.step()

@@ -513,6 +513,19 @@ def test_parameters_replaced_after_setup_are_refused_before_anything_trains(poli
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
+def test_a_model_moved_to_another_device_after_setup_is_refused(policy):
+    # what Accelerate's prepare and Fabric's setup do to a model left on the CPU: the region would autocast
+    # for the CPU around CUDA ops (FP32 compute), and o2's FP32 masters would stay on the CPU
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    model.cuda()
+    with pytest.raises(ValueError, match=r"'0\.weight' is now on cuda:0, not cpu: .*model\.to\(accelerator\.device\)"):
+        train_step(mp, model, 0)
+
+
 @pytest.mark.parametrize(
     ("policy", "total"), [("fp32", 16), ("mixed_bf16", 16), ("o2_bf16", 16), ("o2_fp16", 16), ("pure_bf16", 10)]
 )

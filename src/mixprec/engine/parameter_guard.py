@@ -1,12 +1,15 @@
 """The parameters as MixedPrecision prepared them, checked at every region entry and update.
 
-Two things done to the model behind the policy's back would otherwise train silently wrong:
+Three things done to the model behind the policy's back would otherwise train silently wrong:
 
 - a cast (Lightning Fabric's ``precision="bf16-true"``, ``model.half()``, a full-bf16 evaluation): bf16
   weights updated without FP32 masters under ``mixed_bf16``, other numerics than the policy names;
 - a replacement of the parameter tensors (FSDP's ``fully_shard`` applied afterwards, as Accelerate's and the
   Hugging Face Trainer's FSDP do; ``load_state_dict(..., assign=True)``): the optimizer and the FP32 masters
-  update the old tensors, and the model the forward runs never changes.
+  update the old tensors, and the model the forward runs never changes;
+- a move to another device (Accelerate's ``prepare`` and Fabric's ``setup`` place the model on their device):
+  the region autocasts for the device MixedPrecision was built on, so a model moved from the CPU to a GPU
+  would compute in FP32 there, and the FP32 masters would stay behind on the CPU.
 """
 
 from __future__ import annotations
@@ -29,26 +32,33 @@ _FIX_REPLACED = (
     "(FSDP2 then carries out the policy), and load weights in place (without assign=True) or before it."
 )
 
+_FIX_MOVED = (
+    "the model was moved after MixedPrecision prepared it (Accelerate's prepare and Fabric's setup move it to "
+    "their device), so the policy's region would autocast for the old device and the FP32 masters would stay "
+    "there. Nothing was applied. Move the model to its device first: model.to(accelerator.device) or "
+    "model.to(fabric.device), then build MixedPrecision, then prepare or set up."
+)
+
 
 class ParameterGuard:
-    """A snapshot of a model's parameters: which tensor each module holds under each name, and its dtype.
+    """A snapshot of a model's parameters: which tensor each module holds under each name, its dtype and device.
 
-    :meth:`check` raises if any was cast or replaced since. A Python loop over the parameters, one dict
+    :meth:`check` raises if any was cast, replaced or moved since. A Python loop over the parameters, one dict
     lookup each (no device work, no host sync): microseconds per step. ``sharded``: FSDP2 itself swaps a
     sharded model's parameters for gathered ones around the forward, so only the dtypes are checked.
     """
 
     def __init__(self, model: nn.Module, sharded: bool = False) -> None:
         self._expected = [
-            (f"{prefix}.{name}" if prefix else name, module, name, param, param.dtype)
+            (f"{prefix}.{name}" if prefix else name, module, name, param, param.dtype, param.device)
             for prefix, module in model.named_modules()
             for name, param in module.named_parameters(recurse=False)
         ]
         self._identity = not sharded
 
     def check(self) -> None:
-        """Raise ValueError naming the first parameter cast or replaced since the snapshot."""
-        for qualified, module, name, param, dtype in self._expected:
+        """Raise ValueError naming the first parameter cast, replaced or moved since the snapshot."""
+        for qualified, module, name, param, dtype, device in self._expected:
             if self._identity and module._parameters.get(name) is not param:
                 raise ValueError(
                     f"MixedPrecision: parameter {qualified!r} is no longer the tensor it was: {_FIX_REPLACED}"
@@ -57,4 +67,8 @@ class ParameterGuard:
                 raise ValueError(
                     f"MixedPrecision: parameter {qualified!r} is now {param.dtype}, but the policy set it to {dtype}: "
                     + _FIX_CAST
+                )
+            if param.device != device:
+                raise ValueError(
+                    f"MixedPrecision: parameter {qualified!r} is now on {param.device}, not {device}: {_FIX_MOVED}"
                 )
