@@ -442,6 +442,17 @@ def test_what_mixed_precision_refuses_is_refused_at_train_with_the_trainer_named
         _train(tmp_path, policy, model=model(), **options)
 
 
+def test_a_model_sharded_with_fsdp2_is_refused_when_made(tmp_path):
+    # under torchrun the Trainer would wrap the DTensor parameters in DDP, which cannot take them
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = mixprec.fully_shard(Regression(), "mixed_bf16")
+        with pytest.raises(ValueError, match=r"FSDP2-sharded parameters .* mixprec\.fully_shard .* loop of your own"):
+            MixprecTrainer(model=model, args=_args(tmp_path), policy="mixed_bf16")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_a_model_with_activation_checkpointing_on_is_refused_at_train(tmp_path):
     model = _gpt2()
     getattr(model, f"{_CHECKPOINTING_METHOD}_enable")()

@@ -11,6 +11,8 @@ import transformers
 from accelerate.utils import DistributedType
 from torch import nn
 
+from mixprec.parallel import is_sharded
+
 __all__ = [
     "CHECKPOINTING_ARGUMENT",
     "CHECKPOINTING_METHOD",
@@ -105,6 +107,12 @@ def setup_problem(trainer: transformers.Trainer) -> str | None:
         )
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return "Accelerate enabled DeepSpeed or FSDP; MixprecTrainer runs on one device or under DDP."
+    if is_sharded(trainer.model):
+        return (
+            "the model holds FSDP2-sharded parameters (DTensors), which the Trainer would wrap in DDP; "
+            "MixprecTrainer runs on one device or under DDP. For FSDP2, shard with mixprec.fully_shard and train "
+            "with mixprec.MixedPrecision in a loop of your own (Accelerate can launch it: docs/integrations.md)."
+        )
     if trainer.args.n_gpu > 1 or trainer.is_model_parallel:
         return (
             f"the model is spread over {trainer.args.n_gpu} devices of one process (DataParallel, or a model split "
