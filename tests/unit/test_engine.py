@@ -254,6 +254,7 @@ def test_state_dict_round_trips_every_field():
         "underflow_steps": 0,
         "recent_overflow_steps": [1, 2],
         "diagnosis": None,
+        "diagnosis_floor": None,
     }
     fresh_model = make_model(seed=7)
     fresh = mixprec.MixedPrecision(
@@ -485,6 +486,15 @@ def test_overflow_in_bf16_is_diagnosed_at_once():
     diagnosis = mp.stats().diagnosis
     assert "fixed loss scale 1.0" in diagnosis and "does not come from loss scaling" in diagnosis
     assert "fp16" not in diagnosis  # nothing was scaled, and the policy is already bf16: no fp16 advice
+    assert "(1 of 1 skipped steps so far had NaN, 0 had inf)" in diagnosis
+    train_step(mp, model, 1)
+    assert "(2 of 2 skipped steps so far had NaN, 0 had inf)" in mp.stats().diagnosis  # the counts of now
+    resumed = NaNForward()
+    again = mixprec.MixedPrecision(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), "mixed_bf16")
+    again.load_state_dict(mp.state_dict())
+    assert again.stats().diagnosis == mp.stats().diagnosis
+    train_step(again, resumed, 2)
+    assert "(3 of 3 skipped steps so far had NaN" in again.stats().diagnosis
 
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])

@@ -87,7 +87,8 @@ class OverflowLog:
         self._collapsed = False  # a dynamic scale below 1 as of the last accounted step: watch for underflow
         self._underflow: torch.Tensor | None = None  # this update's underflow flag, while it is watched
         self.recent_overflow_steps: deque[int] = deque(maxlen=history)
-        self.diagnosis: str | None = None
+        self._floor: tuple[float, bool] | None = None  # (scale, dynamic) when the scale first could not cure
+        self._saved_diagnosis: str | None = None  # the text of a state saved before _floor was kept
         self._kinds: tuple[torch.Tensor, torch.Tensor] | None = None  # (has_inf, has_nan) of this window
         self._pending: list[StepRecord] = []
         self._logged = 0
@@ -241,7 +242,7 @@ class OverflowLog:
                 f"Gradient overflow ({kind}) at step {record.step}. Skipping step, loss scaler {loss_id} {change}"
             )
             if self.diagnosis is None and self._scalers[loss_id].is_floor(before):
-                self.diagnosis = self._diagnose(before, isinstance(self._scalers[loss_id], DynamicLossScaler))
+                self._floor = (before, isinstance(self._scalers[loss_id], DynamicLossScaler))
                 logger.warning(self.diagnosis)
 
     def _log(self, message: str) -> None:
@@ -255,6 +256,11 @@ class OverflowLog:
             self._last_log = now
         else:
             self._suppressed += 1
+
+    @property
+    def diagnosis(self) -> str | None:
+        """Why overflows persist where the scale cannot cure them, with the counts as of now; None until then."""
+        return self._diagnose(*self._floor) if self._floor is not None else self._saved_diagnosis
 
     def _diagnose(self, scale: float, dynamic: bool) -> str:
         counts = f"{self.nan_steps} of {self.skipped_steps} skipped steps so far had NaN, {self.inf_steps} had inf"
@@ -285,6 +291,7 @@ class OverflowLog:
             "underflow_steps": self.underflow_steps,
             "recent_overflow_steps": list(self.recent_overflow_steps),
             "diagnosis": self.diagnosis,
+            "diagnosis_floor": list(self._floor) if self._floor is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -295,4 +302,6 @@ class OverflowLog:
             setattr(self, key, whole_number(value, f"MixedPrecision state: counter {key!r}", minimum=0))
         self.recent_overflow_steps.clear()
         self.recent_overflow_steps.extend(int(s) for s in state["recent_overflow_steps"])
-        self.diagnosis = state["diagnosis"]
+        floor = state.get("diagnosis_floor")  # absent from states saved before it was kept: their text stays
+        self._floor = (float(floor[0]), bool(floor[1])) if floor else None
+        self._saved_diagnosis = None if floor else state["diagnosis"]
