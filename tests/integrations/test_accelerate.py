@@ -13,7 +13,7 @@ from torch import nn
 import mixprec
 
 accelerate = pytest.importorskip("accelerate")
-from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_example.py"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -27,6 +27,7 @@ LAUNCH += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_
 def fresh_accelerator_state():
     yield
     AcceleratorState._reset_state(True)  # Accelerate keeps one process-wide state
+    GradientState._reset_state()  # and one of gradient syncing, which a test may leave unsynced
 
 
 def _launched(*options: str) -> list[tuple[str, ...]]:
@@ -71,3 +72,34 @@ def test_accelerate_mixed_precision_prepared_after_mixprec_is_refused_at_the_reg
     accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
     with pytest.raises(ValueError, match="another framework's autocast"), mp.autocast():
         pass
+
+
+def test_an_update_inside_accelerates_accumulate_is_refused_and_mixprecs_own_accumulation_runs_there():
+    # accelerator.accumulate leaves a micro-batch's gradients unsynchronized (DDP's no_sync): an update there
+    # would apply each rank's own gradients, and nothing would accumulate
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    prepared = accelerator.prepare(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    refused = r"inside accelerator\.accumulate\(\).* accumulation_steps=N"
+    with pytest.raises(RuntimeError, match=refused), accelerator.accumulate(prepared):
+        with mp.autocast():
+            loss = prepared(torch.randn(8, 4)).square().mean()
+        mp.backward(loss)
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # nothing applied
+    # MixedPrecision counting the same two micro-batches updates at the second, where Accelerate syncs
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16", accumulation_steps=2)
+    prepared = accelerator.prepare(model)
+    applied = []
+    for _ in range(2):
+        with accelerator.accumulate(prepared):
+            with mp.autocast():
+                loss = prepared(torch.randn(8, 4)).square().mean()
+            mp.backward(loss)
+            applied.append(bool(mp.step()))
+    assert applied == [False, True]

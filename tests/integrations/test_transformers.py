@@ -17,7 +17,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import mixprec  # noqa: E402
 import mixprec.compute  # noqa: E402
@@ -43,6 +43,7 @@ BATCH = 8
 def fresh_accelerator_state():
     yield
     AcceleratorState._reset_state(True)  # Accelerate keeps one process-wide state
+    GradientState._reset_state()  # and one of gradient syncing, which a test may leave unsynced
 
 
 @pytest.fixture(autouse=True)

@@ -39,6 +39,7 @@ from torch import nn
 from mixprec.checks import whole_number
 from mixprec.compute.device import device_type_of
 from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
+from mixprec.engine.accelerate_sync import unsynced_update_problem
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
@@ -317,6 +318,8 @@ class MixedPrecision:
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
         """
         self._parameters.check()  # before anything changes: a model cast or re-sharded behind the policy's back
+        if self._order.at_update_boundary and (problem := unsynced_update_problem()):
+            raise RuntimeError(problem)
         already_unscaled = self._order.unscaled
         if not self._order.on_step():
             self._last = StepResult(False, False)
