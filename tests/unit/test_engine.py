@@ -217,6 +217,11 @@ def test_call_order_errors_say_which_call_and_why():
         mp.step()
     with mp.autocast():
         loss = F.cross_entropy(model(x), y)
+    loss.backward()  # another framework's backward (fabric.backward under Fabric's mixed precision)
+    with pytest.raises(RuntimeError, match=r"another backward .* Call mp\.backward\(loss\) .* precision='32-true'"):
+        mp.step()
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
     mp.backward(loss)
     mp.step()
     with pytest.raises(RuntimeError, match=r"backward\(\) after step\(\) without a new forward pass"):

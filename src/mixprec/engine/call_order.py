@@ -61,7 +61,10 @@ class CallOrder:
         if not self.backward_since_step:
             raise RuntimeError(
                 "step() without backward() since the last step(): each step() needs the gradients of a new "
-                "loss (was step() called twice?)."
+                "loss passed to mp.backward(loss), which scales it. Was step() called twice, or the loss "
+                "backpropagated by another backward (loss.backward(), fabric.backward(), accelerator.backward())? "
+                "Call mp.backward(loss) instead, with the framework's own precision off (Fabric: "
+                "precision='32-true'; Accelerate: mixed_precision='no')."
             )
         self.micro_step += 1
         self.backward_since_step = False
