@@ -14,13 +14,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import mixprec
+from mixprec.engine import needs_compensated_optimizer
 from mixprec.integrations.lightning import MixprecPrecision
 
 
 class RingClassifier(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, adamw: type[torch.optim.Optimizer] = torch.optim.AdamW) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(2, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 2))
+        self.adamw = adamw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -36,7 +39,7 @@ class RingClassifier(L.LightningModule):
         self.log("val_acc", (self(x).argmax(1) == label).float().mean())
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        optimizer = self.adamw(self.parameters(), lr=3e-3)
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -63,7 +66,9 @@ def main(policy: str = "o2_bf16") -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(RingClassifier(), train, val)
+    # pure_bf16 keeps no FP32 masters: its updates need mixprec.AdamW (compensated); every other policy, any AdamW
+    adamw = mixprec.AdamW if needs_compensated_optimizer(mixprec.get_policy(policy)) else torch.optim.AdamW
+    trainer.fit(RingClassifier(adamw), train, val)
     stats = plugin.stats()
     print(f"policy {stats.policy}")
     print(

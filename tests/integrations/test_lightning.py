@@ -237,12 +237,32 @@ class StepsEveryTwoBatches(Regression):
         ("mixed_bf16", Manual, r"manual optimization .* Use automatic optimization"),
         ("mixed_bf16", StepsEveryTwoBatches, r"steps every 2 batches .* Use frequency=1"),
         ("mixed_bf16", WithLBFGS, r"LBFGS re-evaluates the loss"),
-        ("o2_bf16", AlreadyHalf, r"must be FP32 .* 'net\.0\.weight' is torch\.float16"),
+        ("o2_bf16", AlreadyHalf, r"needs a model with FP32 parameters .* 'net\.0\.weight'.* fit a freshly built one"),
     ],
 )
 def test_what_the_plugin_cannot_train_correctly_is_refused_with_the_fix(policy, module, message):
     with pytest.raises(ValueError, match=message):
         _trainer(MixprecPrecision(policy)).fit(module(), _data(1))
+
+
+class PureBf16Again(Regression):
+    """A module a pure_bf16 fit left in bf16, fitted again: pure_bf16 keeps no FP32 masters, so weights already
+    in the policy's dtype are taken as they are (casting them from FP32 would give the same bits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.bfloat16()
+
+    def configure_optimizers(self):
+        return mixprec.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_module_already_in_pure_bf16s_dtype_fits_again_under_pure_bf16():
+    module = PureBf16Again()
+    before = [p.detach().clone() for p in module.parameters()]
+    _trainer(MixprecPrecision("pure_bf16")).fit(module, _data(2))
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))  # it trained
 
 
 def test_a_bad_policy_fails_when_the_plugin_is_made():

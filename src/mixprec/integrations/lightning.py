@@ -126,9 +126,16 @@ class MixprecPrecision(Precision):
         try:
             self._mp = mixprec.MixedPrecision(model, optimizers[0], self._spec, self.scaler)
         except (TypeError, ValueError) as error:
+            cast = any(p.dtype != torch.float32 for p in module.parameters()) and not is_sharded(module)
+            hint = (
+                " (a previous fit under an o2 or pure policy casts the LightningModule in place: fit a freshly "
+                "built one; trainer.fit(fresh_module, ckpt_path=...) resumes that fit)"
+                if cast
+                else ""
+            )
             raise ValueError(
                 f"{self!r}: MixedPrecision refused the LightningModule and the {type(optimizers[0]).__name__} "
-                f"that configure_optimizers returned: {error}"
+                f"that configure_optimizers returned: {error}{hint}"
             ) from error
         if note := _compiled_roundings_note(module, self._mp):
             rank_zero_warn(note)
@@ -345,14 +352,6 @@ def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Op
         )
     elif isinstance(optimizers[0], torch.optim.LBFGS):
         problem = "LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot follow."
-    elif not is_sharded(module):  # sharded: mixprec.fully_shard left the policy's dtypes, MixedPrecision checks them
-        low = [name for name, p in module.named_parameters() if p.requires_grad and p.dtype != torch.float32]
-        if low:
-            problem = (
-                f"the LightningModule's trainable parameters must be FP32 (the FP32 masters are made from them); "
-                f"{low[0]!r} is {module.get_parameter(low[0]).dtype}. A previous fit under an o2/pure policy "
-                "casts the module in place: train a fresh module, or resume with trainer.fit(ckpt_path=...)."
-            )
     if problem is not None:
         raise ValueError(f"MixprecPrecision: {problem}")
 
