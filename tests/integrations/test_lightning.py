@@ -96,7 +96,7 @@ class Record(L.Callback):
 def test_an_overflowing_step_is_skipped_with_its_optimizer_and_scheduler_steps():
     plugin = MixprecPrecision("mixed_fp16", mixprec.DynamicLossScaler(init_scale=1024.0))
     record = Record(plugin)
-    trainer = _trainer(plugin, callbacks=[record])
+    trainer = _trainer(plugin, callbacks=[record], log_every_n_steps=1)  # the metrics at every update
     trainer.fit(Regression(inf_at=2), _data())
     before, skipped, after = record.rows[1], record.rows[2], record.rows[3]
 
