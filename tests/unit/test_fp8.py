@@ -37,11 +37,29 @@ def test_power_of_two_scales_are_the_largest_that_fit():
     assert power_of_two_scale(torch.tensor(1.0), 448.0, margin=2).item() == 64.0
 
 
-def test_cast_saturates_finite_values_and_passes_non_finite_through():
-    x = torch.tensor([1000.0, -1e6, float("inf"), float("nan")])
+def test_cast_saturates_finite_values_and_keeps_non_finite_ones_non_finite():
+    x = torch.tensor([1000.0, -1e6, float("inf"), float("nan"), -float("inf")])
     out = cast_to_fp8(x, torch.tensor(1.0), "fp8_e5m2")
     assert out[:2].tolist() == [1024.0, -57344.0]
-    assert torch.isinf(out[2]) and torch.isnan(out[3])
+    assert torch.isinf(out[2]) and torch.isnan(out[3]) and out[4] == -float("inf")
+    e4m3 = cast_to_fp8(x, torch.tensor(1.0), "fp8_e4m3")  # no infinity: ±inf is NaN (torch's cast gives ±448)
+    assert e4m3[:2].tolist() == [448.0, -448.0] and torch.isnan(e4m3[2:]).all()
+    assert torch.isnan(e4m3.to(torch.float8_e4m3fn).float()[2:]).all()  # and stays NaN in FP8 storage
+
+
+@pytest.mark.parametrize("policy", ["fp8", "fp8_hybrid", "base=fp8,fp8=(scaling=current)"])
+def test_an_infinite_input_makes_the_fp8_step_skip(policy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy)
+    x = torch.randn(8, 4)
+    x[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), torch.randint(0, 2, (8,)))
+    mp.backward(loss)
+    assert not torch.isfinite(loss) and not mp.step()  # skipped, as under every other policy
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def _reference_linear(x, w, b, fwd, bwd, grad):

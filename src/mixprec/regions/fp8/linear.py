@@ -9,7 +9,8 @@ The three products go through :func:`mixprec.regions.fp8.gemm.fp8_matmul`: PyTor
 ``gemm`` setting picks it, else its exact emulation (FP32 products of FP8 values, FP32 sums). Operands
 are held in FP8 storage (1 byte per value) and the quantized input and weight are saved that way for
 the backward pass, as a real FP8 implementation saves them. fp8_e4m3 has no infinity: an infinite input
-becomes NaN on the cast, so an overflow still reaches the loss scaler as a non-finite value.
+becomes NaN on the cast (:func:`~mixprec.regions.fp8.scaling.cast_to_fp8`; PyTorch's cast alone would give
+448), so an overflow still reaches the loss scaler as a non-finite value.
 
 Under torch.compile the autograd function traces whole, forward and backward: the scales it takes
 record their amaxes by updating the state's tensors in place (see :mod:`mixprec.regions.fp8.scaling`),

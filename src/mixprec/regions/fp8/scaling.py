@@ -44,7 +44,10 @@ def power_of_two_scale(amax: torch.Tensor, fmt_max: float, margin: int = 0) -> t
 def cast_to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """``tensor * scale`` rounded to ``fmt`` (nearest even, finite values saturating at ±max), as FP32.
 
-    Non-finite values pass through unchanged, so an overflow still reaches the loss scaler.
+    Non-finite values stay non-finite, so an overflow still reaches the loss scaler: NaN and, where the
+    format has an infinity (e5m2), ±inf pass through; ±inf becomes NaN where it has none (e4m3, whose NaN
+    is its only non-finite value; PyTorch's own cast would saturate it to ±448, a finite value that would
+    train on).
     """
     spec = get_format(fmt)
     scaled = tensor.float() * scale
@@ -52,7 +55,7 @@ def cast_to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) ->
     # PyTorch's own float8 cast where it has the dtype (one fused pass; mixprec.quantize, which equals it
     # bit for bit, is ten times slower); quantize for formats PyTorch lacks
     rounded = clamped.to(spec.torch_dtype).float() if spec.torch_dtype is not None else quantize(clamped, spec)
-    return torch.where(torch.isfinite(scaled), rounded, scaled)
+    return torch.where(torch.isfinite(scaled), rounded, scaled if spec.has_inf else scaled - scaled)  # inf-inf: NaN
 
 
 class ScaleState:
