@@ -204,3 +204,20 @@ def test_fp8_with_bf16_weights_and_either_master(spec):
     assert losses[-1] < 0.7 * losses[0]
     assert model[2].weight.dtype == (torch.bfloat16 if "p=bf16" in spec else torch.float32)
     assert (mp.masters is None) == (bf16_masters or "p=bf16" not in spec)
+
+
+@pytest.mark.parametrize("recipe", ["amax=recent", "history=1", "amax=max"])
+def test_an_overflowing_step_leaves_the_amax_history_as_it_was(recipe):
+    # the step after an overflow scales with the amaxes before it: recorded as 0, an inf would have given
+    # scale 1 there (amax=recent, history=1), and every e5m2 gradient of 1e-6 would have rounded to zero
+    state = Fp8LinearState(mixprec.get_policy(f"base=fp8,fp8=({recipe})").fp8)
+    torch.manual_seed(0)
+    x, weight = torch.randn(8, 4), torch.randn(3, 4, requires_grad=True)
+    largest = []
+    for step in range(5):
+        y = fp8_linear(x, weight, None, state, torch.float32)
+        y.backward(torch.full_like(y, float("inf") if step == 2 else 1e-6))
+        largest.append(weight.grad.abs().max().item())
+        weight.grad = None
+    assert not torch.isfinite(torch.tensor(largest[2]))  # the overflow itself
+    assert largest[3] == largest[4] == largest[1] > 0, largest

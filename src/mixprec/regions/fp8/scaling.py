@@ -3,7 +3,7 @@
 Everything stays on the device (no host sync). A scale is the largest power of two 2**k with
 ``amax * 2**k <= max`` of the format, less ``margin`` powers of two; found from the exponent bits of
 amax (``frexp``), so it is exact. An amax of zero, or a non-finite one, gives the scale 1; non-finite
-amaxes are recorded as zero so one overflowing step does not poison a delayed history.
+amaxes are left out of a delayed history, so one overflowing step does not poison it.
 
 The state a delayed scale reads and writes is tensors only: the amax history, allocated once and updated
 in place (``copy_``), and the count of recorded amaxes, a device scalar (``add_``). So recording inside
@@ -86,7 +86,7 @@ class ScaleState:
             return power_of_two_scale(current, self.max, self.recipe.margin)
         amax = torch.where(self.recorded > 0, self._past_amax(), current)
         scale = power_of_two_scale(amax, self.max, self.recipe.margin)
-        self._record(torch.where(torch.isfinite(current), current, 0.0))
+        self._record(current)
         return scale
 
     def _past_amax(self) -> torch.Tensor:
@@ -99,8 +99,12 @@ class ScaleState:
         return torch.where(valid, self.history, 0.0).max()
 
     def _record(self, amax: torch.Tensor) -> None:
-        self.history.copy_(torch.cat([amax.reshape(1), self.history[:-1]]))  # cat first: no overlapping copy
-        self.recorded.add_(1)
+        """Push ``amax`` onto the history; a non-finite one (an overflowing step, skipped) is left out, so the
+        next scale comes from the amaxes before it (no device-to-host read: both updates are masked)."""
+        finite = torch.isfinite(amax)
+        shifted = torch.cat([amax.reshape(1), self.history[:-1]])  # cat first: no overlapping copy
+        self.history.copy_(torch.where(finite, shifted, self.history))
+        self.recorded.add_(finite.to(self.recorded.dtype))
 
     def state_dict(self) -> dict:
         """The history and the count as an int (reads one device scalar: a host sync, at checkpoints only)."""
