@@ -224,7 +224,8 @@ class Region:
             refuse_foreign_autocast(model)
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
-                self.fp8 = fp8_state(model, self.policy.fp8)
+                fp32 = [name for name, _ in fp32_modules(model, self.policy)]  # their Linear layers stay FP32
+                self.fp8 = fp8_state(model, self.policy.fp8, fp32)
                 self._fp8_installed = self.fp8.install()
             self._fp32_modules = _hooked_fp32_modules(model, self.policy)
 

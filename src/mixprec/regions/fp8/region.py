@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -30,10 +30,15 @@ __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state"]
 _STATES: weakref.WeakKeyDictionary[nn.Module, Fp8State] = weakref.WeakKeyDictionary()
 
 
-def fp8_layers(model: nn.Module, recipe: Fp8Recipe) -> list[tuple[str, nn.Linear]]:
+def fp8_layers(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> list[tuple[str, nn.Linear]]:
     """The Linear layers computed in FP8: all of them, less ``recipe.keep`` ("first" and "last" are
-    the first and last Linear layers in the model's registration order)."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    the first and last Linear layers in the model's registration order) and less those in the modules named
+    in ``fp32`` (the policy's FP32 modules, with everything inside them)."""
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not any(name == kept or name.startswith(kept + ".") for kept in fp32)
+    ]
     kept = set()
     if linears and "first" in recipe.keep:
         kept.add(linears[0][0])
@@ -50,9 +55,9 @@ class Fp8State:
     ``out_dtype`` is set (inside a region), the layer's own forward otherwise.
     """
 
-    def __init__(self, model: nn.Module, recipe: Fp8Recipe) -> None:
-        self.recipe = recipe
-        self.modules = dict(fp8_layers(model, recipe))  # chosen once
+    def __init__(self, model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> None:
+        self.recipe, self.fp32 = recipe, tuple(fp32)
+        self.modules = dict(fp8_layers(model, recipe, self.fp32))  # chosen once
         self.layers = {name: Fp8LinearState(recipe, m.weight.device) for name, m in self.modules.items()}
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self._replaced: dict[str, object] = {}
@@ -119,23 +124,26 @@ class _Fp8Forward:
         return fp8_linear(x, module.weight, module.bias, self.layer, out_dtype)
 
 
-def fp8_state(model: nn.Module, recipe: Fp8Recipe) -> Fp8State:
-    """The model's FP8 state for ``recipe`` (created on first use, replaced if the recipe changes)."""
+def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> Fp8State:
+    """The model's FP8 state for ``recipe``, its Linear layers outside the ``fp32`` modules (created on first
+    use, replaced if the recipe or the FP32 modules change)."""
     state = _STATES.get(model)
-    if state is None or state.recipe != recipe:
-        state = _STATES[model] = Fp8State(model, recipe)
+    if state is None or state.recipe != recipe or state.fp32 != tuple(fp32):
+        state = _STATES[model] = Fp8State(model, recipe, fp32)
     return state
 
 
 @contextlib.contextmanager
-def fp8_region(model: nn.Module, recipe: Fp8Recipe, out_dtype: torch.dtype) -> Iterator[Fp8State]:
+def fp8_region(
+    model: nn.Module, recipe: Fp8Recipe, out_dtype: torch.dtype, fp32: Collection[str] = ()
+) -> Iterator[Fp8State]:
     """Compute the model's selected Linear layers in FP8 inside; outputs in ``out_dtype``.
 
     The layers' forward is routed on entry and restored on exit. A region entered many times
     (:class:`mixprec.regions.Region`) installs the routing once and only sets the output dtype on entry
     (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
     """
-    state = fp8_state(model, recipe)
+    state = fp8_state(model, recipe, fp32)
     installed = state.install()
     try:
         with state.computing(out_dtype):
