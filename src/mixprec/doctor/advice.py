@@ -119,6 +119,7 @@ def diagnose(
         raise ValueError(f"diagnose(steps=...): received {steps!r}; use a positive number of batches.")
     if not 0 < keep <= 1:
         raise ValueError(f"diagnose(keep=...): received {keep!r}; use a fraction in (0, 1], e.g. 0.999.")
+    formats = (formats,) if isinstance(formats, str) else formats  # one name, not its characters
     names = tuple(dict.fromkeys(["fp16", *(get_format(f, argument="formats").name for f in formats)]))
     saved_grads = {p: p.grad for p in model.parameters()}
     was_training = model.training

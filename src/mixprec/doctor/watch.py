@@ -75,6 +75,7 @@ class RangeWatch:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"RangeWatch(model=...) needs an nn.Module; received {type(model).__name__}.")
+        formats = (formats,) if isinstance(formats, str) else formats  # one name, not its characters
         self.formats = tuple(get_format(f, argument="formats").name for f in formats)
         self.phases = tuple(phases)
         unknown = [p for p in self.phases if p not in PHASES]

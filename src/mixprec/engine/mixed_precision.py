@@ -176,11 +176,14 @@ class MixedPrecision:
     def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
         if scaler is None:
             return []  # the policy's default
-        scalers = [scaler] if isinstance(scaler, LossScaler) else list(scaler)
-        if len(scalers) != num_losses or not all(isinstance(s, LossScaler) for s in scalers):
+        scalers = [scaler] if isinstance(scaler, LossScaler) else None
+        if isinstance(scaler, (list, tuple)):
+            scalers = list(scaler)
+        if scalers is None or len(scalers) != num_losses or not all(isinstance(s, LossScaler) for s in scalers):
             raise ValueError(
-                f"MixedPrecision(scaler=...) needs one LossScaler per loss (num_losses={num_losses}); received "
-                f"{scaler!r}. Pass a list of {num_losses} separate scalers, or None for the policy's default."
+                f"MixedPrecision(scaler=...) needs one mixprec LossScaler per loss (num_losses={num_losses}); received "
+                f"{scaler!r}. Pass mixprec.DynamicLossScaler(init_scale=...) (a torch.amp.GradScaler or a number "
+                f"is not one), a list of {num_losses} separate scalers, or None for the policy's default."
             )
         if len({id(s) for s in scalers}) != len(scalers):
             raise ValueError("MixedPrecision(scaler=...): each loss needs its own scaler object; the list repeats one.")
@@ -290,6 +293,11 @@ class MixedPrecision:
         ``torch.nn.utils.clip_grad_norm_``'s formula. Non-finite gradients give a non-finite norm, and
         step() will skip the update. No host sync.
         """
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not 0 < max_norm < float("inf"):
+            # a negative max_norm would flip every gradient's sign (torch's clip_grad_norm_ takes it)
+            raise ValueError(
+                f"MixedPrecision.clip_grad_norm_(max_norm=...) needs a positive finite number; received {max_norm!r}."
+            )
         if not self._order.unscaled:
             self._order.on_unscale("clip_grad_norm_()")
             self._unscale()
