@@ -45,6 +45,10 @@ def test_the_doctor_names_the_module_where_fp16_overflow_starts():
     assert stats.formats["bf16"].overflow == 0
     assert diagnosis.policy == "mixed_bf16"
     assert any("2.2.0" in reason for reason in diagnosis.reasons)
+    # the fp16 alternative keeps in FP32 every module the overflow reaches, down to the first one whose input
+    # overflows (5): with the origin alone in FP32, its output went on into fp16 as before
+    assert fp16.overflow_reaches == ("2", "3", "4", "5")
+    assert diagnosis.reasons[-1].endswith("in FP32: base=mixed_fp16,names=2+3+4+5")
 
 
 def test_a_healthy_model_gets_mixed_fp16_and_a_power_of_two_scale():

@@ -48,6 +48,7 @@ class FormatAdvice:
     reaches_keep: bool
     activations_overflow: tuple[str, ...]  # forward: every module whose outputs overflow, in order
     overflow_starts_in: tuple[str, ...]  # forward: modules whose outputs overflow although their inputs fit
+    overflow_reaches: tuple[str, ...]  # forward: the outermost modules whose inputs or outputs overflow
     activation_grads_overflow: tuple[str, ...]  # backward, unscaled
     scope: str  # which gradients the loss-scale figures count
 
@@ -228,6 +229,7 @@ def _format_advice(
         reaches_keep=reached,
         activations_overflow=tuple(s.module for s in report.overflowing(fmt, "forward")),
         overflow_starts_in=tuple(report.overflow_origins(fmt)),
+        overflow_reaches=tuple(report.overflow_reach(fmt)),
         activation_grads_overflow=tuple(s.module for s in report.overflowing(fmt, "backward")),
         scope="gradients computed in 16 bits under mixed_fp16" if scope is not None else "every gradient",
     )
@@ -252,14 +254,16 @@ def _recommend_policy(
             f"activations overflow fp16 (largest finite {limit:g}) starting in {', '.join(starts)}; "
             f"{len(fp16.activations_overflow)} module(s) overflow in all",
         ]
-        # the model itself ("") cannot be named in a policy; with nothing else to name, all of it is FP32
-        names = "+".join(name for name in starts if name)
+        # every module the overflow reaches, its consumers included: the origin alone in FP32 would hand its
+        # too-large output to the next 16-bit op. The model itself ("") cannot be named: then all of it is FP32
+        reached = fp16.overflow_reaches or starts
+        names = "" if "" in reached else "+".join(reached)
         in_fp32 = f"base=mixed_fp16,names={names}" if names else "fp32"
         if bf16_supported:
             reasons.append("bf16 has FP32's exponent range: mixed_bf16 needs no loss scale")
-            reasons.append(f"to stay in fp16 instead, keep them in FP32: {in_fp32}")
+            reasons.append(f"to stay in fp16 instead, keep every module the overflow reaches in FP32: {in_fp32}")
             return "mixed_bf16", None, tuple(reasons)
-        reasons.append("this device has no bf16: keep the overflowing modules and their consumers in FP32")
+        reasons.append("this device has no bf16: keep every module the overflow reaches in FP32")
         return in_fp32, fp16.recommended_scale if names else None, tuple(reasons)
     scale_text = f"2^{round(math.log2(fp16.recommended_scale))}"
     reasons = [

@@ -115,6 +115,18 @@ class DoctorReport:
         ]
         return [m for m in starts if not any(_is_descendant(o, m) for o in starts)]
 
+    def overflow_reach(self, fmt: str) -> list[str]:
+        """The outermost modules whose forward inputs or outputs overflow ``fmt``: all the overflow reaches,
+        its consumers included ("" when the model's own input or output does). In FP32, no value of theirs
+        is cast to ``fmt``; an origin alone in FP32 would hand its too-large output to the next 16-bit op."""
+        threshold = _overflow_threshold(fmt)
+        reached = [
+            s.module
+            for s in self.phase("forward")
+            if s.overflows(fmt) or (s.input_amax is not None and s.input_amax >= threshold)
+        ]
+        return [m for m in reached if not any(_is_descendant(m, o) for o in reached)]
+
     def totals(self, phase: str, leaves_only: bool = True, modules: set[str] | None = None) -> ModuleStats | None:
         """One phase summed over modules (by default only modules without recorded children, so no
         value is counted twice; ``modules`` restricts the sum to those names)."""
