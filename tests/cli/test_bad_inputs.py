@@ -25,6 +25,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
 
 
+def _pair() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 4), torch.zeros(2, dtype=torch.long)
+
+
 def _engine(policy="mixed_bf16", **kwargs) -> mixprec.MixedPrecision:
     model = _model()
     return mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
@@ -112,6 +116,18 @@ API_CASES = [
         ["received <torch.amp.grad_scaler.GradScaler", "mixprec.DynamicLossScaler(init_scale=...)"],
     ),
     ("clip negative", lambda t: _engine().clip_grad_norm_(-1.0), ValueError, ["max_norm", "positive", "-1.0"]),
+    (
+        "doctor keep string",
+        lambda t: mixprec.diagnose(_model(), [_pair()], nn.functional.cross_entropy, keep="0.9"),
+        ValueError,
+        ["keep=", "'0.9'", "fraction"],
+    ),
+    (
+        "doctor dict batches",
+        lambda t: mixprec.diagnose(_model(), [{"x": torch.randn(2, 4)}], nn.functional.cross_entropy),
+        ValueError,
+        ["batch of type dict", "(inputs, targets)"],
+    ),
     ("doctor formats string", lambda t: mixprec.RangeWatch(_model(), formats="fp17"), ValueError, ["'fp17'"]),
     ("AdamW lr", lambda t: mixprec.AdamW(_model().parameters(), lr=-1.0), ValueError, ["lr", "-1"]),
     ("AdamW update", lambda t: mixprec.AdamW(_model().parameters(), update="round"), ValueError, ["'round'", "kahan"]),

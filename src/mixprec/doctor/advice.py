@@ -118,7 +118,7 @@ def diagnose(
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"diagnose(steps=...): received {steps!r}; use a positive number of batches.")
-    if not 0 < keep <= 1:
+    if not isinstance(keep, (int, float)) or isinstance(keep, bool) or not 0 < keep <= 1:
         raise ValueError(f"diagnose(keep=...): received {keep!r}; use a fraction in (0, 1], e.g. 0.999.")
     formats = (formats,) if isinstance(formats, str) else formats  # one name, not its characters
     names = tuple(dict.fromkeys(["fp16", *(get_format(f, argument="formats").name for f in formats)]))
@@ -132,6 +132,11 @@ def diagnose(
             for batch in batches:
                 if watch.steps >= steps:
                     break
+                if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+                    raise ValueError(
+                        f"diagnose(batches=...): received a batch of type {type(batch).__name__}; each batch must be "
+                        "(inputs, targets). Map dict batches first: ((b['input_ids'], b['labels']) for b in loader)."
+                    )
                 probe_batch = probe_batch or [batch]
                 inputs, targets = batch[0], batch[1]
                 for p in model.parameters():
