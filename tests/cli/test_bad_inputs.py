@@ -128,6 +128,12 @@ API_CASES = [
         ValueError,
         ["batch of type dict", "(inputs, targets)"],
     ),
+    (
+        "policy replace key",
+        lambda t: mixprec.get_policy("mixed_bf16").replace(compute="fp16"),
+        TypeError,
+        ["'compute', not a Policy field", "compute_dtype", "get_policy('base=mixed_bf16,compute=fp16')"],
+    ),
     ("doctor formats string", lambda t: mixprec.RangeWatch(_model(), formats="fp17"), ValueError, ["'fp17'"]),
     ("AdamW lr", lambda t: mixprec.AdamW(_model().parameters(), lr=-1.0), ValueError, ["lr", "-1"]),
     ("AdamW update", lambda t: mixprec.AdamW(_model().parameters(), update="round"), ValueError, ["'round'", "kahan"]),

@@ -113,6 +113,14 @@ class Policy:
     def replace(self, **changes: object) -> Policy:
         """This policy with ``changes`` (field names, e.g. ``fp32_ops=("softmax",)``), validated as in the
         constructor; the reason is cleared, and a new compute dtype turns TF32 off unless it is also given."""
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = [name for name in changes if name not in fields]
+        if unknown:
+            raise TypeError(
+                f"Policy.replace: received {', '.join(map(repr, unknown))}, not a Policy field; use "
+                f"{', '.join(fields)} (the policy string's short keys, such as compute=, go in a string: "
+                "get_policy('base=mixed_bf16,compute=fp16'))."
+            )
         if "compute_dtype" in changes:
             changes.setdefault("allow_tf32", False)
         return dataclasses.replace(self, **{"reason": "", **changes})
