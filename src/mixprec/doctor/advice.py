@@ -132,13 +132,8 @@ def diagnose(
             for batch in batches:
                 if watch.steps >= steps:
                     break
-                if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-                    raise ValueError(
-                        f"diagnose(batches=...): received a batch of type {type(batch).__name__}; each batch must be "
-                        "(inputs, targets). Map dict batches first: ((b['input_ids'], b['labels']) for b in loader)."
-                    )
+                inputs, targets = _inputs_and_targets(batch)
                 probe_batch = probe_batch or [batch]
-                inputs, targets = batch[0], batch[1]
                 for p in model.parameters():
                     p.grad = None
                 output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
@@ -155,6 +150,15 @@ def diagnose(
     advice = {fmt: _format_advice(report, fmt, keep, scope) for fmt in names}
     policy, loss_scale, reasons = _recommend_policy(advice, keep, bf16_supported)
     return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
+
+
+def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ValueError(
+            f"diagnose(batches=...): received a batch of type {type(batch).__name__}; each batch must be "
+            "(inputs, targets). Map dict batches first: ((b['input_ids'], b['labels']) for b in loader)."
+        )
+    return batch[0], batch[1]
 
 
 def _sixteen_bit_gradients(model: nn.Module, batch: Any, loss_fn: Callable) -> frozenset[tuple[str, str]] | None:

@@ -181,7 +181,7 @@ class MixedPrecision:
             scalers = list(scaler)
         if scalers is None or len(scalers) != num_losses or not all(isinstance(s, LossScaler) for s in scalers):
             raise ValueError(
-                f"MixedPrecision(scaler=...) needs one mixprec LossScaler per loss (num_losses={num_losses}); received "
+                f"MixedPrecision(scaler=...) needs one LossScaler per loss (num_losses={num_losses}); received "
                 f"{scaler!r}. Pass mixprec.DynamicLossScaler(init_scale=...) (a torch.amp.GradScaler or a number "
                 f"is not one), a list of {num_losses} separate scalers, or None for the policy's default."
             )
