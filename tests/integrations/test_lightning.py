@@ -370,10 +370,15 @@ def test_fsdp2_under_model_parallel_strategy_skips_together_tracks_one_process_a
     trainer.fit(model, torch.utils.data.DataLoader(worker.data(), batch_size=32 // accumulate))
     assert plugin.stats().skipped_steps == 2
     exact = plugin.mixed_precision.fp32_state_dict()  # o2: the masters; FSDP2's FP32 shards are its masters
-    worst = max((straight[f"model/{k}"].float() - v).abs().max().item() for k, v in exact.items())
-    # 16-bit gradient reductions and summation order: measured 1.8e-4 (o2_bf16), 2.9e-5 (mixed_fp16), one bf16
-    # step at 0.25-0.5 (pure_bf16, 2.0e-3); clipping by each rank's own norm instead: 4.4e-3, 4.2e-3, 7.8e-3
-    assert worst < (4e-3 if policy == "pure_bf16" else 1e-3), worst
+    diffs = [(straight[f"model/{k}"].float() - v).abs() for k, v in exact.items()]
+    if policy == "pure_bf16":  # bf16 weights: another summation order flips last bits, one step 2^-7 near 1
+        mean = (sum(d.sum() for d in diffs) / sum(d.numel() for d in diffs)).item()
+        # measured 5.2e-5 (largest: one bf16 step, 7.8e-3, at a LayerNorm weight of 1.04); clipping by each
+        # rank's own norm instead: 1.2e-3
+        assert mean < 3e-4, mean
+    else:  # 16-bit gradient reductions and summation order: measured 1.8e-4 (o2_bf16), 2.9e-5 (mixed_fp16);
+        worst = max(d.max().item() for d in diffs)  # clipping by each rank's own norm instead: 4.4e-3, 4.2e-3
+        assert worst < 1e-3, worst
 
 
 def test_what_model_parallel_strategy_cannot_train_correctly_is_refused_on_every_rank(fsdp_launch):
