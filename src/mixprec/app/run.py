@@ -17,6 +17,7 @@ import torch
 
 from mixprec.app.config import TrainConfig, check_device
 from mixprec.app.machine import machine_info
+from mixprec.app.optimizer import adamw_for
 from mixprec.app.report import plot_run, write_run_report
 from mixprec.app.run_lock import run_lock
 from mixprec.app.task import TaskConfig, TaskParts, build_task
@@ -26,8 +27,6 @@ from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, Upda
 from mixprec.distributed.ranks import world
 from mixprec.doctor.trace import NonFiniteEvent
 from mixprec.engine.memory import saved_activation_bytes
-from mixprec.engine.mixed_precision import needs_compensated_optimizer
-from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.parallel.fsdp import fully_shard
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
@@ -109,9 +108,8 @@ def build_trainer(
     policy = get_policy(config.policy, device=device)
     if config.parallel == "fsdp" and world().backend is not None:  # shard before the optimizer sees the parameters
         fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
-    optimizer_class = CompensatedAdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
     groups = _parameter_groups(parts, settings["weight_decay"])
-    optimizer = optimizer_class(groups, lr=settings["lr"], weight_decay=settings["weight_decay"])
+    optimizer = adamw_for(policy, groups, device, lr=settings["lr"], weight_decay=settings["weight_decay"])
     total = settings.get("steps") or settings["epochs"] * (len(parts.train_data) // config.accumulation_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, (parts.schedule or _cosine)(max(total, 1)))
     scaler = None

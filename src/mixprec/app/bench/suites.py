@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.app.bench.timing import interleaved
+from mixprec.app.optimizer import adamw_for
 from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.engine.memory import saved_activation_bytes
-from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
-from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.policy.parse import get_policy
 
 __all__ = ["MODELS", "accuracy_suite", "gemm_suite", "memory_suite", "mixprec_step", "step_suite", "torch_step"]
@@ -121,9 +121,8 @@ MODELS: dict[str, Callable[[], BenchModel]] = {"mlp": _mlp, "cnn": _cnn, "gpt": 
 
 
 def _optimizer(model: nn.Module, policy: str | None) -> torch.optim.Optimizer:
-    if policy is not None and needs_compensated_optimizer(get_policy(policy)):
-        return CompensatedAdamW(model.parameters(), lr=1e-4)
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    device = next(model.parameters()).device
+    return adamw_for(get_policy(policy or "fp32"), model.parameters(), device, lr=1e-4)
 
 
 def _fresh(bench: BenchModel) -> nn.Module:

@@ -70,15 +70,14 @@ class Training:
     def __init__(self, policy: Policy, seed: int) -> None:
         import torch
 
-        from mixprec.engine.mixed_precision import MixedPrecision, needs_compensated_optimizer
-        from mixprec.master.compensated import AdamW
+        from mixprec.app.optimizer import adamw_for
+        from mixprec.engine.mixed_precision import MixedPrecision
 
         x, y = _data(seed)
         split = _SAMPLES * 7 // 8
         self.train_x, self.train_y, self.test_x, self.test_y = x[:split], y[:split], x[split:], y[split:]
         self.model = _model(seed)
-        optimizer_class = AdamW if needs_compensated_optimizer(policy) else torch.optim.AdamW
-        self.mp = MixedPrecision(self.model, optimizer_class(self.model.parameters(), lr=2e-3), policy)
+        self.mp = MixedPrecision(self.model, adamw_for(policy, self.model.parameters(), "cpu", lr=2e-3), policy)
         self.gen = torch.Generator().manual_seed(seed)
         self.losses: list[float] = []
         self.seconds: list[float] = []
