@@ -22,6 +22,7 @@ def make_trainer(
     accumulation_steps=1,
     eval_every=None,
     device="cpu",
+    adamw=None,
     **run_options,
 ):
     train_x, train_y, test_x, test_y = DIGITS
@@ -29,7 +30,7 @@ def make_trainer(
     model = DigitsCNN(width=8).to(device)
     train = DataLoader(TensorDataset(train_x, train_y), batch_size=64, shuffle=True, generator=torch.Generator())
     test = DataLoader(TensorDataset(test_x, test_y), batch_size=512)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), **{"lr": 3e-3, **(adamw or {})})
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.05 * step))
     return Trainer(
         model,
@@ -315,6 +316,22 @@ def test_a_checkpoint_of_another_run_is_refused_unless_allowed(tmp_path):
         make_trainer(tmp_path / "mine").fit(steps=6, resume=True)
     allowed = make_trainer(tmp_path / "mine", allow_foreign_checkpoint=True)
     assert allowed.fit(steps=6, resume=True).steps == 6
+
+
+def test_a_run_resumes_with_another_adamw_kernel_but_not_with_another_learning_rate(tmp_path):
+    make_trainer(tmp_path, adamw={"foreach": False}).fit(steps=3)  # torch's per-tensor loop, as runs did before
+    assert make_trainer(tmp_path, adamw={"fused": True}).fit(steps=5, resume=True).steps == 5
+    with pytest.raises(mixprec.app.ForeignCheckpointError, match=r"\(optimizer lr 0.003 there, 0.001 here\)"):
+        make_trainer(tmp_path, adamw={"fused": True, "lr": 1e-3}).fit(steps=7, resume=True)
+
+
+def test_the_runs_adamw_is_fused_where_torch_has_the_kernel_and_compensated_under_pure_bf16():
+    from mixprec.app.optimizer import adamw_for
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    assert adamw_for(mixprec.get_policy("mixed_bf16"), params, "cpu", lr=1e-3).defaults["fused"] is True
+    assert adamw_for(mixprec.get_policy("fp32"), params, "meta", lr=1e-3).defaults["fused"] is False
+    assert isinstance(adamw_for(mixprec.get_policy("pure_bf16"), params, "cpu", lr=1e-3), mixprec.AdamW)
 
 
 def test_a_misnamed_or_edited_newest_checkpoint_is_skipped_with_one_line(tmp_path, caplog):
