@@ -116,6 +116,7 @@ API_CASES = [
         ["received <torch.amp.grad_scaler.GradScaler", "mixprec.DynamicLossScaler(init_scale=...)"],
     ),
     ("clip negative", lambda t: _engine().clip_grad_norm_(-1.0), ValueError, ["max_norm", "positive", "-1.0"]),
+    ("clip nan", lambda t: _engine().clip_grad_norm_(float("nan")), ValueError, ["max_norm", "positive", "nan"]),
     (
         "doctor keep string",
         lambda t: mixprec.diagnose(_model(), [_pair()], nn.functional.cross_entropy, keep="0.9"),

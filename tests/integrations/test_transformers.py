@@ -316,6 +316,7 @@ def test_max_grad_norm_clips_the_unscaled_gradients(tmp_path):
         "scaled": ("fp32", mixprec.StaticLossScaler(2.0**20), 0.05),  # 2**20 is exact: the same gradients
         "fp16": ("mixed_fp16", mixprec.StaticLossScaler(2.0**10), 0.05),
         "unclipped": (None, None, 0.0),
+        "measured": ("mixed_fp16", mixprec.StaticLossScaler(2.0**10), 0.0),  # max_grad_norm=0: logged, not clipped
     }
     weights, norms = {}, {}
     for name, (policy, scaler, clip) in runs.items():
@@ -325,10 +326,12 @@ def test_max_grad_norm_clips_the_unscaled_gradients(tmp_path):
     assert norms["fp32"][0] > 10 * 0.05  # the clip is active
     assert norms["scaled"] == pytest.approx(norms["fp32"], rel=1e-6)  # the true norm, not 2**20 times it
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2)
-    for reference, scaled, fp16, unclipped in zip(*weights.values(), strict=True):
+    assert norms["measured"] == pytest.approx(norms["unclipped"], rel=1e-2)
+    for reference, scaled, fp16, unclipped, measured in zip(*weights.values(), strict=True):
         torch.testing.assert_close(scaled, reference, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(fp16, reference, rtol=1e-2, atol=1e-3)
         assert not torch.allclose(reference, unclipped, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(measured, unclipped, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["mean_loss", "loss_over_tokens"])

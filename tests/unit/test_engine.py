@@ -1,6 +1,7 @@
 import copy
 import dataclasses
 import logging
+import math
 import typing
 
 import pytest
@@ -190,6 +191,9 @@ def test_clip_returns_the_true_unscaled_norm(policy):
     mp.unscale_()
     grads = [p.grad for g in mp.optimizer.param_groups for p in g["params"] if p.grad is not None]
     expected = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads]))
+    before = [g.clone() for g in grads]
+    assert mp.clip_grad_norm_(math.inf).item() == pytest.approx(expected.item(), rel=1e-6)  # measured only
+    assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
     norm = mp.clip_grad_norm_(0.01)
     assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
     clipped = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads]))

@@ -290,13 +290,14 @@ class MixedPrecision:
         """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
 
         The norm is computed in FP32 from the unscaled gradients the optimizer will use, with
-        ``torch.nn.utils.clip_grad_norm_``'s formula. Non-finite gradients give a non-finite norm, and
-        step() will skip the update. No host sync.
+        ``torch.nn.utils.clip_grad_norm_``'s formula; ``max_norm=math.inf`` measures it without clipping.
+        Non-finite gradients give a non-finite norm, and step() will skip the update. No host sync.
         """
-        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not 0 < max_norm < float("inf"):
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
             # a negative max_norm would flip every gradient's sign (torch's clip_grad_norm_ takes it)
             raise ValueError(
-                f"MixedPrecision.clip_grad_norm_(max_norm=...) needs a positive finite number; received {max_norm!r}."
+                f"MixedPrecision.clip_grad_norm_(max_norm=...) needs a positive number (math.inf: measure the norm "
+                f"without clipping); received {max_norm!r}."
             )
         if not self._order.unscaled:
             self._order.on_unscale("clip_grad_norm_()")
@@ -315,8 +316,9 @@ class MixedPrecision:
                 total = reduce_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
         else:
             total = torch.linalg.vector_norm(norms, norm_type)
-        coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coefficient)
+        if max_norm != float("inf"):
+            coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coefficient)
         return total
 
     def step(self) -> StepResult:
