@@ -256,7 +256,7 @@ def _resumable(tmp_path, resume=None, **options):
 
 def test_checkpoint_and_resume_equal_the_uninterrupted_run_bit_for_bit(tmp_path):
     whole = _resumable(tmp_path / "whole")  # 11 steps over two epochs, one skipped; checkpoints at 4 and 8
-    saved = mixprec.persist.read_checkpoint_file(tmp_path / "whole" / "checkpoint-4" / STATE_NAME)  # verified
+    saved = mixprec.persist.read_checkpoint_file(str(tmp_path / "whole" / "checkpoint-4" / STATE_NAME))  # a str too
     assert saved["policy"] == str(whole.policy) and len(saved["masters"]) == 4 and saved["counters"]["steps"] == 4
 
     resumed = _resumable(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-4"))

@@ -55,9 +55,10 @@ def encode_checkpoint(step: int, state: dict[str, Any]) -> bytes:
     return safetensors_bytes(cpu, metadata=metadata)
 
 
-def read_checkpoint_file(path: Path, step: int | None = None) -> dict[str, Any]:
+def read_checkpoint_file(path: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
     """Read and verify one checkpoint file (whose name says ``step``, when given); raises CheckpointError
     naming the file and the problem, whatever the damage (any shape, depth or type)."""
+    path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
