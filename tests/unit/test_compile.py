@@ -191,6 +191,32 @@ def test_compiling_where_inductor_drops_the_emulations_roundings_says_so(policy,
         assert "emulated fp16 ops partly in FP32" in noted[0] and "train eager (no compile)" in noted[0]
 
 
+def test_a_cross_entropy_loss_made_in_the_compiled_forward_is_measured_and_the_warning_names_it():
+    # torch 2.13's dynamo puts a torch.nn.CrossEntropyLoss() made in compiled code straight into the graph,
+    # past the emulation's torch-function mode (transformers' models make their loss so): computed in fp16.
+    # What the warning offers instead, F.cross_entropy and a loss module made in __init__, stay in FP32.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.loss = nn.Linear(64, 10), nn.CrossEntropyLoss()
+
+        def forward(self, x, y):
+            logits = self.linear(x)
+            return nn.CrossEntropyLoss()(logits, y), self.loss(logits, y), F.cross_entropy(logits, y)
+
+    torch.manual_seed(0)
+    net, x, y = Net(), torch.randn(8, 64) * 3, torch.randint(0, 10, (8,))
+    compiled = torch.compile(net, options={"emulate_precision_casts": True})
+    with mixprec.autocast("base=mixed_fp16,kernels=emulated", net):
+        eager, fast = net(x, y), compiled(x, y)
+    assert all(loss.dtype == torch.float32 for loss in eager + fast)
+    note = mixprec.compute.dropped_roundings_note(True, torch.float16, "cpu") or ""
+    assert (not torch.equal(fast[0], eager[0])) == ("CrossEntropyLoss() made inside the compiled forward" in note)
+    exact = mixprec.compute.inductor_keeps_casts("cpu")  # else the logits themselves differ (torch 2.11)
+    for kept, reference in zip(fast[1:], eager[1:], strict=True):
+        torch.testing.assert_close(kept, reference, rtol=0 if exact else 2e-3, atol=0 if exact else 2e-3)
+
+
 def test_the_trainer_compiles_its_training_forward_and_tracks_eager():
     from mixprec.app import RunOptions, TrainData, Trainer
 

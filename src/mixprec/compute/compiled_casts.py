@@ -5,6 +5,12 @@ tensors. Inductor fuses such a round trip away (``x.to(torch.float16).float()`` 
 compiled with ``emulate_precision_casts``, and that option is not honoured everywhere: measured, torch
 2.13 keeps the round trips on the CPU with it, torch 2.11 drops them on the CPU with or without it. The
 answer is measured, not looked up by version: the round trip itself is compiled once per device.
+
+The emulation is a torch-function mode, which the compiler traces op by op; one call escapes it: torch
+2.13's dynamo puts a ``torch.nn.CrossEntropyLoss()`` made inside the compiled code (as transformers'
+models make their loss) straight into the graph, so under an emulated region that loss is computed in
+16 bits where eager (and GPU autocast) compute it in FP32. That too is measured: a loss made that way
+is compiled once per device and compared with eager.
 """
 
 from __future__ import annotations
@@ -37,6 +43,27 @@ def _probe(device: str) -> str | None:
     return None if all(torch.equal(a, b) for a, b in zip(got, _round_trips(x), strict=True)) else _DROPPED
 
 
+def _inline_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.CrossEntropyLoss()(logits.to(torch.float16), target)  # made in the code, as transformers does
+
+
+@functools.cache
+def _inline_loss_escapes(device: str) -> bool:
+    """True when the compiled ``_inline_loss`` under an emulated fp16 region differs from eager's FP32 loss."""
+    from mixprec.compute.emulation import EmulatedAutocast
+
+    logits = torch.tensor([[0.1234, -1.5678, 2.3456], [3.3333, 0.0071, -0.5001]], device=device)
+    target = torch.tensor([2, 0], device=device)
+    compiled = torch.compile(_inline_loss, options={"emulate_precision_casts": True}, fullgraph=True, dynamic=False)
+    with EmulatedAutocast(torch.float16, device_type=torch.device(device).type):
+        eager = _inline_loss(logits, target)
+        try:
+            got = compiled(logits, target)
+        except Exception:  # the compiler cannot run here: _probe's note says so
+            return False
+    return not torch.equal(got.float(), eager.float())
+
+
 def inductor_keeps_casts(device: str | torch.device) -> bool:
     """True when inductor, with ``emulate_precision_casts``, computes ``x.to(fp16 or bf16).float()`` as eager
     does on ``device`` (a device or device type). Compiles a two-line function once per process and device
@@ -45,20 +72,33 @@ def inductor_keeps_casts(device: str | torch.device) -> bool:
 
 
 def dropped_roundings_note(emulates: bool, dtype: torch.dtype, device: str | torch.device) -> str | None:
-    """The warning for a model compiled by inductor whose region emulates ``dtype`` on ``device`` where the
-    round trips would be lost (None where nothing is lost: no emulation, or the casts are kept)."""
-    if not emulates or inductor_keeps_casts(device):
+    """The warning for a model compiled by inductor whose region emulates ``dtype`` on ``device``: round trips
+    dropped, a loss made in the compiled forward computed in 16 bits (None where the compiled model computes
+    what eager does: no emulation, or neither measured here)."""
+    if not emulates:
         return None
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-    problem = _probe(str(torch.device(device)))
-    if problem not in (None, _DROPPED):
-        return (
-            f"torch.compile: the check that inductor keeps 16-bit round trips on {device} could not compile "
-            f"({problem}); the compiled model may compute the policy's emulated {name} ops partly in FP32."
+    device = str(torch.device(device))
+    notes = []
+    if not inductor_keeps_casts(device):
+        if (problem := _probe(device)) not in (None, _DROPPED):
+            return (
+                f"torch.compile: the check that inductor keeps 16-bit round trips on {device} could not compile "
+                f"({problem}); the compiled model may compute the policy's emulated {name} ops partly in FP32."
+            )
+        notes.append(
+            f"torch.compile: inductor in torch {torch.__version__} drops 16-bit round trips on {device} even with "
+            f"emulate_precision_casts, so the compiled model computes the policy's emulated {name} ops partly in "
+            "FP32: closer to FP32 than the run it emulates, and loss-scale overflows may not happen as they would. "
+            "For exact emulation, train eager (no compile), or use a torch whose inductor keeps them (2.13 does "
+            "on the CPU)."
         )
-    return (
-        f"torch.compile: inductor in torch {torch.__version__} drops 16-bit round trips on {device} even with "
-        f"emulate_precision_casts, so the compiled model computes the policy's emulated {name} ops partly in FP32: "
-        "closer to FP32 than the run it emulates, and loss-scale overflows may not happen as they would. For exact "
-        "emulation, train eager (no compile), or use a torch whose inductor keeps them (2.13 does on the CPU)."
-    )
+    if _inline_loss_escapes(device):
+        notes.append(
+            f"torch.compile in torch {torch.__version__} computes a torch.nn.CrossEntropyLoss() made inside the "
+            f"compiled forward (as transformers' models make their loss) in the input's dtype, {name} here, where "
+            "eager and GPU autocast compute it in FP32: the loss and its gradient are rounded to 16 bits (a first "
+            "step may overflow and be skipped). Compute the loss outside the compiled model, or with "
+            "torch.nn.functional.cross_entropy or a loss module made in __init__ (both kept in FP32), or train eager."
+        )
+    return " ".join(notes) or None
