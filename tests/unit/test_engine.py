@@ -617,8 +617,9 @@ def test_a_model_already_cast_for_its_policy_is_refused_where_masters_would_be_r
 
 def test_a_16_bit_weight_without_an_fp32_master_is_accepted_as_it_is_the_cast():
     """pure_bf16 keeps no master, and o2 makes none of an untrained weight: such a weight already in the
-    policy's dtype holds the bits the cast would give, so the run equals one built in FP32."""
-    built_fp32, built_bf16 = make_model(), make_model().to(torch.bfloat16)
+    policy's dtype holds the bits the cast would give, so the run equals one built in FP32 from those values
+    (an FP32 model's rounding residuals go to the compensation: tests/unit/test_compensated_adamw.py)."""
+    built_fp32, built_bf16 = make_model().to(torch.bfloat16).float(), make_model().to(torch.bfloat16)
     runs = []
     for model in (built_fp32, built_bf16):
         mp = mixprec.MixedPrecision(model, make_optimizer(model, "pure_bf16"), "pure_bf16")

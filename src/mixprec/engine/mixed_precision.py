@@ -45,6 +45,8 @@ from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
 from mixprec.engine.setup_checks import check_model_and_optimizer, check_sharding, needs_compensated_optimizer
 from mixprec.engine.stats import Stats, model_state_bytes
+from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.master.compensated import take_rounding_residuals
 from mixprec.master.weights import MasterWeights
 from mixprec.parallel.fsdp import is_sharded
 from mixprec.policy.parse import get_policy
@@ -158,8 +160,11 @@ class MixedPrecision:
         # made before the cast, from the exact values; sharded o2 models need none: their FP32 shards are the
         # masters, which FSDP2 gathers in 16 bits
         self.masters = MasterWeights(optimizer, mastered) if mastered and not self.sharded else None
+        residuals = self._rounding_residuals(lowered, trained)
         if not self.sharded:
             cast_module(model, self.policy)
+        if residuals:  # pure_bf16: p + compensation starts at the exact FP32 weight, not at its rounding
+            optimizer.start_from(residuals)
         self._parameters = ParameterGuard(model, self.sharded)  # as the policy set them; checked at every update
         self._region = Region(self.policy, model, self.device)  # prepared once: entering it only enters contexts
         self.compute_plan: ComputePlan = self._region.plan  # native or emulated, and why
@@ -171,6 +176,21 @@ class MixedPrecision:
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
         self._new_window()
+
+    def _rounding_residuals(self, lowered: list[nn.Parameter], trained: set[int]) -> dict[nn.Parameter, torch.Tensor]:
+        """What casting each trained FP32 parameter will lose, in its 16-bit dtype (2 bytes per parameter), for
+        a compensated optimizer; empty for any other (o2's masters keep the exact values themselves). A sharded
+        model was cast by mixprec.fully_shard, which kept what its shards lost."""
+        if not isinstance(self.optimizer, CompensatedAdamW):
+            return {}
+        if self.sharded:
+            return {p: r for p, r in take_rounding_residuals(self.model).items() if id(p) in trained}
+        dtype = self.policy.param_dtype
+        return {
+            p: (p.detach() - p.detach().to(dtype).float()).to(dtype)
+            for p in lowered
+            if p.dtype == torch.float32 and id(p) in trained
+        }
 
     @staticmethod
     def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:

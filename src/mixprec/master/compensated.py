@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,9 +38,33 @@ from mixprec.distributed.ranks import local
 from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, why_unavailable
 from mixprec.numerics.quantize import quantize
 
-__all__ = ["UPDATE_MODES", "AdamW"]
+__all__ = ["UPDATE_MODES", "AdamW", "remember_rounding_residual", "take_rounding_residuals"]
 
 UPDATE_MODES = ("kahan", "stochastic", "nearest")
+
+# What casting a parameter to 16 bits lost, where the cast happens before MixedPrecision sees the model
+# (mixprec.fully_shard under pure_bf16), until MixedPrecision hands it to the optimizer (AdamW.start_from).
+# Kept by module and parameter name: frameworks swap parameter objects afterwards (Lightning's .to()), and a
+# weak reference to a parameter would stop torch.utils.swap_tensors.
+_RESIDUALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def remember_rounding_residual(module: torch.nn.Module, name: str, residual: torch.Tensor) -> None:
+    """Keep ``exact - param`` of ``module``'s parameter ``name`` (in the parameter's dtype and layout)."""
+    _RESIDUALS.setdefault(module, {})[name] = residual
+
+
+def take_rounding_residuals(model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+    """The remembered residuals of ``model``'s parameters, by parameter, forgotten here (handed over once);
+    one that no longer fits its parameter (shape, dtype, device) is dropped."""
+    taken = {}
+    for module in model.modules():
+        for name, residual in _RESIDUALS.pop(module, {}).items():
+            param = module._parameters.get(name)
+            fits = param is not None and (residual.shape, residual.dtype) == (param.shape, param.dtype)
+            if fits and residual.device == param.device and type(residual) is type(param.data):
+                taken[param] = residual
+    return taken
 
 
 class AdamW(torch.optim.Optimizer):
@@ -84,6 +109,22 @@ class AdamW(torch.optim.Optimizer):
         self._single_pass = single_pass
 
     @torch.no_grad()
+    def start_from(self, residuals: dict[torch.Tensor, torch.Tensor]) -> int:
+        """Begin kahan-updated parameters at the exact FP32 values they were rounded from: ``residuals`` maps
+        a parameter, rounded to 16 bits, to what the rounding lost (``exact - rounded``, in the parameter's
+        dtype), which becomes its compensation, so ``p + c`` starts at the exact value to 16 significant bits
+        instead of 8 (a pretrained FP32 checkpoint fine-tuned in bf16 keeps its weights). Parameters that
+        already stepped keep their state (a resumed run). Returns how many parameters were given one."""
+        kahan = {id(p) for group in self.param_groups if group["update"] == "kahan" for p in group["params"]}
+        started = 0
+        for param, residual in residuals.items():
+            if id(param) in kahan and residual.dtype == param.dtype != torch.float32 and not self.state[param]:
+                # the whole state, as the first step makes it: torch.distributed.checkpoint loads into it
+                self.state[param] = {**_first_state(param, lowp=True, kahan=True), "kahan_comp": residual}
+                started += 1
+        return started
+
+    @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None
         if closure is not None:
@@ -112,11 +153,7 @@ class AdamW(torch.optim.Optimizer):
         for param in params:
             state = self.state[param]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if lowp else "cpu")
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                if kahan:
-                    state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state.update(_first_state(param, lowp, kahan))
             elif lowp and state["step"].device != param.device:
                 state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
         states = [self.state[p] for p in params]
@@ -237,6 +274,13 @@ class _AmpScaling:
         """``grad_scale=`` / ``found_inf=`` for torch's fused AdamW kernel, on the parameters' device."""
         given = {"grad_scale": self.grad_scale, "found_inf": self.found_inf}
         return {name: value.to(device).reshape(()) for name, value in given.items() if value is not None}
+
+
+def _first_state(param: torch.Tensor, lowp: bool, kahan: bool) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first step: step 0, zero moments (and compensation, for kahan)."""
+    zeros = [torch.zeros_like(param, memory_format=torch.preserve_format) for _ in range(3 if kahan else 2)]
+    state = {"step": torch.zeros((), dtype=torch.float32, device=param.device if lowp else "cpu")}
+    return {**state, **dict(zip(("exp_avg", "exp_avg_sq", "kahan_comp"), zeros, strict=False))}
 
 
 def _shards(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[list[torch.Tensor], ...]:

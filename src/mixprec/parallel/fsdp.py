@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mixprec.master.compensated import remember_rounding_residual
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.casting import cast_module, fp32_modules
+from mixprec.regions.casting import cast_module, fp32_modules, lowered_parameters
 
 if TYPE_CHECKING:  # torch.distributed.fsdp is imported where used: it imports torch._dynamo (1.4 s)
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -88,7 +89,9 @@ def fully_shard(
     if first is None:
         raise ValueError("fully_shard(model=...): the model has no parameters to shard.")
     policy = get_policy(policy, device=first.device)
+    residuals = {}
     if policy.param_dtype != torch.float32 and not policy.keeps_fp32_masters:
+        residuals = _rounding_residuals(model, policy)  # for mixprec.AdamW's compensation (MixedPrecision)
         cast_module(model, policy)  # pure_bf16: the shards themselves are 16-bit
     options = {"mesh": mesh} if mesh is not None else {}
     kept = [module for _, module in fp32_modules(model, policy)]
@@ -101,7 +104,42 @@ def fully_shard(
         torch_fully_shard(module, mp_policy=main, **options)
     torch_fully_shard(model, mp_policy=main, **options)
     setattr(model, _MARK, str(policy))
+    for (module, name), residual in residuals.items():
+        _remember_shard(module, name, residual)
     return model
+
+
+def _rounding_residuals(model: nn.Module, policy: Policy) -> dict[tuple[nn.Module, str], torch.Tensor]:
+    """What casting each FP32 parameter to the policy's dtype loses, whole, by (module, name): FSDP2 puts new
+    parameter objects in place."""
+    lowered = {id(p) for p in lowered_parameters(model, policy)}
+    dtype = policy.param_dtype
+    return {
+        (module, name): (p.detach() - p.detach().to(dtype).float()).to(dtype)
+        for module in model.modules()
+        for name, p in module.named_parameters(recurse=False)
+        if id(p) in lowered and p.dtype == torch.float32
+    }
+
+
+def _remember_shard(module: nn.Module, name: str, residual: torch.Tensor) -> None:
+    """This rank's part of ``residual``, laid out as FSDP2's dim-0 shard of the parameter; nothing where the
+    layout is another (the compensation then starts at 0)."""
+    from torch.distributed.tensor import DTensor
+
+    param = getattr(module, name)
+    if not isinstance(param, DTensor) or len(param.placements) != 1 or not param.placements[0].is_shard(0):
+        return
+    mesh, local = param.device_mesh, param.to_local()
+    chunks = torch.chunk(residual, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    piece = chunks[rank] if rank < len(chunks) else residual.new_empty((0, *residual.shape[1:]))
+    if piece.shape == local.shape:
+        shard = DTensor.from_local(
+            piece.to(local.device).contiguous(), mesh, param.placements, run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )  # fmt: skip
+        remember_rounding_residual(module, name, shard)
 
 
 def _units(model: nn.Module, globs: Iterable[str] | None) -> list[nn.Module]:
