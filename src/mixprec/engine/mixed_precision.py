@@ -46,7 +46,7 @@ from mixprec.engine.parameter_guard import ParameterGuard
 from mixprec.engine.setup_checks import check_model_and_optimizer, check_sharding, needs_compensated_optimizer
 from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.master.compensated import AdamW as CompensatedAdamW
-from mixprec.master.compensated import take_rounding_residuals
+from mixprec.master.compensated import rounding_residual, take_rounding_residuals
 from mixprec.master.weights import MasterWeights
 from mixprec.parallel.fsdp import is_sharded
 from mixprec.policy.parse import get_policy
@@ -186,11 +186,7 @@ class MixedPrecision:
         if self.sharded:
             return {p: r for p, r in take_rounding_residuals(self.model).items() if id(p) in trained}
         dtype = self.policy.param_dtype
-        return {
-            p: (p.detach() - p.detach().to(dtype).float()).to(dtype)
-            for p in lowered
-            if p.dtype == torch.float32 and id(p) in trained
-        }
+        return {p: rounding_residual(p, dtype) for p in lowered if p.dtype == torch.float32 and id(p) in trained}
 
     @staticmethod
     def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:

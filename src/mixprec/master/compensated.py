@@ -38,7 +38,7 @@ from mixprec.distributed.ranks import local
 from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, why_unavailable
 from mixprec.numerics.quantize import quantize
 
-__all__ = ["UPDATE_MODES", "AdamW", "remember_rounding_residual", "take_rounding_residuals"]
+__all__ = ["UPDATE_MODES", "AdamW", "remember_rounding_residual", "rounding_residual", "take_rounding_residuals"]
 
 UPDATE_MODES = ("kahan", "stochastic", "nearest")
 
@@ -47,6 +47,11 @@ UPDATE_MODES = ("kahan", "stochastic", "nearest")
 # Kept by module and parameter name: frameworks swap parameter objects afterwards (Lightning's .to()), and a
 # weak reference to a parameter would stop torch.utils.swap_tensors.
 _RESIDUALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def rounding_residual(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What casting the FP32 ``param`` to ``dtype`` loses (``exact - rounded``), in ``dtype``: 2 bytes each."""
+    return (param.detach() - param.detach().to(dtype).float()).to(dtype)
 
 
 def remember_rounding_residual(module: torch.nn.Module, name: str, residual: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mixprec.master.compensated import remember_rounding_residual
+from mixprec.master.compensated import remember_rounding_residual, rounding_residual
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.regions.casting import cast_module, fp32_modules, lowered_parameters
@@ -115,7 +115,7 @@ def _rounding_residuals(model: nn.Module, policy: Policy) -> dict[tuple[nn.Modul
     lowered = {id(p) for p in lowered_parameters(model, policy)}
     dtype = policy.param_dtype
     return {
-        (module, name): (p.detach() - p.detach().to(dtype).float()).to(dtype)
+        (module, name): rounding_residual(p, dtype)
         for module in model.modules()
         for name, p in module.named_parameters(recurse=False)
         if id(p) in lowered and p.dtype == torch.float32
