@@ -77,7 +77,7 @@ def test_the_cache_is_used_and_invalidated_by_a_new_torch(tmp_path, monkeypatch)
     measured = len(timer.calls)
     assert first.source == "measured" and measured > 0
     second = kernel_plan(FP16, timer=timer, cache_dir=tmp_path)
-    assert len(timer.calls) == measured  # read from the cache: nothing timed
+    assert timer.calls[measured:] == [("matmul", "fp32")] * 2  # read from the cache: only the busy check timed
     assert second.choices == first.choices and second.timings_ms == first.timings_ms
     assert second.source.startswith("cached in ")
     monkeypatch.setattr(torch, "__version__", "9.9.9+other")
@@ -85,6 +85,17 @@ def test_the_cache_is_used_and_invalidated_by_a_new_torch(tmp_path, monkeypatch)
     assert third.source == "measured" and third.mode == "native"
     entries = json.loads((tmp_path / "kernels.json").read_text())["entries"]
     assert [key for key in entries if "torch 9.9.9+other" in key] == list(entries)  # the stale torch's entry is gone
+
+
+def test_a_cache_taken_on_a_busy_machine_is_measured_again(tmp_path):
+    busy = FakeTimer({"fp32": 84.0, "native": 92.0, "emulated": 176.0})  # contention: fp16 "native" wins
+    assert kernel_plan(FP16, timer=busy, cache_dir=tmp_path).choices["matmul"] == "native"
+    quiet = FakeTimer({"fp32": 4.5, "native": 94.0, "emulated": 15.3})  # the same machine, quiet
+    again = kernel_plan(FP16, timer=quiet, cache_dir=tmp_path)
+    assert again.source == "measured" and again.choices["matmul"] == "emulated"
+    slower_now = FakeTimer({"fp32": 40.0, "native": 1.0, "emulated": 1.0})  # busy now: the quiet probe is kept
+    kept = kernel_plan(FP16, timer=slower_now, cache_dir=tmp_path)
+    assert kept.source.startswith("cached in ") and kept.choices["matmul"] == "emulated"
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path):

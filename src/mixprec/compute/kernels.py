@@ -18,7 +18,9 @@ tensor core up to the order of FP32 additions; ``gemm`` is attention from bf16 G
 where its backward is not.
 
 Choices are cached per machine in ``$MIXPREC_CACHE_DIR`` (default ``~/.cache/mixprec``), keyed by CPU
-model, torch version, thread count and dtype, so a new torch re-measures. Overrides, strongest first:
+model, torch version, thread count and dtype, so a new torch re-measures. A cached probe taken while the
+machine was busy (its FP32 matmul more than 5x slower than one timed when the cache is read) is measured
+again: contention slows each candidate differently and would fix a wrong choice. Overrides, strongest first:
 the policy key ``kernels=native|emulated``, then ``MIXPREC_FP16_CPU`` / ``MIXPREC_BF16_CPU``
 (``native`` or ``emulate``). Each choice carries its figures, shown by ``mixprec policy``.
 
@@ -67,6 +69,7 @@ _ENV_VALUES = {"native": "native", "emulate": "emulated", "emulated": "emulated"
 _DTYPE_TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 CACHE_VERSION = 2  # the layout of kernels.json; another version is measured again
 _SLOWER_TO_DROP = 3.0  # a candidate this many times slower than the best after one run is not re-timed
+_BUSY = 5.0  # a cached FP32 matmul this many times slower than now: the probe ran on a busy machine
 
 Timer = Callable[[str, str], float]  # (family, candidate) -> milliseconds for one forward + backward
 
@@ -208,7 +211,7 @@ def _cached_or_measured(dtype: torch.dtype, cache_dir: Path, timer: Timer) -> Ke
     key = machine_key(dtype)
     entries = _read_cache(path)
     entry = entries.get(key)
-    if _valid_entry(entry):
+    if _valid_entry(entry) and not _taken_while_busy(entry, timer):
         return KernelPlan(dtype, dict(entry["choices"]), dict(entry.get("timings_ms", {})), f"cached in {path}")
     plan = _measure(dtype, timer)
     torch_tag = f"| torch {torch.__version__} |"
@@ -216,6 +219,16 @@ def _cached_or_measured(dtype: torch.dtype, cache_dir: Path, timer: Timer) -> Ke
     kept[key] = {"choices": plan.choices, "timings_ms": plan.timings_ms}
     _write_cache(path, kept)
     return plan
+
+
+def _taken_while_busy(entry: dict, timer: Timer) -> bool:
+    """True when the entry's FP32 matmul took over ``_BUSY`` times as long as one timed now (a few ms): the
+    whole probe was then slowed, unevenly. A busy machine now only makes the check pass."""
+    cached = entry.get("timings_ms", {}).get("matmul", {}).get("fp32")
+    if not isinstance(cached, (int, float)):
+        return False
+    timer("matmul", "fp32")  # warm-up, as the probe does
+    return cached > _BUSY * timer("matmul", "fp32")
 
 
 def _valid_entry(entry: object) -> bool:
