@@ -88,3 +88,17 @@ def test_resume_skips_a_damaged_shard_with_one_line_and_a_staging_folder_is_no_c
     assert len(skipped) == 1 and "step-00000004.sharded" in skipped[0] and "using step-00000002" in skipped[0]
     assert list_checkpoints(run / "checkpoints")[-1].name == "step-00000004.sharded"  # trained again from 2
     assert not staging.exists()  # the next save cleared what the killed writer left
+
+
+def test_a_pure_bf16_run_with_fp32_modules_resumes_from_its_sharded_checkpoint(tmp_path):
+    # bf16 shards with compensations and FP32 LayerNorms in one optimizer: torch.distributed.checkpoint loads
+    # into every parameter's state (compensations given at construction once left the FP32 ones without any:
+    # "Missing optimizer state" / KeyError on resume)
+    out = tmp_path / "run"
+    policy = "base=pure_bf16,fp32_modules=LayerNorm"
+    first = _mixprec("train", "charlm", "--size", "tiny", "--policy", policy, "--parallel", "fsdp", "--steps", 2,
+                     "--checkpoint-every", 2, "--quiet", "--out", out)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _mixprec("train", "--out", out, "--resume", "--steps", 4, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert load_latest(out / "checkpoints")[0].name == "step-00000004.sharded"

@@ -184,12 +184,13 @@ def test_the_fp32_reference_is_timed_but_never_chosen():
 
 @pytest.mark.parametrize(
     ("bf16_ms", "fp16_ms", "expected"),
-    [(1.0, 4.0, BF16), (3.9, 1.0, FP16), (3.9, 3.9, torch.float32), (3.9, 50.0, torch.float32)],
+    [(0.1, 0.4, BF16), (0.39, 0.1, FP16), (0.39, 0.39, torch.float32), (0.39, 5.0, torch.float32)],
 )
 def test_auto_on_a_cpu_follows_the_measured_matmul_speed(kernel_cache, bf16_ms, fp16_ms, expected):
-    kernel_cache(BF16, timings_ms={"matmul": {"native": bf16_ms, "emulated": 9.0, "fp32": 4.0}})
-    fp16_kernel = "native" if fp16_ms < 4.5 else "emulated"  # the faster of native and emulated (4.5 ms)
-    kernel_cache(FP16, timings_ms={"matmul": {"native": fp16_ms, "emulated": 4.5, "fp32": 4.0}}, matmul=fp16_kernel)
+    # FP32 at 0.4 ms: faster than this machine's matmul, so the cache never looks taken on a busy machine
+    kernel_cache(BF16, timings_ms={"matmul": {"native": bf16_ms, "emulated": 0.9, "fp32": 0.4}})
+    fp16_kernel = "native" if fp16_ms < 0.45 else "emulated"  # the faster of native and emulated (0.45 ms)
+    kernel_cache(FP16, timings_ms={"matmul": {"native": fp16_ms, "emulated": 0.45, "fp32": 0.4}}, matmul=fp16_kernel)
     policy = mixprec.get_policy("auto", device="cpu")
     assert policy.compute_dtype == expected
     assert policy.reason.startswith("auto on CPU") and "measured" in policy.reason

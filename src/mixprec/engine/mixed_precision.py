@@ -186,7 +186,8 @@ class MixedPrecision:
         if self.sharded:
             return {p: r for p, r in take_rounding_residuals(self.model).items() if id(p) in trained}
         dtype = self.policy.param_dtype
-        return {p: rounding_residual(p, dtype) for p in lowered if p.dtype == torch.float32 and id(p) in trained}
+        wanted = [p for p in lowered if p.dtype == torch.float32 and p.requires_grad and id(p) in trained]
+        return {p: rounding_residual(p, dtype) for p in wanted}
 
     @staticmethod
     def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:

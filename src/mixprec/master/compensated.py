@@ -38,7 +38,14 @@ from mixprec.distributed.ranks import local
 from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, why_unavailable
 from mixprec.numerics.quantize import quantize
 
-__all__ = ["UPDATE_MODES", "AdamW", "remember_rounding_residual", "rounding_residual", "take_rounding_residuals"]
+__all__ = [
+    "UPDATE_MODES",
+    "AdamW",
+    "fingerprint",
+    "remember_rounding_residual",
+    "rounding_residual",
+    "take_rounding_residuals",
+]
 
 UPDATE_MODES = ("kahan", "stochastic", "nearest")
 
@@ -46,7 +53,9 @@ UPDATE_MODES = ("kahan", "stochastic", "nearest")
 # (mixprec.fully_shard under pure_bf16), until MixedPrecision hands it to the optimizer (AdamW.start_from).
 # Kept by module and parameter name: frameworks swap parameter objects afterwards (Lightning's .to()), and a
 # weak reference to a parameter would stop torch.utils.swap_tensors.
-_RESIDUALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+_RESIDUALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.Tensor, tuple[int, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def rounding_residual(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,18 +65,19 @@ def rounding_residual(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def remember_rounding_residual(module: torch.nn.Module, name: str, residual: torch.Tensor) -> None:
     """Keep ``exact - param`` of ``module``'s parameter ``name`` (in the parameter's dtype and layout)."""
-    _RESIDUALS.setdefault(module, {})[name] = residual
+    _RESIDUALS.setdefault(module, {})[name] = (residual, fingerprint(getattr(module, name)))
 
 
 def take_rounding_residuals(model: torch.nn.Module) -> dict[torch.Tensor, torch.Tensor]:
     """The remembered residuals of ``model``'s parameters, by parameter, forgotten here (handed over once);
-    one that no longer fits its parameter (shape, dtype, device) is dropped."""
+    one whose parameter was written since (weights loaded after sharding) or moved is dropped."""
     taken = {}
     for module in model.modules():
-        for name, residual in _RESIDUALS.pop(module, {}).items():
+        for name, (residual, then) in _RESIDUALS.pop(module, {}).items():
             param = module._parameters.get(name)
             fits = param is not None and (residual.shape, residual.dtype) == (param.shape, param.dtype)
-            if fits and residual.device == param.device and type(residual) is type(param.data):
+            moved = not fits or residual.device != param.device or type(residual) is not type(param.data)
+            if not moved and fingerprint(param) == then:
                 taken[param] = residual
     return taken
 
@@ -112,22 +122,27 @@ class AdamW(torch.optim.Optimizer):
             raise TypeError(f"AdamW(single_pass=...) takes True, False or None; received {single_pass!r}.")
         self._generator = generator
         self._single_pass = single_pass
+        # start_from's residuals, by id(param): (residual, the parameter's fingerprint when it was given)
+        self._starts: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
 
     @torch.no_grad()
     def start_from(self, residuals: dict[torch.Tensor, torch.Tensor]) -> int:
         """Begin kahan-updated parameters at the exact FP32 values they were rounded from: ``residuals`` maps
         a parameter, rounded to 16 bits, to what the rounding lost (``exact - rounded``, in the parameter's
-        dtype), which becomes its compensation, so ``p + c`` starts at the exact value to 16 significant bits
-        instead of 8 (a pretrained FP32 checkpoint fine-tuned in bf16 keeps its weights). Parameters that
-        already stepped keep their state (a resumed run). Returns how many parameters were given one."""
+        dtype), which becomes its compensation at its first step, so ``p + c`` starts at the exact value to
+        16 significant bits instead of 8 (a pretrained FP32 checkpoint fine-tuned in bf16 keeps its weights).
+
+        Nothing is added to the optimizer's state until then (a state loaded by ``load_state_dict`` or
+        torch.distributed.checkpoint replaces it as before). A parameter written after this call (weights
+        loaded into the model: ``load_state_dict`` copies in place) starts at 0, as its residual no longer
+        describes it; so do frozen parameters, other update modes and parameters that already stepped.
+        Returns how many parameters will start from their residual."""
         kahan = {id(p) for group in self.param_groups if group["update"] == "kahan" for p in group["params"]}
-        started = 0
         for param, residual in residuals.items():
-            if id(param) in kahan and residual.dtype == param.dtype != torch.float32 and not self.state[param]:
-                # the whole state, as the first step makes it: torch.distributed.checkpoint loads into it
-                self.state[param] = {**_first_state(param, lowp=True, kahan=True), "kahan_comp": residual}
-                started += 1
-        return started
+            wanted = id(param) in kahan and param.requires_grad and not self.state.get(param)
+            if wanted and residual.dtype == param.dtype != torch.float32:
+                self._starts[id(param)] = (residual, fingerprint(param))
+        return len(self._starts)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -159,6 +174,9 @@ class AdamW(torch.optim.Optimizer):
             state = self.state[param]
             if not state:
                 state.update(_first_state(param, lowp, kahan))
+                residual, taken = self._starts.pop(id(param), (None, None))
+                if kahan and residual is not None and taken == fingerprint(param):  # not loaded over since
+                    state["kahan_comp"] = residual
             elif lowp and state["step"].device != param.device:
                 state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
         states = [self.state[p] for p in params]
@@ -279,6 +297,14 @@ class _AmpScaling:
         """``grad_scale=`` / ``found_inf=`` for torch's fused AdamW kernel, on the parameters' device."""
         given = {"grad_scale": self.grad_scale, "found_inf": self.found_inf}
         return {name: value.to(device).reshape(()) for name, value in given.items() if value is not None}
+
+
+def fingerprint(param: torch.Tensor) -> tuple[int, int]:
+    """Two exact integer sums over the bits of ``param``'s 16-bit values (its local shard's): whether the
+    weights were written since a residual was taken (``load_state_dict`` and FSDP2's loads copy in place,
+    and a DTensor's version counter does not count them)."""
+    bits = local(param.detach()).reshape(-1).view(torch.int16).to(torch.int64)
+    return int(bits.sum()), int((bits * bits).sum())
 
 
 def _first_state(param: torch.Tensor, lowp: bool, kahan: bool) -> dict[str, torch.Tensor]:

@@ -118,7 +118,7 @@ def _rounding_residuals(model: nn.Module, policy: Policy) -> dict[tuple[nn.Modul
         (module, name): rounding_residual(p, dtype)
         for module in model.modules()
         for name, p in module.named_parameters(recurse=False)
-        if id(p) in lowered and p.dtype == torch.float32
+        if id(p) in lowered and p.dtype == torch.float32 and p.requires_grad
     }
 
 
@@ -134,9 +134,9 @@ def _remember_shard(module: nn.Module, name: str, residual: torch.Tensor) -> Non
     chunks = torch.chunk(residual, mesh.size(), dim=0)
     rank = mesh.get_local_rank()
     piece = chunks[rank] if rank < len(chunks) else residual.new_empty((0, *residual.shape[1:]))
-    if piece.shape == local.shape:
+    if piece.shape == local.shape:  # a copy: the chunk, a view, would hold the whole residual at an offset
         shard = DTensor.from_local(
-            piece.to(local.device).contiguous(), mesh, param.placements, run_check=False,
+            piece.to(local.device).clone(), mesh, param.placements, run_check=False,
             shape=param.shape, stride=param.stride(),
         )  # fmt: skip
         remember_rounding_residual(module, name, shard)
