@@ -16,6 +16,9 @@ Host syncs, all of them:
     - the first update with FP32 masters (o2) reads one flag: whether the model's parameters still hold the
       masters' rounding (a DDP broadcast or a load_state_dict since MixedPrecision was made is refused).
     - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
+    - pure_bf16 built on FP32 weights: ``mixprec.AdamW`` reads two integers per parameter (a fingerprint of its
+      16-bit values) when MixedPrecision is made and again at the parameter's first update, to take the
+      rounding residual only for weights not written since.
 On the CPU, where a read is a memory load, the statistics also read a flag where gradients are unscaled
 outside step() (``unscale_()``, ``clip_grad_norm_()``, a backward() after another loss's), so that only
 overflowing gradients pay for telling inf from NaN; elsewhere that check runs on the device.
