@@ -320,7 +320,9 @@ def test_a_checkpoint_of_another_run_is_refused_unless_allowed(tmp_path):
 
 def test_a_run_resumes_with_another_adamw_kernel_but_not_with_another_learning_rate(tmp_path):
     make_trainer(tmp_path, adamw={"foreach": False}).fit(steps=3)  # torch's per-tensor loop, as runs did before
-    assert make_trainer(tmp_path, adamw={"fused": True}).fit(steps=5, resume=True).steps == 5
+    resumed = make_trainer(tmp_path, adamw={"fused": True})
+    assert resumed.fit(steps=5, resume=True).steps == 5
+    assert resumed.optimizer.param_groups[0]["fused"] is True  # this run's kernel, not the checkpoint's loop
     with pytest.raises(mixprec.app.ForeignCheckpointError, match=r"\(optimizer lr 0.003 there, 0.001 here\)"):
         make_trainer(tmp_path, adamw={"fused": True, "lr": 1e-3}).fit(steps=7, resume=True)
 

@@ -19,9 +19,11 @@ from mixprec.engine import needs_compensated_optimizer
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.policy.policy import Policy
 
-__all__ = ["FUSED_ADAMW_DEVICES", "adamw_for"]
+__all__ = ["FUSED_ADAMW_DEVICES", "KERNEL_CHOICES", "adamw_for"]
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch.optim.AdamW(fused=True) has a kernel
+# How torch runs an update, not what it computes: not part of a run's identity, and a resumed run keeps its own
+KERNEL_CHOICES = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
 def adamw_for(policy: Policy, params: Iterable[Any], device: torch.device | str, **hyper: Any) -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.distributed import agree_max
 
 if TYPE_CHECKING:
@@ -35,17 +36,13 @@ class ForeignCheckpointError(ValueError):
     """A valid checkpoint of another run (another seed, policy, model or optimizer setting)."""
 
 
-# how torch runs the update, not what it computes: a run checkpointed with the per-tensor AdamW resumes fused
-_KERNEL_CHOICES = frozenset({"foreach", "fused", "capturable", "differentiable"})
-
-
 def run_identity(trainer: Trainer) -> dict[str, Any]:
     """What makes a run this run: policy, seed, model architecture, optimizer and its settings."""
     shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in trainer.model.named_parameters())
     settings = {
         k: v
         for k, v in trainer.optimizer.defaults.items()
-        if isinstance(v, (bool, int, float, str)) and k not in _KERNEL_CHOICES
+        if isinstance(v, (bool, int, float, str)) and k not in KERNEL_CHOICES
     }
     return {
         "policy": str(trainer.mp.policy),

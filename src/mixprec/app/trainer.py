@@ -35,6 +35,7 @@ from torch import nn
 from mixprec.app.checkpoint import list_checkpoints, save_checkpoint, save_sharded_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
 from mixprec.app.metrics_log import MetricsLog
+from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.app.progress import ProgressBar
 from mixprec.app.resume import restore_latest, run_identity
 from mixprec.app.rng_state import get_rng_state, set_rng_state
@@ -517,7 +518,10 @@ class Trainer:
                 self.model.load_state_dict(state["model"])
             self.mp.load_state_dict(state["mixed_precision"])  # after the model: masters overwrite lowered weights
             if not self.mp.sharded:
+                kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in self.optimizer.param_groups]
                 self.optimizer.load_state_dict(state["optimizer"])
+                for group, kept in zip(self.optimizer.param_groups, kernels, strict=True):
+                    group.update(kept)  # this run's update kernel (fused), not the saved run's
             if self.scheduler is not None and state["scheduler"] is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
