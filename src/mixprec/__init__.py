@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from mixprec.numerics import FORMATS, ROUNDING_MODES, Format, get_format, quantize
     from mixprec.parallel import fully_shard
     from mixprec.policy import PRESETS, Fp8Recipe, Policy, get_policy
-    from mixprec.regions import FP32Ops, autocast, cast_module, fp8, fp32_modules
+    from mixprec.regions import FP32Ops, autocast, cast_module, checkpoint, fp8, fp32_modules, recompute_context
     from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler, StaticLossScaler
 
 try:
@@ -59,6 +59,8 @@ _SOURCES = {
     "Policy": "mixprec.policy",
     "autocast": "mixprec.regions",
     "cast_module": "mixprec.regions",
+    "checkpoint": "mixprec.regions",
+    "recompute_context": "mixprec.regions",
     "device_caps": "mixprec.compute",
     "fp32_modules": "mixprec.regions",
     "get_policy": "mixprec.policy",
@@ -94,6 +96,7 @@ __all__ = [
     "__version__",
     "autocast",
     "cast_module",
+    "checkpoint",
     "device_caps",
     "diagnose",
     "distributed",
@@ -105,4 +108,5 @@ __all__ = [
     "get_policy",
     "parallel",
     "quantize",
+    "recompute_context",
 ]

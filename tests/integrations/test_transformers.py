@@ -25,12 +25,7 @@ import mixprec.persist  # noqa: E402
 from mixprec.integrations.transformers import STATE_NAME, GatedScheduler, MixprecTrainer  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_example.py"
-# the installed transformers' names: gradient checkpointing was renamed activation checkpointing after 5.17
-_CHECKPOINTING_METHOD = (
-    "activation_checkpointing"
-    if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
-    else "gradient_checkpointing"
-)
+# the installed transformers' name: gradient checkpointing was renamed activation checkpointing after 5.17
 _CHECKPOINTING_ARGUMENT = (
     "activation_checkpointing"
     if "activation_checkpointing" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
@@ -411,7 +406,10 @@ class Bf16Model(Regression):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({_CHECKPOINTING_ARGUMENT: True}, r"recomputed forward would run outside the policy's region"),
+        (
+            {_CHECKPOINTING_ARGUMENT: True, f"{_CHECKPOINTING_ARGUMENT}_kwargs": {"use_reentrant": True}},
+            r"reentrant checkpoint recomputes the forward outside the policy's region",
+        ),
         ({"auto_find_batch_size": True}, r"set per_device_train_batch_size yourself"),
         ({"optim": "lomo"}, r"optim='lomo'.* updates inside the backward pass"),
     ],
@@ -457,11 +455,17 @@ def test_a_model_sharded_with_fsdp2_is_refused_when_made(tmp_path):
         torch.distributed.destroy_process_group()
 
 
-def test_a_model_with_activation_checkpointing_on_is_refused_at_train(tmp_path):
-    model = _gpt2()
-    getattr(model, f"{_CHECKPOINTING_METHOD}_enable")()
-    with pytest.raises(ValueError, match=rf"activation checkpointing on .* model\.{_CHECKPOINTING_METHOD}_disable\(\)"):
-        _train(tmp_path, "mixed_bf16", model=model, data=Counting())
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own gradient_checkpointing_enable rename
+@pytest.mark.parametrize("policy", ["mixed_bf16", "base=o2_fp16,kernels=emulated"])
+def test_activation_checkpointing_trains_exactly_as_without(tmp_path, policy):
+    plain = _train(tmp_path / "plain", policy, model=_gpt2(), data=Counting())
+    recomputing = _train(
+        tmp_path / "recomputing", policy, model=_gpt2(), data=Counting(), **{_CHECKPOINTING_ARGUMENT: True}
+    )
+    assert recomputing.model.transformer.h[0].gradient_checkpointing  # the layers did recompute
+    assert _logs(recomputing, "loss") == _logs(plain, "loss")
+    for a, b in zip(plain.model.parameters(), recomputing.model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_lbfgs_a_bad_policy_and_a_bad_scaler_are_refused(tmp_path):

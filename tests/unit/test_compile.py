@@ -260,3 +260,82 @@ def test_the_compile_example_runs_without_graph_breaks():
     assert "graph breaks: 0" in done.stdout
     losses = [float(line.split("loss ")[1]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+class Checkpointed(nn.Module):
+    """Block (recomputed in backward: mixprec.checkpoint), then the head."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.block, self.head = Block(), nn.Linear(16, 4)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(mixprec.checkpoint(self.block, x) if self.checkpointed else self.block(x))
+
+
+def _checkpoint_gradients(policy: str, checkpointed: bool, compiled: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Checkpointed(checkpointed)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+    torch._dynamo.reset()
+    with mp.autocast():
+        loss = (torch.compile(model, backend="aot_eager") if compiled else model)(_inputs()).float().pow(2).mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("policy", "reference"),
+    [
+        # autocast's region: the compiler recomputes from its own trace of the block
+        ("mixed_bf16", "compiled"),
+        # the emulation does not reach a traced checkpoint's body: the block runs eagerly, with its roundings
+        ("base=mixed_fp16,kernels=emulated", "eager"),
+    ],
+)
+def test_a_compiled_checkpoint_recomputes_what_the_forward_computed(policy, reference):
+    expected = _checkpoint_gradients(policy, checkpointed=False, compiled=reference == "compiled")
+    for plain, recomputed in zip(expected, _checkpoint_gradients(policy, True, compiled=True), strict=True):
+        torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
+
+
+def test_a_graph_break_inside_a_region_entered_in_compiled_code_is_an_error():
+    # torch 2.13's dynamo resumed such a break without the rest of the with block: the step below returned
+    # the model's output instead of the loss
+    model, mp = _setup("mixed_bf16")
+
+    def step(x):
+        with mp.autocast():
+            hidden = model[0](x)
+            torch._dynamo.graph_break()
+            loss = model[1](hidden).float().pow(2).mean()
+        return loss
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"graph_break"):
+        torch.compile(step, backend="aot_eager")(_inputs())
+    with mp.autocast():  # around a compiled model instead, graph breaks are fine
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: step_outside(model, x), backend="aot_eager")
+        assert compiled(_inputs()).shape == (2, 8, 4)
+
+
+def step_outside(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    hidden = model[0](x)
+    torch._dynamo.graph_break()
+    return model[1](hidden)
+
+
+def test_a_checkpoint_in_an_emulated_region_entered_in_compiled_code_is_an_error():
+    torch.manual_seed(0)
+    model = Checkpointed(True)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "base=mixed_fp16,kernels=emulated")
+
+    def step(x):
+        with mp.autocast():
+            return model(x).float().pow(2).mean()
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # the checkpoint's graph break, inside the region
+        torch.compile(step, backend="aot_eager")(_inputs())

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mixprec.compute.nest import map_floating
 
@@ -164,10 +165,13 @@ class EmulatedAutocast(TorchFunctionMode):
         *,
         only: frozenset[str] | None = None,
         device_type: str = "cpu",
+        saves_low: bool = True,
     ) -> None:
         """``only``: emulate just these ops, inside a ``torch.autocast(device_type)`` region that runs
         the rest natively (a hybrid plan, see :mod:`mixprec.compute.kernels`); the policy's FP32 ops
-        are then left to :class:`~mixprec.regions.op_overrides.FP32Ops`. None: emulate the whole region."""
+        are then left to :class:`~mixprec.regions.op_overrides.FP32Ops`. None: emulate the whole region.
+        ``saves_low``: keep what autograd saves as 16-bit sources (saved-tensor hooks); off where another
+        hook keeps them (an activation checkpoint's recompute)."""
         super().__init__()
         self.dtype = dtype
         self._user_fp32 = frozenset(n for op in fp32_ops for n in (op, f"__{op}__", f"__r{op}__"))
@@ -178,11 +182,13 @@ class EmulatedAutocast(TorchFunctionMode):
         self._low_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._held: list[_Held] | None = None  # while an op of _SAVES_OWN_OUTPUT runs: its FP32 saved tensors
         self._suspended = 0
+        self._saves_low = saves_low
 
     def __enter__(self) -> EmulatedAutocast:
         super().__enter__()
         # Saving 16-bit sources for backward is an eager-mode saving; compiled, the compiler plans it.
-        self._saving = not torch.compiler.is_compiling()
+        self.traced = torch.compiler.is_compiling()  # entered while torch.compile traces
+        self._saving = self._saves_low and not self.traced
         if self._saving:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._saved_hooks.__enter__()
@@ -258,6 +264,8 @@ class EmulatedAutocast(TorchFunctionMode):
             args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
             if name in _SAVES_OWN_OUTPUT and self._keeps_saved_low():
                 return self._keeping_output_low(func, args, kwargs)
+            if name in _SAVES_OWN_OUTPUT and self._recomputes_saved():
+                return self._rounding_saved_output(func, args, kwargs)
             return map_floating(func(*args, **kwargs), self._to_low)
         if name in _SAME_DTYPE_FP32_OPS and args and isinstance(args[0], torch.Tensor):
             dtype = args[0].dtype
@@ -268,6 +276,21 @@ class EmulatedAutocast(TorchFunctionMode):
     def _keeps_saved_low(self) -> bool:
         """Whether what autograd saves now goes through :meth:`pack` (eager, with autograd on)."""
         return self._saving and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+    def _recomputes_saved(self) -> bool:
+        """Whether an activation checkpoint's recompute saves for backward now (its hooks, not :meth:`pack`)."""
+        return not self._saves_low and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+    def _rounding_saved_output(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``func``'s 16-bit output, and what its backward saved of the FP32 output rounded like it, as
+        :meth:`_keeping_output_low` keeps it: the recompute's gradients equal the forward's."""
+        output = func(*args, **kwargs)
+        low = self._to_low(output)
+        # .data: the saved output's version counter stays, as if it had been made rounded; outside dispatch
+        # modes: selective checkpointing replays the forward's ops one for one, and this copy is not one of them
+        with _disable_current_modes():
+            output.data.copy_(low)
+        return low
 
     def _keeping_output_low(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
         """``func``'s 16-bit output; what its backward saved of the FP32 output is kept as that output."""

@@ -22,6 +22,8 @@ The Trainer's hooks, mapped onto MixedPrecision (one device, or DDP: one device 
     _save_scaler(), _load_scaler()    mp.state_dict() (scalers, FP32 masters, counters) in each checkpoint
     log()                             loss_scale and skipped_steps in every training log
     torch_compile=True                Accelerate compiles the model; inductor keeps the policy's 16-bit roundings
+    gradient_checkpointing=True       the model's layers checkpoint through their own function, which
+                                      MixedPrecision wraps: the recompute runs in the policy's region
 
 The Trainer steps the scheduler unless ``accelerator.optimizer_step_was_skipped``; Accelerate sets that flag
 only inside its own GradScaler branch of ``AcceleratedOptimizer.step()``, so mixprec could use it only by
@@ -55,13 +57,7 @@ from mixprec.compute import dropped_roundings_note
 from mixprec.distributed import copy_from_main, world
 from mixprec.engine import needs_compensated_optimizer
 from mixprec.integrations.gated_scheduler import GatedScheduler
-from mixprec.integrations.transformers_refusals import (
-    CHECKPOINTING_METHOD,
-    argument_problem,
-    checkpoints_activations,
-    optim_name,
-    setup_problem,
-)
+from mixprec.integrations.transformers_refusals import argument_problem, optim_name, setup_problem
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
 
 __all__ = ["STATE_NAME", "GatedScheduler", "MixprecOptimizer", "MixprecTrainer"]
@@ -154,7 +150,9 @@ class MixprecTrainer(transformers.Trainer):
     step, the scale backs off. ``max_grad_norm`` clips the unscaled gradients, and the logged ``grad_norm`` is
     their true norm. Gradient accumulation sums 16-bit gradients in FP32 (o2; under DDP only with
     ``sync_each_batch``, else in the 16-bit ``.grad`` that DDP reduces once). Checkpoints carry
-    MixedPrecision's state, so ``train(resume_from_checkpoint=...)`` continues bit for bit. Under DDP
+    MixedPrecision's state, so ``train(resume_from_checkpoint=...)`` continues bit for bit. With activation
+    checkpointing (``gradient_checkpointing=True``) the layers recompute inside the policy's region, so
+    gradients equal those without it (mixprec.checkpoint). Under DDP
     (``torchrun`` or ``accelerate launch``, one device per process) every rank skips the same updates.
 
     Args:
@@ -164,7 +162,7 @@ class MixprecTrainer(transformers.Trainer):
 
     Raises:
         ValueError (when made, with the fix): fp16/bf16 (or their full_eval) in TrainingArguments, DeepSpeed,
-            FSDP, several devices in one process, activation checkpointing, auto_find_batch_size,
+            FSDP, several devices in one process, reentrant activation checkpointing, auto_find_batch_size,
             LOMO or layer-wise optimizers, Accelerate's own mixed precision. At ``train()``: a model that is not
             FP32, an optimizer the policy cannot use, a checkpoint saved under another policy.
     """
@@ -234,12 +232,6 @@ class MixprecTrainer(transformers.Trainer):
             raise ValueError(
                 f"{self!r}: LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot "
                 "follow; use a first-order optimizer."
-            )
-        if checkpoints_activations(self.model):
-            raise ValueError(
-                f"{self!r}: the model has activation checkpointing on (model.{CHECKPOINTING_METHOD}_enable()); "
-                "its recomputed forward would run outside the policy's region. Call "
-                f"model.{CHECKPOINTING_METHOD}_disable()."
             )
         # under DDP, Accelerate wraps the model after this and broadcasts rank 0's weights into it; the masters are
         # made here, so they must be made from rank 0's weights too, or each rank would train its own

@@ -1,6 +1,7 @@
 """What MixprecTrainer refuses, with the fix: TrainingArguments and set-ups (another mixed-precision system,
-DeepSpeed, FSDP, activation checkpointing, optimizers that update inside backward, several devices per
-process) under which it could not guarantee skip-on-overflow, unscaled clipping and an unmoved schedule."""
+DeepSpeed, FSDP, reentrant activation checkpointing, optimizers that update inside backward, several devices
+per process) under which it could not guarantee skip-on-overflow, unscaled clipping, an unmoved schedule and
+a backward that matches the forward."""
 
 from __future__ import annotations
 
@@ -9,16 +10,13 @@ from typing import Any
 
 import transformers
 from accelerate.utils import DistributedType
-from torch import nn
 
 from mixprec.parallel import is_sharded
 
 __all__ = [
     "CHECKPOINTING_ARGUMENT",
-    "CHECKPOINTING_METHOD",
     "DDP_TYPES",
     "argument_problem",
-    "checkpoints_activations",
     "optim_name",
     "setup_problem",
 ]
@@ -26,23 +24,10 @@ __all__ = [
 DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # one device per process, Accelerate's DDP
 # transformers renamed gradient checkpointing to activation checkpointing (after 5.17): the messages use the
 # installed version's names
-CHECKPOINTING_METHOD = next(
-    name for name in ("activation_checkpointing", "gradient_checkpointing")
-    if hasattr(transformers.PreTrainedModel, f"{name}_enable")
-)  # fmt: skip
 CHECKPOINTING_ARGUMENT = next(
     (f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.name == "activation_checkpointing"),
     "gradient_checkpointing",
 )
-
-
-def checkpoints_activations(model: nn.Module) -> bool:
-    """Whether the model recomputes activations: ``is_activation_checkpointing`` after the rename (5.17 and
-    earlier: ``is_gradient_checkpointing``)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
 
 
 def optim_name(args: transformers.TrainingArguments) -> str:
@@ -76,16 +61,16 @@ def argument_problem(args: transformers.TrainingArguments, policy: Any) -> str |
                 "precision and optimizer step). Train with DDP, or use mixprec.fully_shard / mixprec.parallel "
                 "with mixprec.MixedPrecision in a loop of your own (docs/training-step.md)."
             )
+    checkpointing_kwargs = getattr(args, f"{CHECKPOINTING_ARGUMENT}_kwargs", None) or {}
     unsupported = {
-        f"{CHECKPOINTING_ARGUMENT}=True": any(
-            getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing")
-        ),
+        f"{CHECKPOINTING_ARGUMENT}_kwargs={checkpointing_kwargs!r}": bool(checkpointing_kwargs.get("use_reentrant")),
         "auto_find_batch_size=True": args.auto_find_batch_size,
         f"optim={optim!r}": optim in ("lomo", "adalomo") or optim.endswith("layerwise"),
     }
     why = {
-        f"{CHECKPOINTING_ARGUMENT}=True": "the recomputed forward would run outside the policy's region (its "
-        f"casts and FP32 ops), so backward would differ from forward; set {CHECKPOINTING_ARGUMENT}=False",
+        f"{CHECKPOINTING_ARGUMENT}_kwargs={checkpointing_kwargs!r}": "the reentrant checkpoint recomputes the "
+        "forward outside the policy's region (its casts and FP32 ops), so backward would differ from forward; "
+        "leave use_reentrant out (transformers' default is False), where mixprec re-enters the region",
         "auto_find_batch_size=True": "a retry after running out of memory would restart a half-trained mixed-"
         "precision run; set per_device_train_batch_size yourself",
         f"optim={optim!r}": "this optimizer updates inside the backward pass, before gradients can be unscaled "

@@ -50,6 +50,7 @@ from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
 from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel, wants_kernel
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.op_overrides import FP32Ops
+from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
 
 __all__ = [
     "ComputePlan",
@@ -228,32 +229,50 @@ class Region:
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32)
                 self._fp8_installed = self.fp8.install()
             self._fp32_modules = _hooked_fp32_modules(model, self.policy)
+        # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
+        self._checkpointing = checkpointing_modules(model) if model is not None else []
+        wire_checkpointing(self._checkpointing)
 
     @contextlib.contextmanager
-    def enter(self) -> Iterator[Policy]:
+    def enter(self, *, recomputing: bool = False) -> Iterator[Policy]:
         """The region itself: a context manager that yields the policy. One ``with`` statement, with a
-        null context for each part the policy does not use, so torch.compile can trace it."""
+        null context for each part the policy does not use, so torch.compile can trace it.
+        ``recomputing``: entered again for an activation checkpoint's recompute (mixprec.checkpoint), where
+        the checkpoint, not the emulation, keeps what backward saves."""
         policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
         emulation = None
         if plan.mode == "emulated":
-            emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops)
+            emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops, saves_low=not recomputing)
         elif plan.mode == "hybrid":
             only = plan.kernels.emulated_ops
-            emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops, only=only, device_type=device_type)
+            emulation = EmulatedAutocast(
+                plan.dtype, policy.fp32_ops, only=only, device_type=device_type, saves_low=not recomputing
+            )
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
+        traced = torch.compiler.is_compiling()
+        frame = None
+        if not traced:  # compiled, the compiler recomputes checkpoints from its graph
+            wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
+            frame = Frame(self, self._fp32_region(emulation) if self._fp32_modules else None)
+        fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
         with (
+            _no_graph_breaks() if traced else null,  # first: it covers everything entered after it
+            entered(frame),
             # Not native: the region still owns the precision, so an outer autocast is switched off inside.
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
-            GemmAttention() if native and torch.is_grad_enabled() and uses_gemm_attention(policy, plan) else null,
+            # compiled, GEMM attention steps aside (the compiler picks its attention kernel): not entered at all
+            GemmAttention()
+            if native and not traced and torch.is_grad_enabled() and uses_gemm_attention(policy, plan)
+            else null,
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
-            FP32Ops(policy.fp32_ops, device_type) if policy.fp32_ops and plan.mode != "emulated" else null,
+            FP32Ops(policy.fp32_ops, device_type) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype) if self.fp8 is not None else null,
             _output_dtype(model, policy.output_dtype) if model is not None else null,
-            _model_hooks(self._fp32_modules, self._fp32_region(emulation)) if self._fp32_modules else null,
+            _model_hooks(self._fp32_modules, self._fp32_region(emulation), frame) if self._fp32_modules else null,
         ):
             yield policy
 
@@ -273,6 +292,16 @@ class Region:
         if self.plan.mode == "hybrid":
             return functools.partial(_fp32_in_hybrid, emulation, self.device_type)
         return functools.partial(torch.autocast, self.device_type, enabled=False)
+
+
+def _no_graph_breaks() -> contextlib.AbstractContextManager:
+    """Inside a compiled function, a graph break in the region is an error rather than a wrong result: torch
+    2.13's dynamo resumed after such a break without the rest of the ``with`` block (measured, every 16-bit
+    policy: ``with mp.autocast(): loss = f(model(x))`` returned ``model(x)``; alone, ``torch.autocast`` and a
+    TorchFunctionMode resume correctly, the region's nest of context managers does not). A region entered
+    outside the compiled code, around a compiled model, is not affected: graph breaks there are fine."""
+    toggle = getattr(torch._dynamo, "error_on_graph_break", None)
+    return toggle(True) if toggle is not None else contextlib.nullcontext()
 
 
 def refuse_foreign_autocast(model: nn.Module) -> None:
@@ -329,9 +358,10 @@ def _hooked_fp32_modules(model: nn.Module, policy: Policy) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def _model_hooks(
-    modules: list[nn.Module], fp32_region: Callable[[], contextlib.AbstractContextManager]
+    modules: list[nn.Module], fp32_region: Callable[[], contextlib.AbstractContextManager], frame: Frame | None
 ) -> Iterator[None]:
-    """FP32 modules: autocast off and FP32 inputs for their forward (hooks for the region's lifetime)."""
+    """FP32 modules: autocast off and FP32 inputs for their forward (hooks for the region's lifetime). The
+    frame counts open FP32 forwards: a checkpoint called inside one recomputes inside one."""
     handles = []
     # (module, autocast-off region) for each FP32 module whose forward is running, innermost last.
     open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
@@ -340,12 +370,16 @@ def _model_hooks(
         region = fp32_region()
         region.__enter__()
         open_regions.append((module, region))
+        if frame is not None:
+            frame.fp32_depth += 1
         return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
 
     def leave_fp32(module: nn.Module, args: tuple, output: Any) -> None:
         # always_call: also runs when forward raised, possibly before enter_fp32 ran.
         if open_regions and open_regions[-1][0] is module:
             open_regions.pop()[1].__exit__(None, None, None)
+            if frame is not None:
+                frame.fp32_depth -= 1
 
     for module in modules:
         handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))

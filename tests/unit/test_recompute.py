@@ -1,0 +1,196 @@
+"""Activation checkpointing inside a policy's region: gradients with mixprec.checkpoint equal those without it,
+bit for bit, under every kind of region (native, emulated, hybrid; FP32 ops and modules; GEMM attention)."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+import mixprec
+
+
+class Block(nn.Module):
+    """Attention, a LayerNorm, an MLP, dropout and a softmax: ops from every list a region treats differently."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, 2, width // 2).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, width)
+        hidden = self.drop(F.gelu(self.up(x + attended)))
+        return x + self.down(hidden).softmax(-1)
+
+
+class Stage(nn.Module):
+    """Blocks, each checkpointed (or not) by this module's own forward."""
+
+    def __init__(self, blocks: int, checkpointed: bool, **checkpoint_options) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.checkpointed = checkpointed
+        self.options = checkpoint_options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = mixprec.checkpoint(block, x, **self.options) if self.checkpointed else block(x)
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self, checkpointed: bool, **checkpoint_options) -> None:
+        super().__init__()
+        self.stage = Stage(3, checkpointed, **checkpoint_options)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stage(x))
+
+
+def _gradients(policy: str, device: str, checkpointed: bool, **checkpoint_options) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net(checkpointed, **checkpoint_options).to(device)
+    optimizer = (mixprec.AdamW if "pure" in policy else torch.optim.AdamW)(model.parameters(), lr=1e-3)
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    x = torch.randn(4, 6, 16, device=device)
+    with mp.autocast():
+        loss = model(x).float().pow(2).mean()
+    mp.backward(loss)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_equal(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b), f"largest difference {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.fixture(autouse=True)
+def both_cpu_plans(kernel_cache):
+    """bf16: native with GEMM attention; fp16: hybrid (matmuls native, attention emulated). The emulated
+    region is the policies' kernels=emulated."""
+    kernel_cache(torch.bfloat16, attention="gemm")
+    kernel_cache(torch.float16, attention="emulated")
+
+
+POLICIES = [
+    "mixed_bf16",
+    "mixed_fp16",
+    "o2_bf16",
+    "o2_fp16",
+    "pure_bf16",
+    "base=mixed_bf16,kernels=emulated",
+    "base=mixed_fp16,kernels=emulated",
+    "base=mixed_fp16,kernels=emulated,fp32_ops=gelu",
+    "base=mixed_bf16,fp32_ops=gelu",
+    "base=mixed_bf16,fp32_modules=Linear",
+    "base=mixed_fp16,kernels=emulated,fp32_modules=Block",
+    "base=mixed_bf16,fp32_modules=Stage",  # the checkpoints are called inside an FP32 module's forward
+    "base=mixed_fp16,kernels=emulated,fp32_modules=Stage",
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradients_with_checkpointing_equal_those_without(policy, device):
+    if "fp16" in policy and not mixprec.device_caps(device).supports_fp16:
+        pytest.skip(f"{device} computes no fp16")
+    _assert_equal(_gradients(policy, device, False), _gradients(policy, device, True))
+
+
+def test_a_selective_checkpoint_context_of_ones_own_is_kept(device):
+    # PyTorch's selective checkpointing: matmul outputs saved, the rest recomputed, in the region
+    save_matmuls = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    policy = "base=mixed_fp16,kernels=emulated"
+    _assert_equal(_gradients(policy, device, False), _gradients(policy, device, True, context_fn=save_matmuls))
+
+
+def test_outside_a_region_it_is_torchs_checkpoint(device):
+    torch.manual_seed(0)
+    block, x = Block().to(device), torch.randn(2, 5, 16, device=device)
+    torch.manual_seed(1)
+    expected = torch.autograd.grad(block(x).sum(), list(block.parameters()))
+    torch.manual_seed(1)
+    got = torch.autograd.grad(mixprec.checkpoint(block, x).sum(), list(block.parameters()))
+    _assert_equal(list(expected), list(got))
+
+
+def test_backward_inside_the_region_recomputes_once_in_it(device):
+    # the region is still entered when backward runs: the recompute does not enter it a second time
+    policy = "base=mixed_fp16,kernels=emulated,fp32_modules=Stage"
+    expected = _gradients(policy, device, False)
+    torch.manual_seed(0)
+    model = Net(True).to(device)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+    x = torch.randn(4, 6, 16, device=device)
+    with mp.autocast():
+        mp.backward(model(x).float().pow(2).mean())
+    _assert_equal(expected, [p.grad for p in model.parameters()])
+
+
+def test_the_reentrant_checkpoint_and_fp8_are_refused():
+    block = Block()
+    with pytest.raises(ValueError, match=r"use_reentrant=True.* takes no context_fn.* Use use_reentrant=False"):
+        mixprec.checkpoint(block, torch.randn(2, 5, 16), use_reentrant=True)
+    model = Net(True)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "base=mixed_bf16,fp8=hybrid")
+    with (
+        pytest.raises(ValueError, match=r"FP8 layers record each tensor's amax .* without checkpointing"),
+        mp.autocast(),
+    ):
+        model(torch.randn(4, 6, 16))
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert(checkpointing: dict | None) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
+    model = transformers.BertForSequenceClassification(config)
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    return model
+
+
+def _bert_gradients(policy: str, model: nn.Module, enable_after: dict | None = None) -> list[torch.Tensor]:
+    optimizer = (mixprec.AdamW if "pure" in policy else torch.optim.AdamW)(model.parameters(), lr=1e-3)
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    if enable_after is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=enable_after)
+    model.train()  # dropout on: the recompute replays the forward's random state
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(3))
+    with mp.autocast():
+        loss = model(input_ids=ids, labels=torch.tensor([0, 1, 1, 0])).loss
+    mp.backward(loss)
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gradient_checkpointing_enable's rename
+@pytest.mark.parametrize("policy", ["mixed_bf16", "base=mixed_fp16,kernels=emulated", "o2_bf16", "pure_bf16"])
+def test_a_hugging_face_model_with_checkpointing_on_recomputes_in_the_region(policy):
+    expected = _bert_gradients(policy, _bert(None))
+    _assert_equal(expected, _bert_gradients(policy, _bert({"use_reentrant": False})))
+    _assert_equal(expected, _bert_gradients(policy, _bert(None), enable_after={"use_reentrant": False}))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_hugging_face_model_checkpointing_reentrantly_is_refused():
+    model = _bert({"use_reentrant": True})
+    with pytest.raises(ValueError, match=r"use_reentrant=True, which recomputes outside the policy's region"):
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "mixed_bf16")
