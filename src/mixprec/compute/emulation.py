@@ -187,8 +187,7 @@ class EmulatedAutocast(TorchFunctionMode):
     def __enter__(self) -> EmulatedAutocast:
         super().__enter__()
         # Saving 16-bit sources for backward is an eager-mode saving; compiled, the compiler plans it.
-        self.traced = torch.compiler.is_compiling()  # entered while torch.compile traces
-        self._saving = self._saves_low and not self.traced
+        self._saving = self._saves_low and not torch.compiler.is_compiling()
         if self._saving:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._saved_hooks.__enter__()

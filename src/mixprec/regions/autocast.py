@@ -253,10 +253,11 @@ class Region:
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
         traced = torch.compiler.is_compiling()
+        fp32_region = self._fp32_region(emulation) if self._fp32_modules else None
         frame = None
         if not traced:  # compiled, the compiler recomputes checkpoints from its graph
             wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
-            frame = Frame(self, self._fp32_region(emulation) if self._fp32_modules else None)
+            frame = Frame(self, fp32_region)
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
         with (
             _no_graph_breaks() if traced else null,  # first: it covers everything entered after it
@@ -272,7 +273,7 @@ class Region:
             FP32Ops(policy.fp32_ops, device_type) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype) if self.fp8 is not None else null,
             _output_dtype(model, policy.output_dtype) if model is not None else null,
-            _model_hooks(self._fp32_modules, self._fp32_region(emulation), frame) if self._fp32_modules else null,
+            _model_hooks(self._fp32_modules, fp32_region, frame) if self._fp32_modules else null,
         ):
             yield policy
 

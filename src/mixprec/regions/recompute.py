@@ -138,10 +138,10 @@ def _nested(outer: contextlib.AbstractContextManager, inner: contextlib.Abstract
         yield
 
 
-def _reentrant_refused(who: str) -> ValueError:
+def _reentrant_refused(who: str, fix: str) -> ValueError:
     return ValueError(
-        f"{who}: received use_reentrant=True. The reentrant checkpoint recomputes outside the policy's region "
-        "(it takes no context_fn), so backward would differ from forward. Use use_reentrant=False."
+        f"{who} checkpoints activations with use_reentrant=True, which recomputes outside the policy's region "
+        f"(it takes no context_fn), so backward would differ from forward. {fix}"
     )
 
 
@@ -157,7 +157,7 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool = False, **kw
     import torch.utils.checkpoint  # here: it loads torch's compiler (1.4 s of every start)
 
     if use_reentrant:
-        raise _reentrant_refused("mixprec.checkpoint")
+        raise _reentrant_refused("mixprec.checkpoint", "Use use_reentrant=False.")
     return _checkpoint_in_region(torch.utils.checkpoint.checkpoint, function, *args, **kwargs)
 
 
@@ -235,10 +235,9 @@ def wire_checkpointing(modules: list[nn.Module]) -> None:
         if checkpoint_fn is None or isinstance(checkpoint_fn, InRegion):
             continue
         if _bound(checkpoint_fn).get("use_reentrant"):
-            raise ValueError(
-                f"{type(module).__name__} checkpoints activations with use_reentrant=True, which recomputes "
-                "outside the policy's region (it takes no context_fn), so backward would differ from forward. "
+            raise _reentrant_refused(
+                type(module).__name__,
                 "Enable it with use_reentrant=False (transformers' default): "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}).",
             )
         module._gradient_checkpointing_func = InRegion(checkpoint_fn)
