@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
+
 __all__ = ["GemmAttention", "gemm_attention"]
 
 
@@ -139,5 +141,6 @@ class GemmAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and not torch.compiler.is_compiling():
             call = _eligible(args, kwargs)
             if call is not None:
+                refuse_foreign_checkpoint("bf16 GEMM attention")
                 return gemm_attention(*call)
         return func(*args, **kwargs)

@@ -39,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "EmulatedAutocast", "active_emulation"]
@@ -260,6 +261,8 @@ class EmulatedAutocast(TorchFunctionMode):
 
     def _emulate(self, func, name: str | None, args: tuple, kwargs: dict) -> Any:
         if name in LOWER_PRECISION_OPS:
+            if self._saving:  # torch's checkpoint would recompute this op without the rounding
+                refuse_foreign_checkpoint("the 16-bit emulation's roundings")
             args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
             if name in _SAVES_OWN_OUTPUT and self._keeps_saved_low():
                 return self._keeping_output_low(func, args, kwargs)

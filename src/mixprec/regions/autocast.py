@@ -42,6 +42,7 @@ from torch import nn
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.device import device_caps, device_type_of
 from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.compute.nest import map_floating
 from mixprec.policy.parse import get_policy
@@ -368,6 +369,7 @@ def _model_hooks(
     open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
 
     def enter_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        refuse_foreign_checkpoint(f"the policy's FP32 module {type(module).__name__}")
         region = fp32_region()
         region.__enter__()
         open_regions.append((module, region))

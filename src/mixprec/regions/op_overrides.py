@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32Ops"]
@@ -54,6 +55,7 @@ class FP32Ops(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs.get("out") is None and getattr(func, "__name__", None) in self._names:  # out=: see emulation.py
+            refuse_foreign_checkpoint(f"the policy's FP32 op {func.__name__}")
             with torch.autocast(self._device_type, enabled=False):
                 args, kwargs = map_floating((args, kwargs), _to_fp32)
                 return func(*args, **kwargs)

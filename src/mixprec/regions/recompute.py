@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from mixprec.compute.emulation import active_emulation
+from mixprec.compute.foreign_checkpoint import mixprec_checkpoint_forward
 
 __all__ = ["checkpoint", "recompute_context", "wire_checkpointing"]
 
@@ -85,8 +86,10 @@ def entered(frame: Frame | None) -> Iterator[None]:
 
 
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: nothing around the
-    forward; around the recompute, the region the forward runs in now (none if no region is active).
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: around the forward, a
+    mark that this checkpoint's recompute re-enters the region (the region's parts refuse torch's checkpoint
+    without it, see compute/foreign_checkpoint.py); around the recompute, the region the forward runs in now
+    (nothing around either if no region is active).
 
     Raises:
         ValueError: the region computes Linear layers in FP8 (a recompute would record their amax again).
@@ -100,7 +103,7 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
             "record each tensor's amax in the forward, and the recompute would record it a second time and "
             "advance the scales. Checkpoint under a policy without fp8, or train FP8 without checkpointing."
         )
-    return contextlib.nullcontext(), _recompute_in(frame.region, inside_fp32_module=frame.fp32_depth > 0)
+    return mixprec_checkpoint_forward(), _recompute_in(frame.region, inside_fp32_module=frame.fp32_depth > 0)
 
 
 @contextlib.contextmanager
@@ -126,8 +129,8 @@ def _with_recompute(context_fn: Callable | None) -> Callable:
 
     def both() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         forward, recompute = context_fn()
-        _, region = recompute_context()
-        return forward, _nested(region, recompute)
+        mark, region = recompute_context()
+        return _nested(mark, forward), _nested(region, recompute)
 
     return both
 

@@ -22,6 +22,7 @@ from collections.abc import Collection, Iterator
 import torch
 from torch import nn
 
+from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 
@@ -121,6 +122,7 @@ class _Fp8Forward:
         module, out_dtype = self.module, self.state.out_dtype
         if out_dtype is None:
             return type(module).forward(module, x)
+        refuse_foreign_checkpoint("the policy's FP8 Linear layers")
         return fp8_linear(x, module.weight, module.bias, self.layer, out_dtype)
 
 
