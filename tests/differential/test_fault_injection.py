@@ -61,7 +61,8 @@ def _run(policy: str, inject: bool, seed: int = 0):
         kind = rng.choice(["inf", "nan"]) if inject and rng.random() < RATE else None
         if kind is not None:
             grad = rng.choice(layers).grad
-            grad.view(-1)[rng.randrange(grad.numel())] = float(kind)
+            # .data: a fault in the gradient, past the watch for edits of scaled gradients
+            grad.data.view(-1)[rng.randrange(grad.numel())] = float(kind)
             injected[kind] += 1
             before = _snapshot(engine)
         result = engine.step()

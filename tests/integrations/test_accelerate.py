@@ -103,3 +103,51 @@ def test_an_update_inside_accelerates_accumulate_is_refused_and_mixprecs_own_acc
             mp.backward(loss)
             applied.append(bool(mp.step()))
     assert applied == [False, True]
+
+
+def test_accelerates_clip_grad_norm_of_scaled_gradients_is_refused():
+    # with mixed_precision="no" Accelerate unscales nothing: it would clip gradients 2^16 times too large
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16")
+    prepared = accelerator.prepare(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        mp.backward(prepared(torch.randn(8, 4)).square().mean())
+    accelerator.clip_grad_norm_(prepared.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"changed after mp.backward\(\) while still multiplied by the loss scale"):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _train_with_accelerate(steps: range, folder: Path, save_at: int | None, load: bool) -> tuple[list, float]:
+    AcceleratorState._reset_state(True)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    mp = mixprec.MixedPrecision(model, optimizer, "o2_fp16")
+    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.register_for_checkpointing(mp)
+    if load:
+        accelerator.load_state(str(folder))
+    for step in steps:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        with mp.autocast():
+            loss = prepared(x).float().square().mean() * (float("inf") if step in (1, 4) else 1.0)
+        mp.backward(loss)
+        mp.clip_grad_norm_(1.0)
+        mp.step()
+        mp.step_scheduler(scheduler)
+        if step == save_at:
+            accelerator.save_state(str(folder))
+    return [p.detach().clone() for p in mp.fp32_state_dict().values()], mp.stats().scale
+
+
+def test_register_for_checkpointing_resumes_the_scale_and_masters_exactly(tmp_path):
+    # overflows (skipped updates) on both sides of the checkpoint
+    whole, scale = _train_with_accelerate(range(6), tmp_path, save_at=2, load=False)
+    resumed, resumed_scale = _train_with_accelerate(range(3, 6), tmp_path, save_at=None, load=True)
+    assert resumed_scale == scale == 2.0**14
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))

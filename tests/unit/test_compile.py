@@ -286,15 +286,19 @@ def _checkpoint_gradients(policy: str, checkpointed: bool, compiled: bool) -> li
 
 
 @pytest.mark.parametrize(
-    ("policy", "reference"),
+    ("policy", "plan", "reference"),
     [
         # autocast's region: the compiler recomputes from its own trace of the block
-        ("mixed_bf16", "compiled"),
+        ("mixed_bf16", {}, "compiled"),
+        ("mixed_bf16", {"attention": "gemm"}, "compiled"),  # compiled, GEMM attention steps aside
         # the emulation does not reach a traced checkpoint's body: the block runs eagerly, with its roundings
-        ("base=mixed_fp16,kernels=emulated", "eager"),
+        ("mixed_bf16", {"attention": "emulated"}, "eager"),
+        ("mixed_bf16", {"matmul": "emulated", "attention": "emulated"}, "eager"),
+        ("base=mixed_fp16,kernels=emulated", {}, "eager"),
     ],
 )
-def test_a_compiled_checkpoint_recomputes_what_the_forward_computed(policy, reference):
+def test_a_compiled_checkpoint_recomputes_what_the_forward_computed(policy, plan, reference, kernel_cache):
+    kernel_cache(torch.bfloat16, **plan)  # the plan this machine's probe would choose, fixed
     expected = _checkpoint_gradients(policy, checkpointed=False, compiled=reference == "compiled")
     for plain, recomputed in zip(expected, _checkpoint_gradients(policy, True, compiled=True), strict=True):
         torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)

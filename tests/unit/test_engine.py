@@ -698,3 +698,48 @@ def test_an_optimizer_of_another_models_parameters_is_refused(policy):
     # an optimizer holding the model's parameters and one more of its own (a learnable loss temperature) is fine
     temperature = nn.Parameter(torch.ones(()))
     mixprec.MixedPrecision(model, torch.optim.SGD([*model.parameters(), temperature], lr=0.1), policy)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
+def test_a_gradient_norm_past_fp32s_range_skips_the_update(policy):
+    # finite gradients (no loss scale) whose squares overflow FP32: clipping would zero them, and AdamW would
+    # still move the weights by its momentum; the update is skipped instead
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    for seed in range(2):
+        assert train_step(mp, model, seed, clip=1.0)[0]  # momentum to move with
+    before = snapshot(mp, model)
+    x, y = batch(5)
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y) * 1e30)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert not torch.isfinite(mp.clip_grad_norm_(1.0))
+    assert not mp.step()
+    assert_bit_identical(before, snapshot(mp, model))
+
+
+def test_a_state_saved_mid_window_says_its_gradients_are_missing_and_the_window_restarts():
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "mixed_fp16"), "mixed_fp16", accumulation_steps=4)
+    for seed in range(2):
+        train_step(mp, model, seed)
+    with pytest.warns(UserWarning, match=r"2 of 4 micro-batches done\): their gradients are not saved"):
+        state = mp.state_dict()
+    resumed_model = make_model()
+    resumed = mixprec.MixedPrecision(
+        resumed_model, make_optimizer(resumed_model, "mixed_fp16"), "mixed_fp16", accumulation_steps=4
+    )
+    with pytest.warns(UserWarning, match=r"after 2 of 4 micro-batches .* the window starts again here"):
+        resumed.load_state_dict(state)
+    updates = [train_step(resumed, resumed_model, seed)[0].update_step for seed in range(4)]
+    assert updates == [False, False, False, True]  # a whole window, not the 2 micro-batches left of the saved one
+
+
+def test_arguments_that_would_be_misread_are_refused():
+    model = make_model()
+    with pytest.raises(TypeError, match=r"accumulate_in_fp32=...\) needs True or False; received 'yes'"):
+        mixprec.MixedPrecision(model, make_optimizer(model, "o2_bf16"), "o2_bf16", accumulate_in_fp32="yes")
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, "mixed_bf16"), "mixed_bf16")
+    train_step(mp, model, 0)
+    with pytest.raises(TypeError, match=r"step_scheduler\(scheduler=...\) needs an LR scheduler; received AdamW"):
+        mp.step_scheduler(mp.optimizer)  # would step the optimizer a second time

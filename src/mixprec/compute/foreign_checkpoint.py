@@ -8,25 +8,30 @@ notices (a ``CheckpointError``: the recomputed dtypes differ), but not always: u
 activation is an FP32 tensor, so the recompute silently skips the 16-bit roundings and backward's gradients
 come from other activations than the loss did.
 
-Each of those parts calls :func:`refuse_foreign_checkpoint` where it computes something with autograd on:
-while torch's checkpoint is recording a forward (its saved-tensor hook is the innermost one), and the
-checkpoint was not made by mixprec (whose recompute re-enters the region, see regions/recompute.py, and
-marks its forward with :func:`mixprec_checkpoint_forward`), the forward stops with the fix.
+Each of those parts calls :func:`refuse_foreign_checkpoint` where it computes something: while torch's
+checkpoint is recording a forward (its saved-tensor hook is the innermost one), and the checkpoint was not
+made by mixprec (whose recompute re-enters the region, see regions/recompute.py, and marks its forward with
+:func:`mixprec_checkpoint_forward`), the forward stops with the fix. The reentrant checkpoint
+(``use_reentrant=True``) runs its forward with autograd off and no hook: inside a region entered with autograd
+on (:func:`region_with_autograd`), an op run with autograd off looks for that checkpoint's forward among its
+callers.
 
-Costs one C call (about 0.2 µs) per op these parts handle; nothing for autocast's own ops, which torch's
-checkpoint restores correctly. Not detected: torch's checkpoint nested inside a mixprec one, and the
-reentrant checkpoint (``use_reentrant=True``), whose forward runs without autograd and without hooks.
+Costs one C call (about 0.2 µs) per op these parts handle, and a walk up the call stack (a few µs) for those
+run with autograd off inside a training region once torch.utils.checkpoint is imported; nothing for
+autocast's own ops, which torch's checkpoint restores correctly. Not detected: torch's checkpoint nested
+inside a mixprec one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["mixprec_checkpoint_forward", "refuse_foreign_checkpoint"]
+__all__ = ["mixprec_checkpoint_forward", "refuse_foreign_checkpoint", "region_with_autograd"]
 
 _local = threading.local()
 # torch.utils.checkpoint's saved-tensor hook while it records a forward (a class of torch's, by its name)
@@ -43,17 +48,53 @@ def mixprec_checkpoint_forward() -> Iterator[None]:
         _local.depth -= 1
 
 
+@contextlib.contextmanager
+def region_with_autograd() -> Iterator[None]:
+    """Marks a region entered with autograd on (a training forward), where an op run with autograd off may be a
+    reentrant checkpoint's forward."""
+    _local.training = getattr(_local, "training", 0) + 1
+    try:
+        yield
+    finally:
+        _local.training -= 1
+
+
 def refuse_foreign_checkpoint(part: str) -> None:
-    """Raise ValueError when torch's own checkpoint records this forward (eager, autograd on); ``part``: what
-    of the region would be missing from its recompute, for the message."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or getattr(_local, "depth", 0):
+    """Raise ValueError when torch's own checkpoint records this forward (eager); ``part``: what of the region
+    would be missing from its recompute, for the message."""
+    if torch.compiler.is_compiling() or getattr(_local, "depth", 0):
+        return
+    if not torch.is_grad_enabled():
+        if getattr(_local, "training", 0) and _in_reentrant_checkpoint():
+            raise ValueError(_refusal("torch.utils.checkpoint(..., use_reentrant=True)", part, reentrant=True))
         return
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None or not getattr(hooks[0], "__qualname__", "").startswith(_TORCH_CHECKPOINT_HOOK):
         return
-    raise ValueError(
-        "torch.utils.checkpoint was called inside a mixprec region: its recompute runs during backward, after the "
-        f"region has exited, without {part}, so backward would use other activations than the forward. Call "
-        "mixprec.checkpoint(function, *args, ...) instead (the same arguments), or pass "
+    raise ValueError(_refusal("torch.utils.checkpoint", part, reentrant=False))
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the reentrant checkpoint's forward is among the callers (only once its module is imported)."""
+    module = sys.modules.get("torch.utils.checkpoint")
+    function = getattr(module, "CheckpointFunction", None)
+    code = getattr(getattr(function, "forward", None), "__code__", None)
+    frame = sys._getframe(2)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refusal(call: str, part: str, reentrant: bool) -> str:
+    fix = (
+        "Call mixprec.checkpoint(function, *args) instead (non-reentrant, with the same other arguments)."
+        if reentrant
+        else "Call mixprec.checkpoint(function, *args, ...) instead (the same arguments), or pass "
         "context_fn=mixprec.recompute_context to torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+    )
+    return (
+        f"{call} was called inside a mixprec region: its recompute runs during backward, after the region has "
+        f"exited, without {part}, so backward would use other activations than the forward. {fix}"
     )

@@ -33,6 +33,7 @@ rank's statistics describe the step as a whole.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from mixprec.engine.accelerate_sync import unsynced_update_problem
 from mixprec.engine.call_order import CallOrder
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
+from mixprec.engine.scaled_grads import ScaledGradsWatch
 from mixprec.engine.setup_checks import check_model_and_optimizer, check_sharding, needs_compensated_optimizer
 from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.master.compensated import AdamW as CompensatedAdamW
@@ -97,6 +99,22 @@ class StepResult:
         return f"StepResult(applied={bool(self)})" if self.update_step else "StepResult(accumulating)"
 
 
+def _check_arguments(
+    model: Any, optimizer: Any, accumulation_steps: Any, accumulate_in_fp32: Any, num_losses: Any
+) -> None:
+    """MixedPrecision's arguments of the wrong type or range, refused by name."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"MixedPrecision(model=...) needs an nn.Module; received {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"MixedPrecision(optimizer=...) needs a torch.optim.Optimizer; received {type(optimizer).__name__}."
+        )
+    for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
+        whole_number(value, f"MixedPrecision({name}=...)")
+    if not isinstance(accumulate_in_fp32, bool):
+        raise TypeError(f"MixedPrecision(accumulate_in_fp32=...) needs True or False; received {accumulate_in_fp32!r}.")
+
+
 class MixedPrecision:
     """Mixed-precision training for ``model`` and ``optimizer`` under ``policy``.
 
@@ -134,14 +152,7 @@ class MixedPrecision:
         num_losses: int = 1,
         history: int = 32,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"MixedPrecision(model=...) needs an nn.Module; received {type(model).__name__}.")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"MixedPrecision(optimizer=...) needs a torch.optim.Optimizer; received {type(optimizer).__name__}."
-            )
-        for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
-            whole_number(value, f"MixedPrecision({name}=...)")
+        _check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses)
         refuse_foreign_autocast(model)  # before anything is cast
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device(device_type_of(None))
@@ -175,6 +186,7 @@ class MixedPrecision:
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._masters_unchecked = self.masters is not None  # until the first update
         self._order = CallOrder(accumulation_steps)
+        self._scaled_grads = ScaledGradsWatch()  # gradients written to while still scaled are refused
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
@@ -243,6 +255,7 @@ class MixedPrecision:
                 "computed under torch.no_grad() or detached."
             )
         self._order.on_backward()
+        self._refuse_changed_scaled_grads()
         if self._scaled_by is not None and self.num_losses > 1:
             self._unscale_scaled(into_sums=True)
             self._check_kinds()
@@ -255,6 +268,25 @@ class MixedPrecision:
             self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
         if self.accumulate_in_fp32:
             self.masters.grads_to_masters()
+        if not isinstance(self.scalers[loss_id], NoOpLossScaler):  # unscaled gradients are the caller's to edit
+            self._scaled_grads.record([*self.model.parameters(), *self._optimizer_params()])
+
+    def _refuse_changed_scaled_grads(self) -> None:
+        """Raise when a gradient was written to or replaced since the last backward while it still carries the
+        loss scale (a Python loop over the parameters; no device work)."""
+        param = self._scaled_grads.changed()
+        if param is None:
+            return
+        self._scaled_grads.forget()
+        name = next((n for n, p in self.model.named_parameters() if p is param), "a master weight")
+        raise RuntimeError(
+            f"MixedPrecision: the gradient of {name!r} was changed after mp.backward() while still multiplied "
+            "by the loss scale: clipping or editing scaled gradients (torch.nn.utils.clip_grad_norm_, "
+            "accelerator.clip_grad_norm_) sees them the loss scale (2^16 at first) times too large, and the update "
+            "would shrink silently. Nothing was applied. Clip with mp.clip_grad_norm_(max_norm), which unscales "
+            "first, or call mp.unscale_() before changing gradients yourself (then the optimizer's: under o2 policies "
+            "the FP32 masters in optimizer.param_groups hold them)."
+        )
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -280,6 +312,8 @@ class MixedPrecision:
     def _unscale_scaled(self, into_sums: bool) -> None:
         """Unscale the gradients in ``.grad`` (the masters' for o2) with the scaler of the loss that made them,
         in place, or into FP32 sums that gradients of another scale can join; note the loss's found-inf flag."""
+        self._refuse_changed_scaled_grads()
+        self._scaled_grads.forget()
         loss_id, self._scaled_by = self._scaled_by, None
         if self.masters is not None:
             self.masters.grads_to_masters()
@@ -311,7 +345,9 @@ class MixedPrecision:
 
         The norm is computed in FP32 from the unscaled gradients the optimizer will use, with
         ``torch.nn.utils.clip_grad_norm_``'s formula; ``max_norm=math.inf`` measures it without clipping.
-        Non-finite gradients give a non-finite norm, and step() will skip the update. No host sync.
+        A non-finite norm makes step() skip the update, as an overflow does: non-finite gradients, or finite
+        ones whose squares sum past FP32's range (norms from about 1.8e19), which clipping would multiply by 0
+        and the optimizer would still apply (momentum, weight decay). No host sync.
         """
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
             # a negative max_norm would flip every gradient's sign (torch's clip_grad_norm_ takes it)
@@ -336,10 +372,16 @@ class MixedPrecision:
                 total = reduce_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
         else:
             total = torch.linalg.vector_norm(norms, norm_type)
+        self._skip_if_not_finite(total)
         if max_norm != float("inf"):
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient)
         return total
+
+    def _skip_if_not_finite(self, norm: torch.Tensor) -> None:
+        """A non-finite gradient norm is an overflow: every loss of this window gets its found-inf flag."""
+        not_finite = (~torch.isfinite(norm)).float().reshape(1)
+        self._found = [flag if flag is None else torch.maximum(flag, not_finite) for flag in self._found]
 
     def step(self) -> StepResult:
         """Finish the step: unscale (if not done), check, apply the update or skip it, adjust the scale, zero grads.
@@ -431,6 +473,7 @@ class MixedPrecision:
             self.masters.copy_to_model()  # after a skip on the device: unchanged masters, the same values
 
     def _zero_grad(self) -> None:
+        self._scaled_grads.forget()
         self.optimizer.zero_grad(set_to_none=True)
         for param in self.model.parameters():
             param.grad = None
@@ -456,7 +499,7 @@ class MixedPrecision:
         """
         if self._last is None:
             raise RuntimeError("step_scheduler() before any step(): call it once after each mp.step().")
-        if not hasattr(scheduler, "step"):
+        if not hasattr(scheduler, "step") or isinstance(scheduler, torch.optim.Optimizer):
             raise TypeError(
                 f"step_scheduler(scheduler=...) needs an LR scheduler; received {type(scheduler).__name__}."
             )
@@ -493,7 +536,19 @@ class MixedPrecision:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Scalers, master weights and counters (the optimizer and model save their own). Host sync."""
+        """Scalers, master weights and counters (the optimizer and model save their own). Host sync.
+
+        Save after an update: in the middle of an accumulation window the gradients accumulated so far are not
+        part of the state (a warning says so), and a run resumed from it starts the window again without them.
+        """
+        if self._order.micro_step:
+            warnings.warn(
+                f"MixedPrecision.state_dict() in the middle of an accumulation window ({self._order.micro_step} of "
+                f"{self.accumulation_steps} micro-batches done): their gradients are not saved, so a run resumed "
+                "from this state starts the window again without them. Checkpoint right after an update (when "
+                "mp.step() returned update_step=True).",
+                stacklevel=2,
+            )
         return {
             "policy": str(self.policy),
             "scalers": [s.state_dict() for s in self.scalers],
@@ -535,6 +590,13 @@ class MixedPrecision:
         elif state["masters"]:
             raise ValueError("MixedPrecision.load_state_dict: the state holds master weights, this policy keeps none.")
         self._log.load_state_dict(state["counters"])
-        self._order.micro_step = int(state["micro_step"])
+        if int(state["micro_step"]):
+            warnings.warn(
+                f"MixedPrecision.load_state_dict: the state was saved after {int(state['micro_step'])} of "
+                f"{self.accumulation_steps} micro-batches of an accumulation window, without their gradients: the "
+                "window starts again here, and those micro-batches do not count in the next update.",
+                stacklevel=2,
+            )
+        self._order.micro_step = 0
         if self._region.fp8 is not None:
             self._region.fp8.load_state_dict(state.get("fp8", {}))

@@ -173,24 +173,30 @@ def _eager(reason: str) -> Callable[[Callable], Callable]:
 
 
 def _checkpoint_in_region(checkpoint_fn: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling() and active_emulation() is None:
+    if not torch.compiler.is_compiling():
+        return _checkpoint_with_context(checkpoint_fn, function, *args, **kwargs)
+    if active_emulation() is None:
         # the compiler recomputes from the graph it traced, with autocast, FP32 ops and modules as traced
         return checkpoint_fn(function, *args, use_reentrant=False, **kwargs)
     return _eager_checkpoint()(checkpoint_fn, function, *args, **kwargs)
 
 
-@functools.cache
+_EAGER: dict[str, Callable] = {}  # not functools.cache: torch 2.11's dynamo traces past it, with a warning
+
+
 def _eager_checkpoint() -> Callable:
     """:func:`_checkpoint_with_context`, run eagerly from compiled code. Traced, a checkpointed block loses the
     emulation's roundings (measured, torch 2.13: the mode does not reach the checkpoint's traced body), so
     compiled code calls it eagerly, at the cost of a graph break; where the region itself was entered in the
-    compiled code, that break is an error (see regions/autocast.py). Made at first use: disabling loads
-    torch's compiler."""
-    return _eager(
-        "mixprec.checkpoint in an emulated 16-bit region runs eagerly: traced, the checkpointed block would lose "
-        "the emulation's roundings. Enter the region outside the compiled code: with mp.autocast(): "
-        "compiled_model(x)"
-    )(_checkpoint_with_context)
+    compiled code, that break is an error (see regions/autocast.py)."""
+    eager = _EAGER.get("checkpoint")
+    if eager is None:
+        eager = _EAGER["checkpoint"] = _eager(
+            "mixprec.checkpoint in an emulated 16-bit region runs eagerly: traced, the checkpointed block would "
+            "lose the emulation's roundings. Enter the region outside the compiled code: with mp.autocast(): "
+            "compiled_model(x)"
+        )(_checkpoint_with_context)
+    return eager
 
 
 def _checkpoint_with_context(checkpoint_fn: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:

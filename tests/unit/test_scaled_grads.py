@@ -1,0 +1,81 @@
+"""Gradients changed while they still carry the loss scale (torch's or Accelerate's clip_grad_norm_ between
+mp.backward() and mp.step()) are refused before anything is applied; unscaled gradients are the caller's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+
+def _setup(policy: str, device: str, **options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 5)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, mixprec.MixedPrecision(model, optimizer, policy, **options)
+
+
+def _backward(mp, model, device: str, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 12, generator=g).to(device), torch.randint(0, 5, (16,), generator=g).to(device)
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    mp.backward(loss)
+
+
+def _skip_without_fp16(policy: str, device: str) -> None:
+    if "fp16" in policy and not mixprec.device_caps(device).supports_fp16:
+        pytest.skip(f"{device} computes no fp16")
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16"])
+def test_torchs_clip_of_scaled_gradients_is_refused_and_nothing_is_applied(policy, device):
+    _skip_without_fp16(policy, device)
+    model, mp = _setup(policy, device)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(mp, model, device)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the scaled gradients: 2^16 times too large
+    with pytest.raises(RuntimeError, match=r"gradient of '0.weight' was changed after mp.backward\(\) while still "):
+        mp.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_gradient_replaced_or_edited_between_micro_batches_is_refused(device):
+    model, mp = _setup("mixed_fp16", device, accumulation_steps=2)
+    _skip_without_fp16("mixed_fp16", device)
+    _backward(mp, model, device)
+    mp.step()  # the window's first micro-batch: counted only
+    model[2].bias.grad = model[2].bias.grad * 0.5
+    with pytest.raises(RuntimeError, match=r"gradient of '2.bias' was changed"):
+        _backward(mp, model, device, seed=1)
+
+
+def _clipped_weights(policy: str, device: str, clip: str) -> list[torch.Tensor]:
+    model, mp = _setup(policy, device)
+    for seed in range(3):
+        _backward(mp, model, device, seed)
+        if clip == "mixprec":
+            mp.clip_grad_norm_(0.05)
+        else:  # torch's own, on the gradients the optimizer uses
+            if clip == "torch after unscale_":
+                mp.unscale_()
+            torch.nn.utils.clip_grad_norm_([p for g in mp.optimizer.param_groups for p in g["params"]], 0.05)
+        assert mp.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("policy", "clip"),
+    [
+        ("mixed_fp16", "torch after unscale_"),
+        ("o2_fp16", "torch after unscale_"),  # the masters' gradients
+        ("mixed_bf16", "torch"),  # no loss scale: the gradients are unscaled from the start
+        ("o2_bf16", "torch after unscale_"),  # unscale_() moves them to the masters
+    ],
+)
+def test_unscaled_gradients_are_the_callers_to_clip(policy, clip, device):
+    _skip_without_fp16(policy, device)
+    expected = _clipped_weights(policy, device, "mixprec")
+    for a, b in zip(expected, _clipped_weights(policy, device, clip), strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=1e-6)
