@@ -45,7 +45,7 @@ def test_train_traces_the_first_non_finite_value(tmp_path, mixprec_cli):
         (["doctor"], "name a task"),
         (["doctor", "digits", "--steps", "0"], "--steps: received 0"),
         (["train", "digits", "--policy", "missing.json"], "--policy missing.json: not a readable policy file"),
-        (["train", "digits", "--loss-scale", "-1"], "config 'loss_scale': received -1.0"),
+        (["train", "digits", "--loss-scale", "-1"], "argument --loss-scale: received -1"),
     ],
 )
 def test_bad_input_is_one_line(args, message, mixprec_cli):
@@ -53,3 +53,24 @@ def test_bad_input_is_one_line(args, message, mixprec_cli):
     result = run(*args)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_doctor_on_a_model_that_makes_nan_in_fp32_writes_no_policy(tmp_path, mixprec_cli):
+    (tmp_path / "nanmodel.py").write_text(
+        "import torch\n"
+        "from mixprec.app import TaskParts\n"
+        "def build(config):\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))\n"
+        "    with torch.no_grad():\n"
+        "        model[0].weight.mul_(1e38)\n"
+        "    batches = [(torch.randn(16, 4), torch.zeros(16, dtype=torch.int64)) for _ in range(2)]\n"
+        "    return TaskParts(model=model, train_data=batches, eval_data=batches,\n"
+        "                     loss_fn=torch.nn.functional.cross_entropy)\n"
+    )
+    advice = tmp_path / "advice.json"
+    args = ("doctor", "--model", "nanmodel:build", "--steps", "2", "--out", tmp_path / "doc", "--apply", advice)
+    result = mixprec_cli(*args, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "makes inf or NaN in FP32; no policy written" in result.stderr
+    assert "inf or NaN already in FP32" in result.stdout and not advice.exists()
+    assert json.loads((tmp_path / "doc" / "report.json").read_text())["fp32_nonfinite"][0] == "1"  # the LayerNorm

@@ -213,7 +213,7 @@ def nan_factory_file(tmp_path):
             ("train", "--model", "nanfactory:build", "--policy", "fp32"),
             ("NaN or inf in its inputs", "--skip-bad-batches"),
         ),
-        (("train", "digits", "--batch-size", "0"), ("'batch_size' must be >= 1; received 0",)),
+        (("train", "digits", "--batch-size", "0"), ("--batch-size: received 0",)),
         (("train", "--resume"), ("--resume needs --out",)),
         (("train", "--out", "{tmp}", "--resume"), ("is not a mixprec run folder",)),
         (("export", "{tmp}"), ("is not a mixprec run folder",)),

@@ -90,3 +90,24 @@ def test_cast_values_match_torch_casts():
 def test_rejects_non_modules():
     with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module; received an object of type dict"):
         mixprec.cast_module({}, mixprec.get_policy("fp32"))  # type: ignore[arg-type]
+
+
+def test_an_fp32_entry_matching_no_module_is_refused_with_the_names_there_are():
+    model = nn.Sequential()
+    model.add_module("fc1", nn.Linear(4, 4))
+    model.add_module("fc2", nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"fp32_names entry 'fc_2' matches no module .* did you mean fc2"):
+        mixprec.MixedPrecision(model, optimizer, "base=mixed_bf16,names=fc_2")
+    with pytest.raises(ValueError, match=r"fp32_modules entry 'Linaer' matches no module .* did you mean Linear"):
+        mixprec.MixedPrecision(model, optimizer, "base=mixed_bf16,mods=Linaer")
+    # the norm alias of the presets, a glob and a class that match: accepted
+    with mixprec.autocast("base=o2_bf16,names=*.fc2+fc1,mods=Linear", model):
+        pass
+
+
+def test_a_refused_fp32_entry_leaves_the_model_as_it_was():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"fp32_names entry 'head'"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=o2_bf16,names=head")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before the cast

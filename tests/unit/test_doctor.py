@@ -64,6 +64,20 @@ def test_a_healthy_model_gets_mixed_fp16_and_a_power_of_two_scale():
     json.loads(diagnosis.to_json())  # plain data
 
 
+def test_a_model_that_makes_nan_in_fp32_gets_no_16_bit_advice():
+    # a LayerNorm over ~1e37 activations: NaN in FP32 already; bf16 "needs no loss scale" would skip every step
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(1e37)
+    diagnosis = diagnose(model, _batches(), nn.functional.cross_entropy, steps=2)
+    assert diagnosis.fp32_nonfinite[0] == "2" and diagnosis.fp32_nonfinite[-1] == "loss"
+    assert (diagnosis.policy, diagnosis.loss_scale) == ("fp32", None)
+    (reason,) = diagnosis.reasons
+    assert "inf or NaN already in FP32, in 2 recorded step(s), starting in 2" in reason
+    assert json.loads(diagnosis.to_json())["fp32_nonfinite"] == list(diagnosis.fp32_nonfinite)
+
+
 def test_diagnose_leaves_the_model_as_it_was():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Dropout(0.5), nn.Linear(8, 4)).eval()

@@ -63,12 +63,16 @@ class Diagnosis:
     policy: str
     loss_scale: float | None
     reasons: tuple[str, ...]
+    # where the FP32 run itself made inf or NaN: modules in the order their outputs were made, and "loss" when
+    # the loss was non-finite; no precision policy trains such a model (the recommendation is then fp32)
+    fp32_nonfinite: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
             "loss_scale": self.loss_scale,
             "reasons": list(self.reasons),
+            "fp32_nonfinite": list(self.fp32_nonfinite),
             "keep": self.keep,
             "formats": {name: asdict(advice) for name, advice in self.formats.items()},
             "report": self.report.to_dict(),
@@ -126,20 +130,10 @@ def diagnose(
     was_training = model.training
     model.train()
     watch = RangeWatch(model, formats=names)
-    probe_batch: list[Any] = []
     try:
         with watch:
-            for batch in batches:
-                if watch.steps >= steps:
-                    break
-                inputs, targets = _inputs_and_targets(batch)
-                probe_batch = probe_batch or [batch]
-                for p in model.parameters():
-                    p.grad = None
-                output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
-                loss_fn(output, targets).backward()
-                watch.step()
-        scope = _sixteen_bit_gradients(model, probe_batch[0], loss_fn) if probe_batch else None
+            first, nonfinite_loss = _record(model, batches, loss_fn, watch, steps)
+        scope = _sixteen_bit_gradients(model, first, loss_fn) if first is not None else None
     finally:
         for p, grad in saved_grads.items():
             p.grad = grad
@@ -148,8 +142,40 @@ def diagnose(
         raise ValueError("diagnose(batches=...): received no batch; pass an iterable of (inputs, targets).")
     report = watch.report()
     advice = {fmt: _format_advice(report, fmt, keep, scope) for fmt in names}
+    nonfinite = tuple(report.nonfinite_outputs()) + (("loss",) if nonfinite_loss else ())
+    if nonfinite:
+        return Diagnosis(report, keep, advice, "fp32", None, (_broken_in_fp32(nonfinite, watch.steps),), nonfinite)
     policy, loss_scale, reasons = _recommend_policy(advice, keep, bf16_supported)
     return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
+
+
+def _broken_in_fp32(nonfinite: tuple[str, ...], steps: int) -> str:
+    where = "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
+    return (
+        f"the model makes inf or NaN already in FP32, in {steps} recorded step(s), starting in {where} "
+        f"({len(nonfinite)} place(s) in all): no precision policy trains it (every update would be skipped). "
+        "Fix the model, its initialization or its inputs, then run the doctor again (in a training loop, "
+        "mixprec.NonFiniteTracer names the first module that makes a non-finite value)"
+    )
+
+
+def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: RangeWatch, steps: int) -> tuple:
+    """FP32 forward and backward passes over up to ``steps`` batches, recorded by ``watch``; returns the first
+    batch (None if there was none) and whether any loss was non-finite (a host sync per batch)."""
+    first, nonfinite_loss = None, False
+    for batch in batches:
+        if watch.steps >= steps:
+            break
+        inputs, targets = _inputs_and_targets(batch)
+        first = batch if first is None else first
+        for p in model.parameters():
+            p.grad = None
+        output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+        loss = loss_fn(output, targets)
+        nonfinite_loss = nonfinite_loss or not bool(torch.isfinite(loss).all())
+        loss.backward()
+        watch.step()
+    return first, nonfinite_loss
 
 
 def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:

@@ -115,6 +115,11 @@ class DoctorReport:
         ]
         return [m for m in starts if not any(_is_descendant(o, m) for o in starts)]
 
+    def nonfinite_outputs(self) -> list[str]:
+        """Modules whose forward outputs held inf or NaN in the recorded (FP32) run, in the order their outputs
+        were made: the first is where the non-finite values start."""
+        return [s.module for s in self.phase("forward") if s.nonfinite]
+
     def overflow_reach(self, fmt: str) -> list[str]:
         """The outermost modules whose forward inputs or outputs overflow ``fmt``: all the overflow reaches,
         its consumers included ("" when the model's own input or output does). In FP32, no value of theirs

@@ -63,7 +63,7 @@ from mixprec.regions.autocast import (
     refuse_foreign_autocast,
     tf32_matmuls,
 )
-from mixprec.regions.casting import cast_module, lowered_parameters
+from mixprec.regions.casting import cast_module, check_fp32_entries, lowered_parameters
 from mixprec.scaling.base import LossScaler
 from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.scaling.static import NoOpLossScaler
@@ -158,6 +158,7 @@ class MixedPrecision:
         self.device = first.device if first is not None else torch.device(device_type_of(None))
         self.policy = get_policy(policy, device=self.device)
         check_device_supports(self.policy, self.device.type)  # before anything is cast
+        check_fp32_entries(model, self.policy)
         self.model = model
         self.optimizer = optimizer
         self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included

@@ -31,7 +31,7 @@ from torch import nn
 from mixprec.master.compensated import remember_rounding_residual, rounding_residual
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.casting import cast_module, fp32_modules, lowered_parameters
+from mixprec.regions.casting import cast_module, check_fp32_entries, fp32_modules, lowered_parameters
 
 if TYPE_CHECKING:  # torch.distributed.fsdp is imported where used: it imports torch._dynamo (1.4 s)
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -89,6 +89,7 @@ def fully_shard(
     if first is None:
         raise ValueError("fully_shard(model=...): the model has no parameters to shard.")
     policy = get_policy(policy, device=first.device)
+    check_fp32_entries(model, policy)  # before anything is cast or sharded
     residuals = {}
     if policy.param_dtype != torch.float32 and not policy.keeps_fp32_masters:
         residuals = _rounding_residuals(model, policy)  # for mixprec.AdamW's compensation (MixedPrecision)

@@ -47,7 +47,7 @@ from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.compute.nest import map_floating
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, Policy
-from mixprec.regions.casting import MIXED_DTYPE_NORMS, fp32_modules
+from mixprec.regions.casting import MIXED_DTYPE_NORMS, check_fp32_entries, fp32_modules
 from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel, wants_kernel
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.op_overrides import FP32Ops
@@ -224,6 +224,7 @@ class Region:
         self._fp8_installed = False
         if model is not None:
             refuse_foreign_autocast(model)
+            check_fp32_entries(model, self.policy)
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
                 fp32 = [name for name, _ in fp32_modules(model, self.policy)]  # their Linear layers stay FP32

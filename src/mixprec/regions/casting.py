@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from torch import nn
 
 from mixprec.policy.policy import NORM, Policy
 
-__all__ = ["MIXED_DTYPE_NORMS", "cast_module", "fp32_modules", "lowered_parameters"]
+__all__ = ["MIXED_DTYPE_NORMS", "cast_module", "check_fp32_entries", "fp32_modules", "lowered_parameters"]
 
 _TORCH_NORMS = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*d, InstanceNorm*d, SyncBatchNorm
@@ -65,6 +66,32 @@ def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
         if _is_kept_class(module, policy.fp32_modules) or (name and _is_kept_name(name, policy.fp32_names)):
             kept_prefixes.append(name)
             yield name, module
+
+
+def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
+    """Raise ValueError for an entry of the policy's ``fp32_names`` or ``fp32_modules`` (``norm`` aside, which
+    presets list for any model) that matches no module of ``model``: a typo would keep nothing in FP32,
+    silently (a name of the doctor's advice mistyped: every fp16 step then overflowed and was skipped)."""
+    named = [(name, module) for name, module in model.named_modules() if name]
+    for glob in policy.fp32_names:
+        if not any(_is_kept_name(name, (glob,)) for name, _ in named):
+            names = [name for name, _ in named]
+            raise ValueError(_unmatched(policy, "fp32_names", glob, names, "module names", model))
+    classes = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+    for cls in policy.fp32_modules:
+        if cls != NORM and cls not in classes:
+            raise ValueError(_unmatched(policy, "fp32_modules", cls, sorted(classes), "module classes", model))
+
+
+def _unmatched(policy: Policy, key: str, entry: str, candidates: list[str], what: str, model: nn.Module) -> str:
+    close = difflib.get_close_matches(entry, candidates, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    shown = ", ".join(candidates[:8]) + (", ..." if len(candidates) > 8 else "")
+    return (
+        f"policy {policy}: {key} entry {entry!r} matches no module of this {type(model).__name__}, so nothing would "
+        f"be kept in FP32 for it; {hint}Its {what}: {shown or 'none'}. Names are dotted paths as in "
+        "model.named_modules() (globs allowed: *.lm_head), relative to the model the policy is applied to."
+    )
 
 
 def _target_dtypes(model: nn.Module, policy: Policy) -> Iterator[tuple[nn.Module, torch.dtype]]:

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from mixprec.app.cli.arg_types import whole_number
 from mixprec.app.cli.table import render_table
 
 SUITES = ("step", "memory", "accuracy", "gemm")
@@ -22,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--models", default="mlp,cnn,gpt", help="models for step/memory: mlp, cnn, gpt, hf, minilm")
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"policies (default: {DEFAULT_POLICIES})")
     parser.add_argument("--seeds", default="0,1,2", help="seeds for the accuracy suite (default 0,1,2)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per mode (default 7)")
+    parser.add_argument("--repeats", type=whole_number(), default=7, help="timed repeats per mode (default 7)")
     parser.add_argument("--quick", action="store_true", help="small models, one seed, 3 repeats, no RSS: a smoke run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON results")
     parser.set_defaults(run=run)

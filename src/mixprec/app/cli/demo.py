@@ -10,6 +10,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING
 
+from mixprec.app.cli.arg_types import whole_number
 from mixprec.app.cli.formats_cmd import formats_table
 from mixprec.app.cli.table import render_table
 
@@ -33,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="fp32,auto",
         help="policies to compare, comma-separated; separate policy strings with ';' (default: fp32,auto)",
     )
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per policy (default: 200)")
+    parser.add_argument("--steps", type=whole_number(), default=200, help="optimizer steps per policy (default: 200)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for data and weights (default: 0)")
     parser.set_defaults(run=run)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
+from mixprec.app.cli.arg_types import fraction, whole_number
 from mixprec.app.cli.table import render_table
 from mixprec.app.cli.train_cmd import task_spec
 
@@ -22,10 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("task", nargs="?", help="a built-in task (digits, charlm, hf)")
     parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
-    parser.add_argument("--steps", type=int, default=20, help="batches to analyse (default 20)")
-    parser.add_argument("--keep", type=float, default=0.999, help="share of gradients the scale must keep (0.999)")
+    parser.add_argument("--steps", type=whole_number(), default=20, help="batches to analyse (default 20)")
+    parser.add_argument("--keep", type=fraction, default=0.999, help="share of gradients the scale must keep (0.999)")
     parser.add_argument("--formats", default="fp16,bf16,fp8_e4m3,fp8_e5m2", help="formats to analyse")
-    parser.add_argument("--batch-size", type=int, help="samples per batch (default: the task's)")
+    parser.add_argument("--batch-size", type=whole_number(), help="samples per batch (default: the task's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
     parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
@@ -84,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
     for reason in diagnosis.reasons:
         print(f"  - {reason}")
     print(f"wrote {out / 'report.json'} and {plot}")
+    if diagnosis.fp32_nonfinite:  # a finding, not advice: no policy file, and a status scripts can test
+        print(f"mixprec doctor: {spec} makes inf or NaN in FP32; no policy written", file=sys.stderr)
+        return 1
     if args.apply is not None:
         source = " ".join(["mixprec doctor", spec, "--steps", str(args.steps)])
         path = write_policy_file(diagnosis, args.apply, source=source)
-        print(f"wrote {path}: train with  mixprec train {spec} --policy {path}")
+        print(f"wrote {path}: train with mixprec train {spec} --policy {path}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mixprec.app.cli.arg_types import whole_number
 from mixprec.app.cli.table import render_table
 
 EXPORT_DTYPES = ("fp16", "bf16")
@@ -18,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
     parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bf16", help="export dtype (default bf16)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed passes over the test set (default 5)")
+    parser.add_argument("--repeats", type=whole_number(), default=5, help="timed passes over the test set (default 5)")
     parser.add_argument(
         "--allow-foreign-checkpoint", action="store_true", help="export a checkpoint of another run (warns)"
     )

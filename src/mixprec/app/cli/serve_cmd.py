@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from mixprec.app.cli.arg_types import whole_number
 from mixprec.app.cli.table import render_table
 
 
@@ -22,9 +23,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
     parser.add_argument("--batches", default="1,8,64", help="batch sizes; 1 measures latency (default 1,8,64)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence for token inputs (default 128)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per larger batch (default 3)")
-    parser.add_argument("--latency-samples", type=int, default=30, help="timed batch-1 forwards (default 30)")
+    parser.add_argument(
+        "--seq", type=whole_number(), default=128, help="tokens per sequence for token inputs (default 128)"
+    )
+    parser.add_argument("--repeats", type=whole_number(), default=3, help="timed passes per larger batch (default 3)")
+    parser.add_argument(
+        "--latency-samples", type=whole_number(), default=30, help="timed batch-1 forwards (default 30)"
+    )
     parser.add_argument(
         "--json", type=Path, default=None, help="also write the results here (default RUN/serve_bench.json)"
     )

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mixprec.app.cli.arg_types import non_negative_number, positive_number, whole_number
+
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
     from mixprec.app.run import RunOutcome
@@ -25,25 +27,33 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("task", nargs="?", help=f"a built-in task ({', '.join(TASK_NAMES)})")
     parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=int, help="passes over the training data (default: the task's)")
-    length.add_argument("--steps", type=int, help="optimizer updates instead of epochs")
-    parser.add_argument("--batch-size", type=int, help="samples per micro-batch (default: the task's)")
+    length.add_argument("--epochs", type=whole_number(), help="passes over the training data (default: the task's)")
+    length.add_argument("--steps", type=whole_number(), help="optimizer updates instead of epochs")
+    parser.add_argument("--batch-size", type=whole_number(), help="samples per micro-batch (default: the task's)")
     parser.add_argument(
-        "--lr", type=float, help="peak learning rate of AdamW (cosine decay to 10%%; minilm: warm-up, linear decay)"
+        "--lr",
+        type=non_negative_number,
+        help="peak learning rate of AdamW (cosine decay to 10%%; minilm: warm-up, linear decay)",
     )
-    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default: the task's)")
-    parser.add_argument("--max-grad-norm", type=float, help="clip the true gradient norm to this")
-    parser.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per update (default 1)")
+    parser.add_argument("--weight-decay", type=non_negative_number, help="AdamW weight decay (default: the task's)")
+    parser.add_argument("--max-grad-norm", type=positive_number, help="clip the true gradient norm to this")
+    parser.add_argument(
+        "--accumulation-steps", type=whole_number(), default=1, help="micro-batches per update (default 1)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
     parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
-    parser.add_argument("--eval-every", type=int, help="evaluate every N updates (default: at the end)")
-    parser.add_argument("--log-every", type=int, default=10, help="log metrics every N updates (default 10)")
-    parser.add_argument("--checkpoint-every", type=int, help="checkpoint every N updates (default: at the end)")
+    parser.add_argument("--eval-every", type=whole_number(), help="evaluate every N updates (default: at the end)")
+    parser.add_argument("--log-every", type=whole_number(), default=10, help="log metrics every N updates (default 10)")
     parser.add_argument(
-        "--checkpoint-every-minutes", type=float, help="also checkpoint after this much wall-clock time"
+        "--checkpoint-every", type=whole_number(), help="checkpoint every N updates (default: at the end)"
     )
-    parser.add_argument("--keep", type=int, default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)")
+    parser.add_argument(
+        "--checkpoint-every-minutes", type=positive_number, help="also checkpoint after this much wall-clock time"
+    )
+    parser.add_argument(
+        "--keep", type=whole_number(), default=3, dest="keep_checkpoints", help="checkpoints kept (default 3)"
+    )
     parser.add_argument(
         "--stop-signals",
         default="SIGINT,SIGTERM,SIGUSR1",
@@ -51,12 +61,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs or loss")
     parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
-    parser.add_argument("--loss-scale", type=float, help="initial dynamic loss scale (default 65536 for fp16)")
+    parser.add_argument(
+        "--loss-scale", type=positive_number, help="initial dynamic loss scale (default 65536 for fp16)"
+    )
     parser.add_argument(
         "--trace-nonfinite",
         action="store_true",
         help="name the module where each skipped step's first inf/NaN appeared",
     )
+    parser.add_argument(
+        "--compile", action="store_true", help="run the training forward through torch.compile (first steps compile)"
+    )
+    _add_distributed_arguments(parser)
+
+
+def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that matter under torchrun."""
     parser.add_argument(
         "--parallel",
         choices=["ddp", "fsdp"],
@@ -70,9 +90,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="under torchrun: how long a rank waits for a hung peer before the run stops with a resume line "
         "(default: torch's, 30 minutes with gloo, 10 with NCCL); longer than the longest checkpoint or evaluation",
-    )
-    parser.add_argument(
-        "--compile", action="store_true", help="run the training forward through torch.compile (first steps compile)"
     )
 
 

@@ -1,0 +1,51 @@
+"""argparse types for numeric flags: argparse refuses a bad value naming the flag, with what was received and
+what to use (``argument --batch-size: received 0; use a whole number of at least 1``), before anything runs.
+A value that passed would otherwise reach code that reads 0 as "the default" or fails far from the flag."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = ["fraction", "non_negative_number", "positive_number", "whole_number"]
+
+
+def whole_number(minimum: int = 1) -> Callable[[str], int]:
+    """A whole number of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"received {text}; use a whole number of at least {minimum}")
+        return value
+
+    return parse
+
+
+def _number(text: str, accept: Callable[[float], bool], wanted: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and accept(value)):
+        raise argparse.ArgumentTypeError(f"received {text}; use {wanted}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0."""
+    return _number(text, lambda v: v > 0, "a number above 0")
+
+
+def non_negative_number(text: str) -> float:
+    """A finite number of at least 0."""
+    return _number(text, lambda v: v >= 0, "a number of at least 0")
+
+
+def fraction(text: str) -> float:
+    """A fraction in (0, 1]."""
+    return _number(text, lambda v: 0 < v <= 1, "a fraction in (0, 1], e.g. 0.999")
