@@ -201,6 +201,23 @@ def test_gradient_accumulation_makes_one_update_per_window():
         torch.testing.assert_close(scaled, reference, rtol=1e-6, atol=1e-7)
 
 
+def test_o2_accumulates_micro_batches_in_fp32_as_mixed_precision_does():
+    # the bf16 .grad rounded the sum at each micro-batch: on a small MLP, 32 micro-batches gave an update
+    # gradient 5.96e-3 off FP32's (relative L2) against 2.57e-3 summed in FP32
+    plugin, model = MixprecPrecision("o2_bf16"), Regression()
+    _trainer(plugin, accumulate_grad_batches=BATCHES).fit(model, _data())
+    assert plugin.mixed_precision.accumulate_in_fp32
+    reference = Regression()
+    optimizer, _ = reference.configure_optimizers().values()
+    mp = mixprec.MixedPrecision(reference, optimizer, "o2_bf16", accumulation_steps=BATCHES, accumulate_in_fp32=True)
+    for x, y in _data():
+        with mp.autocast():
+            mp.backward(torch.nn.functional.mse_loss(reference(x).float(), y))
+        mp.step()
+    exact, expected = plugin.mixed_precision.fp32_state_dict(), mp.fp32_state_dict()
+    assert all(torch.equal(exact[name], expected[name]) for name in expected)
+
+
 class PureBf16WithTorchAdamW(Regression):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -366,14 +366,24 @@ def test_load_best_model_at_end_brings_the_masters_of_that_checkpoint(tmp_path):
     options = {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "max_steps": 6}
     trainer = MixprecTrainer(
         model=Regression(),
-        args=_args(tmp_path, load_best_model_at_end=True, metric_for_best_model="loss", label_names=["y"], **options),
+        # the highest loss is best: an earlier checkpoint than the last
+        args=_args(
+            tmp_path,
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+            greater_is_better=True,
+            label_names=["y"],
+            **options,
+        ),
         train_dataset=Pairs(),
         eval_dataset=Pairs(16),
         policy="o2_bf16",
     )
     trainer.train()
     best = trainer.state.best_model_checkpoint
-    assert best is not None and trainer.stats().steps == int(best.rsplit("-", 1)[1])
+    # the best checkpoint's masters and scale; the run's counters (6 updates, as global_step), not the checkpoint's
+    assert best is not None and int(best.rsplit("-", 1)[1]) < 6
+    assert trainer.stats().steps == trainer.state.global_step == 6
     exact = trainer.mixed_precision.fp32_state_dict()
     for name, param in trainer.model.named_parameters():
         assert torch.equal(exact[name].to(param.dtype), param), name

@@ -125,7 +125,9 @@ class MixprecPrecision(Precision):
         for config in lr_schedulers:
             _check_gateable(config)
         try:
-            self._mp = mixprec.MixedPrecision(model, optimizers[0], self._spec, self.scaler)
+            self._mp = mixprec.MixedPrecision(
+                model, optimizers[0], self._spec, self.scaler, accumulate_in_fp32=_accumulates_in_fp32(module)
+            )
         except (TypeError, ValueError) as error:
             cast = any(p.dtype != torch.float32 for p in module.parameters()) and not is_sharded(module)
             hint = (
@@ -254,6 +256,15 @@ class MixprecPrecision(Precision):
 
 
 # -- checks and helpers ---------------------------------------------------------------------------
+def _accumulates_in_fp32(module: pl.LightningModule) -> bool:
+    """o2 with ``accumulate_grad_batches`` > 1: each micro-batch's 16-bit gradients are added into FP32 buffers,
+    not rounded to 16 bits at each addition (MixedPrecision ignores it for policies without FP32 masters). One
+    process only: under DDP Lightning's ``no_sync`` reduces the last micro-batch's ``.grad`` alone, so
+    gradients moved out of it before would stay this rank's; there they add up in ``.grad``, reduced once."""
+    trainer = module.trainer
+    return trainer.accumulate_grad_batches > 1 and trainer.world_size == 1
+
+
 def _is_auto(policy: Any) -> bool:
     return isinstance(policy, str) and policy.strip().lower() == "auto"
 

@@ -395,7 +395,7 @@ class MixprecTrainer(transformers.Trainer):
         if checkpoint is not None:
             self._load_state(checkpoint)
 
-    def _load_state(self, checkpoint: str) -> None:
+    def _load_state(self, checkpoint: str, keep_counters: bool = False) -> None:
         path, legacy = os.path.join(checkpoint, STATE_NAME), os.path.join(checkpoint, _LEGACY_STATE_NAME)
         if os.path.isfile(path):
             try:
@@ -418,18 +418,21 @@ class MixprecTrainer(transformers.Trainer):
                 STATE_NAME,
             )
             return
+        if keep_counters:  # the run's step and skip counts, not the checkpoint's: stats() still counts them all
+            state = {**state, "counters": self._require("train").state_dict()["counters"]}
         try:
             self._require("_load_scaler").load_state_dict(state)
         except ValueError as error:
             raise ValueError(f"{self!r}: cannot resume from {path}: {error}") from error
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; with ``load_best_model_at_end``, MixedPrecision's state is the best checkpoint's
-        too, so the masters (``fp32_state_dict()``) match the weights the Trainer loaded."""
+        """``Trainer.train``; with ``load_best_model_at_end``, MixedPrecision's scale and masters are the best
+        checkpoint's too, so the masters (``fp32_state_dict()``) match the weights the Trainer loaded; its
+        counters stay the run's (``stats()`` counts every update of the run)."""
         output = super().train(*args, **kwargs)
         best = self.state.best_model_checkpoint
         if self.args.load_best_model_at_end and best is not None and os.path.isdir(best) and self._mp is not None:
-            self._load_state(best)
+            self._load_state(best, keep_counters=True)
         return output
 
 
