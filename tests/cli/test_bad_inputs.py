@@ -287,6 +287,11 @@ CLI_CASES = [
     ("doctor steps", ["doctor", "digits", "--steps", "0", "--out", "{tmp}/run"], ["steps", "0"]),
     ("compare empty", ["compare", "digits", "--policies", ",", "--out", "{tmp}/run"], ["--policies"]),
     ("bench suite", ["bench", "--suite", "nope", "--out", "{tmp}/run"], ["'nope'"]),
+    (
+        "train policy file names a bad policy",
+        ["train", "digits", "--policy", "{misnamed_policy_file}", "--out", "{tmp}/run"],
+        ["policy.json: its 'policy' is not valid", "Did you mean mixed_fp16"],
+    ),
     # numeric flags: refused by name before anything runs (a batch size of 0 was read as the task's default)
     (
         "train batch size 0",
@@ -310,6 +315,8 @@ def _argument(value: str, tmp: Path) -> str:
         checkpoint = run / "checkpoints" / "step-00000001.safetensors"
         checkpoint.write_bytes(checkpoint.read_bytes()[:100])  # truncated
         return str(run)
+    if value == "{misnamed_policy_file}":
+        return str(_policy_file(tmp, '{"policy": "mixd_fp16"}'))
     if value == "{policy_file}":
         return str(_policy_file(tmp, '{"policy": '))
     return value.replace("{tmp}", str(tmp))

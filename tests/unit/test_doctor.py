@@ -185,6 +185,20 @@ def test_diagnose_rejects_bad_arguments(kwargs, message):
         diagnose(nn.Linear(2, 2), [(torch.randn(1, 2), torch.tensor([0]))], nn.functional.cross_entropy, **kwargs)
 
 
+def test_diagnose_names_a_wrong_model_or_loss():
+    batches = [(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]))]
+    loss = nn.functional.cross_entropy
+    with pytest.raises(TypeError, match=r"diagnose\(model=...\) needs an nn.Module; received SGD"):
+        diagnose(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), batches, loss)
+    with pytest.raises(ValueError, match=r"records an FP32 model.* parameter 'weight' is torch.bfloat16"):
+        diagnose(nn.Linear(2, 2).bfloat16(), batches, loss)
+    with pytest.raises(TypeError, match=r"diagnose\(loss_fn=...\) needs a callable .* received NoneType"):
+        diagnose(nn.Linear(2, 2), batches, None)
+    per_sample = lambda output, targets: nn.functional.cross_entropy(output, targets, reduction="none")  # noqa: E731
+    with pytest.raises(ValueError, match=r"must return a one-element loss tensor; it returned \(4,\)"):
+        diagnose(nn.Linear(2, 2), batches, per_sample)
+
+
 def test_watch_rejects_unknown_modules_and_phases():
     with pytest.raises(ValueError, match="not modules of the model"):
         RangeWatch(nn.Linear(2, 2), modules=["encoder"])

@@ -130,7 +130,12 @@ def test_lists_are_deduplicated_in_order():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("mixed_fp8", r"unknown policy\. Valid presets: fp32, tf32, mixed_fp16"),
+        (
+            "mixed_fp8",
+            r"unknown policy\. Did you mean mixed_fp16 or mixed_bf16\? Valid presets: fp32, tf32, mixed_fp16",
+        ),
+        ("mixd_bf16", r"unknown policy\. Did you mean mixed_bf16"),
+        ("bogus", r"unknown policy\. Valid presets"),
         ("p=f33", r"'f33' is not a known float format"),
         ("p=bf16,p=f32", r"the key 'params' is given twice"),
         ("x=1", r"unknown key 'x'; valid keys: .*params"),

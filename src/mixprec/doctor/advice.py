@@ -120,6 +120,7 @@ def diagnose(
     Raises:
         ValueError: ``steps`` < 1, ``keep`` outside (0, 1], or no batch at all.
     """
+    _check_model_and_loss(model, loss_fn)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"diagnose(steps=...): received {steps!r}; use a positive number of batches.")
     if not isinstance(keep, (int, float)) or isinstance(keep, bool) or not 0 < keep <= 1:
@@ -159,6 +160,22 @@ def _broken_in_fp32(nonfinite: tuple[str, ...], steps: int) -> str:
     )
 
 
+def _check_model_and_loss(model: Any, loss_fn: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"diagnose(model=...) needs an nn.Module; received {type(model).__name__}.")
+    lowered = next((n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32), None)
+    if lowered is not None:
+        raise ValueError(
+            f"diagnose(model=...) records an FP32 model, to say what 16 bits would do to it; parameter {lowered!r} "
+            f"is {model.get_parameter(lowered).dtype}. Diagnose the model before casting it (or MixedPrecision)."
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"diagnose(loss_fn=...) needs a callable loss_fn(output, targets) returning a scalar loss; received "
+            f"{type(loss_fn).__name__}."
+        )
+
+
 def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: RangeWatch, steps: int) -> tuple:
     """FP32 forward and backward passes over up to ``steps`` batches, recorded by ``watch``; returns the first
     batch (None if there was none) and whether any loss was non-finite (a host sync per batch)."""
@@ -172,6 +189,9 @@ def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: 
             p.grad = None
         output = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
         loss = loss_fn(output, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"diagnose(loss_fn=...) must return a one-element loss tensor; it returned {shape}.")
         nonfinite_loss = nonfinite_loss or not bool(torch.isfinite(loss).all())
         loss.backward()
         watch.step()

@@ -52,6 +52,9 @@ def read_policy_file(path: str | Path) -> tuple[str, float | None]:
         raise ValueError(
             f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source."
         )
-    get_policy(data["policy"])  # raises with the reason when invalid
+    try:
+        get_policy(data["policy"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--policy {path}: its 'policy' is not valid: {error}") from None
     scale = data.get("loss_scale")
     return data["policy"], None if scale is None else positive_number(scale, f"--policy {path}: loss_scale")

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import torch
 
@@ -108,7 +109,12 @@ def _single_dtype(text: str, spec: str) -> Policy:
     try:
         return Policy(param_dtype=text, compute_dtype=text, output_dtype=text)
     except (TypeError, ValueError):
-        raise ValueError(f"get_policy(spec={shown(spec)}): unknown policy. Valid {valid_policy_names()}.") from None
+        names = [*PRESETS, "auto", *PRESET_ALIASES]
+        close = difflib.get_close_matches(text, names, n=2, cutoff=0.6)
+        hint = f" Did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(
+            f"get_policy(spec={shown(spec)}): unknown policy.{hint} Valid {valid_policy_names()}."
+        ) from None
 
 
 def _parse_fields(text: str, spec: str) -> Policy:
