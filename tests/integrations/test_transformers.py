@@ -556,3 +556,21 @@ def test_torch_compile_keeps_the_policys_emulated_roundings_and_skips(tmp_path, 
     exact, fast = eager.mixed_precision.fp32_state_dict(), compiled.mixed_precision.fp32_state_dict()
     for name in exact:
         torch.testing.assert_close(fast[name], exact[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_the_trainer_computes_gets_no_warning_about_a_loss_inside_the_compiled_model(tmp_path, caplog):
+    inline = "CrossEntropyLoss() made inside the compiled forward"
+    warns_here = inline in (mixprec.compute.dropped_roundings_note(True, torch.float16, "cpu") or "")
+    for loss_func, warned in ((None, warns_here), (lambda outputs, labels, num_items_in_batch=None: outputs, False)):
+        caplog.clear()
+        trainer = MixprecTrainer(
+            model=Regression(),
+            args=_args(tmp_path, torch_compile=True),
+            train_dataset=Pairs(),
+            policy="mixed_fp16",
+            compute_loss_func=loss_func,  # the Trainer takes the labels away: the model computes no loss
+        )
+        with caplog.at_level("WARNING"):
+            trainer.create_optimizer()
+        assert (inline in caplog.text) == warned
+        AcceleratorState._reset_state(True)

@@ -71,10 +71,13 @@ def inductor_keeps_casts(device: str | torch.device) -> bool:
     return _probe(str(torch.device(device))) is None
 
 
-def dropped_roundings_note(emulates: bool, dtype: torch.dtype, device: str | torch.device) -> str | None:
+def dropped_roundings_note(
+    emulates: bool, dtype: torch.dtype, device: str | torch.device, loss_in_model: bool = True
+) -> str | None:
     """The warning for a model compiled by inductor whose region emulates ``dtype`` on ``device``: round trips
-    dropped, a loss made in the compiled forward computed in 16 bits (None where the compiled model computes
-    what eager does: no emulation, or neither measured here)."""
+    dropped, a loss made in the compiled forward computed in 16 bits (only where the model may compute its
+    loss: ``loss_in_model``); None where the compiled model computes what eager does: no emulation, or
+    neither measured here."""
     if not emulates:
         return None
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
@@ -93,7 +96,7 @@ def dropped_roundings_note(emulates: bool, dtype: torch.dtype, device: str | tor
             "For exact emulation, train eager (no compile), or use a torch whose inductor keeps them (2.13 does "
             "on the CPU)."
         )
-    if _inline_loss_escapes(device):
+    if loss_in_model and _inline_loss_escapes(device):
         notes.append(
             f"torch.compile in torch {torch.__version__} computes a torch.nn.CrossEntropyLoss() made inside the "
             "compiled forward (as transformers' models make their loss) in the input's 16-bit dtype, where "

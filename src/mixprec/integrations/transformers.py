@@ -219,7 +219,9 @@ class MixprecTrainer(transformers.Trainer):
         self._mp = self._mixed_precision(optimizer, origin)
         if self.accelerator.state.dynamo_plugin.backend == DynamoBackend.INDUCTOR:
             plan = self._mp.compute_plan  # inductor keeps the emulation's roundings only where it honours the option
-            if note := dropped_roundings_note(plan.emulates, plan.dtype, self._mp.device):
+            # with a compute_loss_func or a label smoother the Trainer takes the labels away: no loss in the model
+            loss_in_model = self.compute_loss_func is None and self.label_smoother is None
+            if note := dropped_roundings_note(plan.emulates, plan.dtype, self._mp.device, loss_in_model):
                 _log.warning(note)
         self._stepper = MixprecOptimizer(optimizer, self._optimizer_step)
         self._unscaled, self._last_applied = False, True
