@@ -205,3 +205,14 @@ def test_watch_rejects_unknown_modules_and_phases():
     with pytest.raises(ValueError, match="phases"):
         RangeWatch(nn.Linear(2, 2), phases=["sideways"])
     assert mixprec.doctor.DEFAULT_FORMATS == ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+
+
+def test_gradients_that_overflow_fp16_unscaled_get_a_scale_below_one_and_the_reason():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    big_loss = lambda output, targets: nn.functional.cross_entropy(output, targets) * 1e7  # noqa: E731
+    diagnosis = diagnose(model, _batches(), big_loss, steps=2)
+    fp16 = diagnosis.formats["fp16"]
+    assert fp16.gradient_amax > 65504 and diagnosis.loss_scale is not None and diagnosis.loss_scale < 1
+    assert any("overflows fp16 (largest finite 65504) unscaled" in reason for reason in diagnosis.reasons)
+    assert all("keeps 100%" not in reason for reason in diagnosis.reasons) or fp16.kept_with_scale == 1

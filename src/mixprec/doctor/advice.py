@@ -295,7 +295,13 @@ def _names(scope: frozenset[tuple[str, str]] | None, phase: str) -> set[str] | N
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.3g}%"
+    """A share in percent, with enough digits that only an exact 100% reads "100%" (0.99998: "99.998%")."""
+    text = f"{100 * x:.3g}"
+    digits = 3
+    while text == "100" and x < 1 and digits < 12:
+        digits += 1
+        text = f"{100 * x:.{digits}g}"
+    return f"{text}%"
 
 
 def _recommend_policy(
@@ -326,6 +332,11 @@ def _recommend_policy(
         f"values underflow to zero (activation gradients {_pct(fp16.activation_grads_lost)}, weight gradients "
         f"{_pct(fp16.weight_grads_lost)})",
     ]
+    if fp16.recommended_scale < 1:
+        reasons.append(
+            f"the largest gradient, {fp16.gradient_amax:.3g}, overflows fp16 (largest finite {limit:g}) unscaled: "
+            "the scale must shrink the gradients"
+        )
     if fp16.reaches_keep:
         reasons.append(
             f"loss scale {scale_text} keeps {_pct(fp16.kept_with_scale)} of them (target {_pct(keep)}) while the "
