@@ -262,7 +262,7 @@ class _Overflowing(torch.nn.Module):
         return torch.where(x.abs().amax() > 100, torch.full_like(x, float("nan")), x)
 
 
-def _poisoned_run(on_bad_batch, poison=True):
+def _poisoned_run(on_bad_batch, poison=True, policy="mixed_bf16"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), _Overflowing(), torch.nn.Linear(8, 2))
     generator = torch.Generator().manual_seed(0)
@@ -276,7 +276,7 @@ def _poisoned_run(on_bad_batch, poison=True):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TrainData(batches, None, torch.nn.functional.cross_entropy)
     checks = BatchChecks(on_bad_batch=on_bad_batch)
-    return Trainer(model, optimizer, data, "mixed_bf16", run=RunOptions(progress=False), checks=checks)
+    return Trainer(model, optimizer, data, policy, run=RunOptions(progress=False), checks=checks)
 
 
 def test_a_nan_made_by_the_forward_pass_stops_naming_the_module_or_drops_the_batch():
@@ -284,6 +284,8 @@ def test_a_nan_made_by_the_forward_pass_stops_naming_the_module_or_drops_the_bat
     with pytest.raises(ValueError, match=r"batch 3 of epoch 0: the forward pass produced nan first in module '1'"):
         stopping.fit(epochs=1)
     assert stopping.step == 2  # the two good batches before it, nothing after
+    with pytest.raises(ValueError, match=r"first in module '1'.* Under fp16 .* `mixprec doctor` names the modules"):
+        _poisoned_run("stop", policy="mixed_fp16").fit(epochs=1)
     skipping = _poisoned_run("skip")
     result = skipping.fit(steps=4)
     assert skipping.skipped_batches == 1 and result.steps == 4 and result.stats.skipped_steps == 0

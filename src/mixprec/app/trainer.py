@@ -405,9 +405,15 @@ class Trainer:
         where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
         origin = self._nonfinite_origin(inputs, targets)
         if self.checks.on_bad_batch == "stop":
+            fp16 = (
+                " Under fp16 an activation above 65504 overflows where FP32 and bf16 hold it: `mixprec doctor` "
+                "names the modules to keep in FP32, or train under a bf16 policy."
+                if self.mp.policy.compute_dtype == torch.float16
+                else ""
+            )
             raise ValueError(
                 f"{where}: {origin}; refusing to train on it. Fix the model or the data, or pass "
-                "checks=BatchChecks(on_bad_batch='skip') (CLI: --skip-bad-batches) to drop such batches."
+                f"checks=BatchChecks(on_bad_batch='skip') (CLI: --skip-bad-batches) to drop such batches.{fp16}"
             )
         self.skipped_batches += 1
         logger.warning("Skipping %s: %s (%d bad batches so far)", where, origin, self.skipped_batches)
