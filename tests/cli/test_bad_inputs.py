@@ -292,6 +292,7 @@ CLI_CASES = [
         ["train", "digits", "--policy", "{misnamed_policy_file}", "--out", "{tmp}/run"],
         ["policy.json: its 'policy' is not valid", "Did you mean mixed_fp16"],
     ),
+    ("doctor unknown flag", ["doctor", "digits", "--policy", "x"], ["mixprec doctor: error: unrecognized arguments"]),
     # numeric flags: refused by name before anything runs (a batch size of 0 was read as the task's default)
     (
         "train batch size 0",

@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command they were given to, not by the top-level parser
+        prog = f"mixprec {args.command}" if getattr(args, "command", None) else "mixprec"
+        print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see '{prog} --help')", file=sys.stderr)
+        return USAGE_ERROR
     if not hasattr(args, "run"):
         parser.print_help()
         return USAGE_ERROR
