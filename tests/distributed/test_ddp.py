@@ -58,6 +58,24 @@ def _scenarios(rank: int, out: str) -> None:
         json.dump({"applied": applied, "scales": scales}, f)
     _fp32_reduction(rank, out)
     _masters_of_each_rank(rank, out)
+    _bucket_views(rank, out)
+
+
+def _bucket_views(rank: int, out: str) -> None:
+    """DDP(gradient_as_bucket_view=True) rebuilds its buckets at the second forward and replaces each .grad by
+    an equal bucket view: not an edit of the scaled gradients, so MixedPrecision's accumulation goes on."""
+    model = DistributedDataParallel(_model(), gradient_as_bucket_view=True)
+    scaler = mixprec.DynamicLossScaler(init_scale=2.0**10)
+    engine = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16", scaler,
+                                    accumulation_steps=2)  # fmt: skip
+    applied = []
+    for x, y in _batches()[:4]:
+        with engine.autocast():
+            engine.backward(nn.functional.cross_entropy(model(x), y))
+        applied.append(bool(engine.step()))
+    with open(f"{out}/buckets{rank}.json", "w") as f:
+        json.dump(applied, f)
+    del model
 
 
 def _masters_of_each_rank(rank: int, out: str) -> None:
@@ -173,3 +191,8 @@ def test_weights_ddp_replaced_after_the_masters_were_made_are_refused_on_every_r
     # rank 0's weights copied to every rank before MixedPrecision: the step goes through, the ranks agree
     assert zero["copied"]["message"] is None and one["copied"]["message"] is None
     assert not zero["copied"]["unchanged"] and zero["copied"]["checksum"] == one["copied"]["checksum"]
+
+
+def test_ddps_bucket_views_are_not_taken_for_edited_gradients(ddp_run):
+    for rank in range(WORLD):
+        assert json.loads((ddp_run / f"buckets{rank}.json").read_text()) == [False, True, False, True]

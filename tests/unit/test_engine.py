@@ -716,6 +716,11 @@ def test_a_gradient_norm_past_fp32s_range_skips_the_update(policy):
     assert not torch.isfinite(mp.clip_grad_norm_(1.0))
     assert not mp.step()
     assert_bit_identical(before, snapshot(mp, model))
+    # measuring the norm alone (max_norm=inf, as the HF Trainer logs grad_norm) changes nothing: applied
+    with mp.autocast():
+        mp.backward(F.cross_entropy(model(x), y) * 1e30)
+    assert not torch.isfinite(mp.clip_grad_norm_(math.inf))
+    assert mp.step()
 
 
 def test_a_state_saved_mid_window_says_its_gradients_are_missing_and_the_window_restarts():

@@ -79,3 +79,19 @@ def test_unscaled_gradients_are_the_callers_to_clip(policy, clip, device):
     expected = _clipped_weights(policy, device, "mixprec")
     for a, b in zip(expected, _clipped_weights(policy, device, clip), strict=True):
         torch.testing.assert_close(b, a, atol=0, rtol=1e-6)
+
+
+def test_a_refusal_drops_the_window_so_a_retry_applies_nothing(device):
+    _skip_without_fp16("mixed_fp16", device)
+    model, mp = _setup("mixed_fp16", device)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(mp, model, device)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"Nothing was applied, and this window's gradients were dropped"):
+        mp.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match=r"step\(\) without backward\(\)"):
+        mp.step()  # the clipped scaled gradients are gone: nothing to apply
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    _backward(mp, model, device, seed=1)  # the next window trains as usual
+    assert mp.step()

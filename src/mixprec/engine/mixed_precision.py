@@ -255,8 +255,8 @@ class MixedPrecision:
                 "has no trainable parameters (none with requires_grad=True reached the loss), or the loss was "
                 "computed under torch.no_grad() or detached."
             )
-        self._order.on_backward()
         self._refuse_changed_scaled_grads()
+        self._order.on_backward()
         if self._scaled_by is not None and self.num_losses > 1:
             self._unscale_scaled(into_sums=True)
             self._check_kinds()
@@ -274,19 +274,20 @@ class MixedPrecision:
 
     def _refuse_changed_scaled_grads(self) -> None:
         """Raise when a gradient was written to or replaced since the last backward while it still carries the
-        loss scale (a Python loop over the parameters; no device work)."""
+        loss scale (a Python loop over the parameters; device work only for a replaced gradient)."""
         param = self._scaled_grads.changed()
         if param is None:
             return
-        self._scaled_grads.forget()
+        self.zero_grad()  # the window's gradients are spoiled: retrying must not apply them
         name = next((n for n, p in self.model.named_parameters() if p is param), "a master weight")
         raise RuntimeError(
             f"MixedPrecision: the gradient of {name!r} was changed after mp.backward() while still multiplied "
             "by the loss scale: clipping or editing scaled gradients (torch.nn.utils.clip_grad_norm_, "
             "accelerator.clip_grad_norm_) sees them the loss scale (2^16 at first) times too large, and the update "
-            "would shrink silently. Nothing was applied. Clip with mp.clip_grad_norm_(max_norm), which unscales "
-            "first, or call mp.unscale_() before changing gradients yourself (then the optimizer's: under o2 policies "
-            "the FP32 masters in optimizer.param_groups hold them)."
+            "would shrink silently. Nothing was applied, and this window's gradients were dropped. Clip with "
+            "mp.clip_grad_norm_(max_norm), which unscales first, or change gradients after mp.unscale_() (then the "
+            "optimizer's: under o2 policies the FP32 masters in optimizer.param_groups hold them; in Lightning, in "
+            "on_before_optimizer_step, where they are unscaled), or in a gradient hook during backward."
         )
 
     def _optimizer_params(self) -> list[torch.Tensor]:
@@ -298,6 +299,7 @@ class MixedPrecision:
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
+        self._refuse_changed_scaled_grads()
         self._order.on_unscale("unscale_()")
         self._unscale()
         self._check_kinds()  # now: the caller may change the gradients next
@@ -313,7 +315,6 @@ class MixedPrecision:
     def _unscale_scaled(self, into_sums: bool) -> None:
         """Unscale the gradients in ``.grad`` (the masters' for o2) with the scaler of the loss that made them,
         in place, or into FP32 sums that gradients of another scale can join; note the loss's found-inf flag."""
-        self._refuse_changed_scaled_grads()
         self._scaled_grads.forget()
         loss_id, self._scaled_by = self._scaled_by, None
         if self.masters is not None:
@@ -357,6 +358,7 @@ class MixedPrecision:
                 f"without clipping); received {max_norm!r}."
             )
         if not self._order.unscaled:
+            self._refuse_changed_scaled_grads()
             self._order.on_unscale("clip_grad_norm_()")
             self._unscale()
             self._check_kinds()  # before clipping can turn an inf into a NaN
@@ -373,8 +375,8 @@ class MixedPrecision:
                 total = reduce_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
         else:
             total = torch.linalg.vector_norm(norms, norm_type)
-        self._skip_if_not_finite(total)
-        if max_norm != float("inf"):
+        if max_norm != float("inf"):  # measuring alone changes nothing: non-finite gradients skip anyway
+            self._skip_if_not_finite(total)
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient)
         return total
@@ -391,6 +393,7 @@ class MixedPrecision:
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
         """
         self._parameters.check()  # before anything changes: a model cast or re-sharded behind the policy's back
+        self._refuse_changed_scaled_grads()
         if self._order.at_update_boundary and (problem := unsynced_update_problem()):
             raise RuntimeError(problem)
         already_unscaled = self._order.unscaled

@@ -36,9 +36,15 @@ class ScaledGradsWatch:
 
     def changed(self) -> torch.Tensor | None:
         """The first parameter whose gradient was written to or replaced since :meth:`record` (a gradient set
-        to None is not counted: nothing of it reaches the update), or None."""
-        for param, grad, version in self._seen.values():
+        to None is not counted: nothing of it reaches the update), or None. A replacement by an equal copy,
+        the old tensor untouched, is not a change: DDP with ``gradient_as_bucket_view`` moves gradients into
+        its rebuilt buckets that way (a comparison on the device, only then)."""
+        for key, (param, grad, version) in self._seen.items():
             now = param.grad
-            if now is not None and (now is not grad or now._version != version):
-                return param
+            if now is None or (now is grad and now._version == version):
+                continue
+            if now is not grad and grad._version == version and torch.equal(now, grad):
+                self._seen[key] = (param, now, now._version)
+                continue
+            return param
         return None

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from mixprec.compute.emulation import active_emulation
-from mixprec.compute.foreign_checkpoint import mixprec_checkpoint_forward
+from mixprec.compute.foreign_checkpoint import claim_checkpoint, mixprec_checkpoint_forward
 
 __all__ = ["checkpoint", "recompute_context", "wire_checkpointing"]
 
@@ -201,7 +201,12 @@ def _eager_checkpoint() -> Callable:
 
 def _checkpoint_with_context(checkpoint_fn: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
     context_fn = _with_recompute(kwargs.pop("context_fn", None) or _bound(checkpoint_fn).get("context_fn"))
-    return checkpoint_fn(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    def claimed(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        claim_checkpoint()  # the checkpoint hook innermost now is this checkpoint's: a torch one inside is not
+        return function(*inner_args, **inner_kwargs)
+
+    return checkpoint_fn(claimed, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 class InRegion:
