@@ -111,3 +111,13 @@ def test_a_refused_fp32_entry_leaves_the_model_as_it_was():
     with pytest.raises(ValueError, match=r"fp32_names entry 'head'"):
         mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=o2_bf16,names=head")
     assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before the cast
+
+
+def test_fp32_names_match_a_wrapped_model_with_or_without_the_wrappers_prefix():
+    # the doctor names modules of the bare model; Lightning builds MixedPrecision on DDP's wrapper ("module.")
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))  # "_orig_mod." before every name
+    for names in ("1", "_orig_mod.1", "*.1"):
+        policy = mixprec.get_policy(f"base=o2_bf16,names={names}")
+        assert [name for name, _ in mixprec.fp32_modules(compiled, policy)] == ["_orig_mod.1"], names
+    with pytest.raises(ValueError, match=r"'module.1' matches no module .* Its module names: _orig_mod, 0, 1"):
+        mixprec.autocast("base=o2_bf16,names=module.1", compiled).__enter__()

@@ -74,7 +74,7 @@ def test_a_model_that_makes_nan_in_fp32_gets_no_16_bit_advice():
     assert diagnosis.fp32_nonfinite[0] == "2" and diagnosis.fp32_nonfinite[-1] == "loss"
     assert (diagnosis.policy, diagnosis.loss_scale) == ("fp32", None)
     (reason,) = diagnosis.reasons
-    assert "inf or NaN already in FP32, in 2 recorded step(s), starting in 2" in reason
+    assert "inf or NaN already in FP32, in every one of 2 recorded step(s), starting in 2" in reason
     assert json.loads(diagnosis.to_json())["fp32_nonfinite"] == list(diagnosis.fp32_nonfinite)
 
 
@@ -216,3 +216,23 @@ def test_gradients_that_overflow_fp16_unscaled_get_a_scale_below_one_and_the_rea
     assert fp16.gradient_amax > 65504 and diagnosis.loss_scale is not None and diagnosis.loss_scale < 1
     assert any("overflows fp16 (largest finite 65504) unscaled" in reason for reason in diagnosis.reasons)
     assert all("keeps 100%" not in reason for reason in diagnosis.reasons) or fp16.kept_with_scale == 1
+
+
+def test_an_inf_the_loss_leaves_out_or_one_bad_batch_still_gets_advice():
+    class Masked(nn.Module):  # log-probabilities with -inf at masked classes the targets never use
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.linear(x).masked_fill(torch.tensor([False, False, False, True]), float("-inf"))
+
+    torch.manual_seed(0)
+    batches = [(x, y % 3) for x, y in _batches()]
+    diagnosis = diagnose(Masked(), batches, nn.functional.cross_entropy, steps=3)
+    assert diagnosis.fp32_nonfinite == () and diagnosis.policy != "fp32"
+    # one batch of three with a NaN input: advice for the rest, and a reason about that batch
+    batches[1][0][0, 0] = float("nan")
+    diagnosis = diagnose(nn.Sequential(nn.Linear(16, 4)), batches, nn.functional.cross_entropy, steps=3)
+    assert diagnosis.fp32_nonfinite == () and diagnosis.policy != "fp32"
+    assert any(reason.startswith("1 of 3 recorded steps had a non-finite loss") for reason in diagnosis.reasons)

@@ -63,8 +63,8 @@ class Diagnosis:
     policy: str
     loss_scale: float | None
     reasons: tuple[str, ...]
-    # where the FP32 run itself made inf or NaN: modules in the order their outputs were made, and "loss" when
-    # the loss was non-finite; no precision policy trains such a model (the recommendation is then fp32)
+    # where the FP32 run made inf or NaN when its loss was non-finite at every recorded step: modules in the order
+    # their outputs were made, then "loss"; no precision policy trains such a model (the recommendation is fp32)
     fp32_nonfinite: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def diagnose(
     watch = RangeWatch(model, formats=names)
     try:
         with watch:
-            first, nonfinite_loss = _record(model, batches, loss_fn, watch, steps)
+            first, nonfinite_losses = _record(model, batches, loss_fn, watch, steps)
         scope = _sixteen_bit_gradients(model, first, loss_fn) if first is not None else None
     finally:
         for p, grad in saved_grads.items():
@@ -143,17 +143,28 @@ def diagnose(
         raise ValueError("diagnose(batches=...): received no batch; pass an iterable of (inputs, targets).")
     report = watch.report()
     advice = {fmt: _format_advice(report, fmt, keep, scope) for fmt in names}
-    nonfinite = tuple(report.nonfinite_outputs()) + (("loss",) if nonfinite_loss else ())
-    if nonfinite:
-        return Diagnosis(report, keep, advice, "fp32", None, (_broken_in_fp32(nonfinite, watch.steps),), nonfinite)
+    # judged by the loss: a module's inf output can be meant (a mask of -inf that the loss leaves out)
+    where = (*report.nonfinite_outputs(), "loss")
+    if nonfinite_losses == watch.steps:
+        return Diagnosis(report, keep, advice, "fp32", None, (_broken_in_fp32(where, watch.steps),), where)
     policy, loss_scale, reasons = _recommend_policy(advice, keep, bf16_supported)
+    if nonfinite_losses:
+        reasons = (*reasons, _some_steps_broken(where, nonfinite_losses, watch.steps))
     return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
+
+
+def _some_steps_broken(nonfinite: tuple[str, ...], broken: int, steps: int) -> str:
+    where = "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
+    return (
+        f"{broken} of {steps} recorded steps had a non-finite loss already in FP32 (first inf or NaN in {where}): "
+        "those batches are skipped whatever the precision; check the data"
+    )
 
 
 def _broken_in_fp32(nonfinite: tuple[str, ...], steps: int) -> str:
     where = "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
     return (
-        f"the model makes inf or NaN already in FP32, in {steps} recorded step(s), starting in {where} "
+        f"the model makes inf or NaN already in FP32, in every one of {steps} recorded step(s), starting in {where} "
         f"({len(nonfinite)} place(s) in all): no precision policy trains it (every update would be skipped). "
         "Fix the model, its initialization or its inputs, then run the doctor again (in a training loop, "
         "mixprec.NonFiniteTracer names the first module that makes a non-finite value)"
@@ -178,8 +189,8 @@ def _check_model_and_loss(model: Any, loss_fn: Any) -> None:
 
 def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: RangeWatch, steps: int) -> tuple:
     """FP32 forward and backward passes over up to ``steps`` batches, recorded by ``watch``; returns the first
-    batch (None if there was none) and whether any loss was non-finite (a host sync per batch)."""
-    first, nonfinite_loss = None, False
+    batch (None if there was none) and how many losses were non-finite (a host sync per batch)."""
+    first, nonfinite_losses = None, 0
     for batch in batches:
         if watch.steps >= steps:
             break
@@ -192,10 +203,10 @@ def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: 
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"diagnose(loss_fn=...) must return a one-element loss tensor; it returned {shape}.")
-        nonfinite_loss = nonfinite_loss or not bool(torch.isfinite(loss).all())
+        nonfinite_losses += not bool(torch.isfinite(loss).all())
         loss.backward()
         watch.step()
-    return first, nonfinite_loss
+    return first, nonfinite_losses
 
 
 def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:

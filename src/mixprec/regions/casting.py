@@ -47,9 +47,34 @@ def _is_kept_class(module: nn.Module, classes: tuple[str, ...]) -> bool:
     return any(cls.__name__ in classes for cls in type(module).__mro__)
 
 
-def _is_kept_name(name: str, globs: tuple[str, ...]) -> bool:
-    # "*.lm_head" also matches a top-level "lm_head": match against ".lm_head" as well.
-    return any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase("." + name, g) for g in globs)
+def _is_kept_name(name: str, globs: tuple[str, ...], wrappers: tuple[str, ...] = ()) -> bool:
+    # "*.lm_head" also matches a top-level "lm_head": match against ".lm_head" as well; and the name without the
+    # prefix a wrapper adds ("module.fc2" under DDP is also "fc2"), so that one policy names the model wrapped or not
+    names = {name, _unwrapped_name(name, wrappers)} - {""}
+    return any(fnmatch.fnmatchcase(n, g) or fnmatch.fnmatchcase("." + n, g) for n in names for g in globs)
+
+
+def _unwrapped_name(name: str, wrappers: tuple[str, ...]) -> str:
+    for prefix in wrappers:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _wrapper_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The prefixes wrappers put before every module name, longest first: DDP's ``module.``, torch.compile's
+    ``_orig_mod.`` (nested: ``_orig_mod.module.``)."""
+    prefix, prefixes = "", []
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            attribute = "module"
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            attribute = "_orig_mod"
+        else:
+            return tuple(reversed(prefixes))
+        prefix += attribute + "."
+        prefixes.append(prefix)
+        model = getattr(model, attribute)
 
 
 def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
@@ -60,10 +85,11 @@ def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
     if not (policy.fp32_modules or policy.fp32_names):
         return
     kept_prefixes: list[str] = []
+    wrappers = _wrapper_prefixes(model)
     for name, module in model.named_modules():
         if any(name == p or name.startswith(p + ".") for p in kept_prefixes):
             continue
-        if _is_kept_class(module, policy.fp32_modules) or (name and _is_kept_name(name, policy.fp32_names)):
+        if _is_kept_class(module, policy.fp32_modules) or (name and _is_kept_name(name, policy.fp32_names, wrappers)):
             kept_prefixes.append(name)
             yield name, module
 
@@ -73,9 +99,10 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
     presets list for any model) that matches no module of ``model``: a typo would keep nothing in FP32,
     silently (a name of the doctor's advice mistyped: every fp16 step then overflowed and was skipped)."""
     named = [(name, module) for name, module in model.named_modules() if name]
+    wrappers = _wrapper_prefixes(model)
     for glob in policy.fp32_names:
-        if not any(_is_kept_name(name, (glob,)) for name, _ in named):
-            names = [name for name, _ in named]
+        if not any(_is_kept_name(name, (glob,), wrappers) for name, _ in named):
+            names = [n for n in dict.fromkeys(_unwrapped_name(name, wrappers) for name, _ in named) if n]
             raise ValueError(_unmatched(policy, "fp32_names", glob, names, "module names", model))
     classes = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
     for cls in policy.fp32_modules:
@@ -89,8 +116,9 @@ def _unmatched(policy: Policy, key: str, entry: str, candidates: list[str], what
     shown = ", ".join(candidates[:8]) + (", ..." if len(candidates) > 8 else "")
     return (
         f"policy {policy}: {key} entry {entry!r} matches no module of this {type(model).__name__}, so nothing would "
-        f"be kept in FP32 for it; {hint}Its {what}: {shown or 'none'}. Names are dotted paths as in "
-        "model.named_modules() (globs allowed: *.lm_head), relative to the model the policy is applied to."
+        f"be kept in FP32 for it. {hint}Its {what}: {shown or 'none'}. Names are dotted paths as in "
+        "model.named_modules() (globs allowed: *.lm_head); a wrapper's prefix (DDP's module., torch.compile's "
+        "_orig_mod.) may be left out."
     )
 
 
