@@ -347,9 +347,10 @@ class MixedPrecision:
 
         The norm is computed in FP32 from the unscaled gradients the optimizer will use, with
         ``torch.nn.utils.clip_grad_norm_``'s formula; ``max_norm=math.inf`` measures it without clipping.
-        A non-finite norm makes step() skip the update, as an overflow does: non-finite gradients, or finite
-        ones whose squares sum past FP32's range (norms from about 1.8e19), which clipping would multiply by 0
-        and the optimizer would still apply (momentum, weight decay). No host sync.
+        When clipping (a finite ``max_norm``), a non-finite norm makes step() skip the update, as an overflow
+        does: non-finite gradients, or finite ones whose squares sum past FP32's range (norms from about
+        1.8e19), which clipping would multiply by 0 and the optimizer would still apply (momentum, weight
+        decay). No host sync.
         """
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
             # a negative max_norm would flip every gradient's sign (torch's clip_grad_norm_ takes it)
