@@ -250,7 +250,7 @@ CLI_CASES = [
     (
         "train loss scale",
         ["train", "digits", "--loss-scale", "-4", "--out", "{tmp}/run"],
-        ["--loss-scale: received -4", "above 0"],
+        ["--loss-scale: received -4", "2^-126 to 2^127"],
     ),
     (
         "train accumulation",
@@ -291,6 +291,11 @@ CLI_CASES = [
         "train policy file names a bad policy",
         ["train", "digits", "--policy", "{misnamed_policy_file}", "--out", "{tmp}/run"],
         ["policy.json: its 'policy' is not valid", "Did you mean mixed_fp16"],
+    ),
+    (
+        "train loss scale past fp32",
+        ["train", "digits", "--loss-scale", "1e39", "--out", "{tmp}/run"],
+        ["received 1e39"],
     ),
     ("doctor unknown flag", ["doctor", "digits", "--policy", "x"], ["mixprec doctor: error: unrecognized arguments"]),
     # numeric flags: refused by name before anything runs (a batch size of 0 was read as the task's default)

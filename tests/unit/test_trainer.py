@@ -1,6 +1,8 @@
 import dataclasses
 import json
 import logging
+import os
+import signal
 
 import pytest
 import torch
@@ -85,6 +87,27 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_matches(tmp_path):
     assert stop.value.step == 19 and stop.value.checkpoint.name == "step-00000019.safetensors"
     resumed = make_trainer(tmp_path / "split")
     resumed.fit(steps=25, resume=True)
+    assert_bit_identical(parameters(straight), parameters(resumed))
+
+
+def test_a_stop_in_a_window_that_spans_two_epochs_finishes_the_window_first(tmp_path):
+    # 23 batches an epoch, 2 per update: the epoch ends in the middle of update 12's window. A stop asked for
+    # there used to save mid-window (the window's gradients lost) and the resumed run differed
+    calls = {"n": 0}
+
+    def stopping_loss(outputs, targets):
+        calls["n"] += 1
+        if calls["n"] == 23:  # the epoch's last batch, the window's first micro-batch
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    straight = make_trainer(tmp_path / "straight", accumulation_steps=2)
+    straight.fit(steps=16)
+    with pytest.raises(TrainingInterrupted) as stop:
+        make_trainer(tmp_path / "split", loss_fn=stopping_loss, accumulation_steps=2).fit(steps=16)
+    assert stop.value.step == 12  # after the window, finished in the next epoch
+    resumed = make_trainer(tmp_path / "split", accumulation_steps=2)
+    resumed.fit(steps=16, resume=True)
     assert_bit_identical(parameters(straight), parameters(resumed))
 
 

@@ -206,7 +206,9 @@ class Trainer:
         start = time.perf_counter()
         try:
             with self._stop.handlers(), self.tracer or contextlib.nullcontext():
-                while self.step < total and not self._stop.requested:
+                # a stop ends the run after an update: an epoch that ran out in the middle of an accumulation
+                # window goes on into the next epoch first (a checkpoint holds no window's gradients)
+                while self.step < total and not (self._stop.requested and self.mp.micro_step == 0):
                     self._run_epoch(total, window, bar)
         except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
             bar.close()

@@ -232,6 +232,12 @@ class MixedPrecision:
             yield policy
 
     @property
+    def micro_step(self) -> int:
+        """Micro-batches of the current accumulation window already stepped: 0 right after an update, the
+        moment to save a checkpoint (the window's gradients are not part of one)."""
+        return self._order.micro_step
+
+    @property
     def at_update_boundary(self) -> bool:
         """True when the next ``step()`` applies an update (always, without gradient accumulation)."""
         return self._order.at_update_boundary

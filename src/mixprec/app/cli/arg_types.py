@@ -8,7 +8,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["fraction", "non_negative_number", "positive_number", "whole_number"]
+__all__ = ["fraction", "loss_scale", "non_negative_number", "positive_number", "whole_number"]
 
 
 def whole_number(minimum: int = 1) -> Callable[[str], int]:
@@ -49,3 +49,9 @@ def non_negative_number(text: str) -> float:
 def fraction(text: str) -> float:
     """A fraction in (0, 1]."""
     return _number(text, lambda v: 0 < v <= 1, "a fraction in (0, 1], e.g. 0.999")
+
+
+def loss_scale(text: str) -> float:
+    """An initial dynamic loss scale that FP32 stores as a normal number (beyond it the scaler could not hold
+    it: 1e39 crashed, 1e-50 became 0). Above the growth ceiling (2^24) is allowed: it backs off as usual."""
+    return _number(text, lambda v: 2.0**-126 <= v <= 2.0**127, "a number from 2^-126 to 2^127")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mixprec.app.cli.arg_types import non_negative_number, positive_number, whole_number
+from mixprec.app.cli.arg_types import loss_scale, non_negative_number, positive_number, whole_number
 
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
@@ -61,9 +61,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs or loss")
     parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
-    parser.add_argument(
-        "--loss-scale", type=positive_number, help="initial dynamic loss scale (default 65536 for fp16)"
-    )
+    parser.add_argument("--loss-scale", type=loss_scale, help="initial dynamic loss scale (default 65536 for fp16)")
     parser.add_argument(
         "--trace-nonfinite",
         action="store_true",
