@@ -127,13 +127,14 @@ def test_formats_json_matches_library(mixprec_cli):
 
 def test_formats_values(mixprec_cli):
     run = mixprec_cli
-    result = run("formats", "--value", "1e-8", "70000", "-1e-40", "--json")
+    result = run("formats", "--value", "1e-8", "70000", "-1e-40", "65510", "--json")
     outcome = {(r["value"], r["format"]): r["outcome"] for r in json.loads(result.stdout)}
     assert outcome[(1e-8, "fp16")] == "underflow to 0"
     assert outcome[(1e-8, "bf16")].startswith("rounded (rel. error 1.17e-03")
     assert outcome[(70000.0, "fp16")] == "overflow to inf"
     assert outcome[(70000.0, "fp8_e4m3")] == "overflow, saturates to max"
     assert outcome[(70000.0, "fp32")] == "exact"
+    assert outcome[(65510.0, "fp16")].startswith("rounded (rel. error")  # below the overflow threshold 65520
     assert outcome[(-1e-40, "bf16")].startswith("rounded to a subnormal")
     table = run("formats", "--value", "0.1").stdout
     assert "value 0.1" in table and "0.0999755859" in table  # fp16's 0.1

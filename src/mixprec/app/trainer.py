@@ -262,8 +262,8 @@ class Trainer:
         """Refuse to start a fresh run in a folder that already holds one (its checkpoints would be lost)."""
         if self.checkpoint_dir is not None and list_checkpoints(self.checkpoint_dir):
             raise ValueError(
-                f"{self.out_dir} already holds a run with checkpoints; resume it (resume=True, CLI --resume) "
-                "or choose a new folder."
+                f"{self.out_dir} already holds a run with checkpoints; resume it (resume=True; mixprec train "
+                f"--out {self.out_dir} --resume) or choose a new folder."
             )
 
     def _seed_everything(self) -> None:

@@ -112,11 +112,11 @@ def _number(value: float) -> str:
 
 
 def represent(value: float, fmt: Format) -> dict:
+    """What ``fmt`` stores for ``value``: the stored number and what happened to it."""
     import torch
 
     from mixprec.numerics.quantize import quantize
 
-    """What ``fmt`` stores for ``value``: the stored number and what happened to it."""
     stored = quantize(torch.tensor([value], dtype=torch.float64), fmt).item()
     if math.isnan(value):
         outcome = "NaN stays NaN"
@@ -126,8 +126,8 @@ def represent(value: float, fmt: Format) -> dict:
         outcome = "underflow to 0"
     elif math.isinf(stored):
         outcome = "overflow to inf"
-    elif abs(stored) == fmt.max and abs(value) > fmt.max:
-        outcome = "overflow, saturates to max"
+    elif abs(stored) == fmt.max and abs(value) > fmt.max and not fmt.has_inf:
+        outcome = "overflow, saturates to max"  # a format with inf rounds up to inf past its threshold instead
     else:
         relative = abs(stored - value) / abs(value)
         kind = "rounded to a subnormal" if abs(stored) < fmt.min_normal else "rounded"
