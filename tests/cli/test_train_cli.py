@@ -276,12 +276,17 @@ def test_resume_refuses_flags_that_would_train_another_run_and_keeps_a_new_lengt
         (["charlm"], "received the task 'charlm', but the run has 'digits'"),
         (["--lr", "0.5"], "received --lr 0.5, but the run has the task's default"),
         (["--seed", "3"], "received --seed 3, but the run has 0"),
+        # a flag given with its default's value is given too (it was taken for absent, and ignored)
+        (["--size", "default"], "received --size 'default', but the run has 'tiny'"),
     ]:
         done = run("train", *flags, "--out", out, "--resume", "--steps", "4")
         assert done.returncode == 2 and said in done.stderr, (flags, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     # the same values as the run's, and a new length and checkpoint count, are taken; config.json keeps them
-    done = run("train", "--out", out, "--resume", "--policy", "mixed_fp16", "--steps", "4", "--keep", "2", "--quiet")
+    done = run(
+        "train", "--out", out, "--resume", "--policy", "mixed_fp16", "--accumulation-steps", "1", "--steps", "4",
+        "--keep", "2", "--quiet",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     saved = json.loads((out / "config.json").read_text())  # what a later plain --resume continues to
     assert (saved["steps"], saved["keep_checkpoints"], saved["policy"]) == (4, 2, "mixed_fp16")

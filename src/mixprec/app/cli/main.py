@@ -54,6 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NOT_GIVEN = object()
+
+
+def _given(argv: Sequence[str]) -> frozenset[str]:
+    """The destinations of the arguments on the command line itself, a default's value given too: argv parsed
+    again with every command's defaults replaced by a marker."""
+    probe = build_parser()
+    for action in probe._subparsers._group_actions:  # argparse keeps its commands here
+        for command in action.choices.values():
+            for argument in command._actions:
+                argument.default = _NOT_GIVEN
+    parsed, _ = probe.parse_known_args(argv)
+    return frozenset(name for name, value in vars(parsed).items() if value is not _NOT_GIVEN)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -61,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog = f"mixprec {args.command}" if getattr(args, "command", None) else "mixprec"
         print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see '{prog} --help')", file=sys.stderr)
         return USAGE_ERROR
+    args.given = _given(argv if argv is not None else sys.argv[1:])  # what --resume compares with the run
     if not hasattr(args, "run"):
         parser.print_help()
         return USAGE_ERROR
