@@ -27,13 +27,22 @@ passed to torch's checkpoint directly, a torch checkpoint nested inside before a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["claim_checkpoint", "entered_region", "mixprec_checkpoint_forward", "refuse_foreign_checkpoint"]
+__all__ = [
+    "EnteredRegion",
+    "claim_checkpoint",
+    "entered_region",
+    "innermost_region",
+    "mixprec_checkpoint_forward",
+    "refuse_foreign_checkpoint",
+]
 
 _local = threading.local()
 # torch.utils.checkpoint's saved-tensor hook while it records a forward (a class of torch's, by its name)
@@ -60,17 +69,34 @@ def claim_checkpoint() -> None:
         marks[-1][0] = _top_pack()
 
 
+@dataclasses.dataclass(eq=False)
+class EnteredRegion:
+    """A region entered on this thread (eager code): whether autograd was on (a training forward, where an op
+    run with autograd off may be a reentrant checkpoint's forward), the saved-tensor hook innermost at entry (a
+    checkpoint begun before the region recomputes the region with its block), and the region's own record
+    (regions/recompute.py's Frame: how to enter it again)."""
+
+    training: bool
+    entry_pack: object | None
+    record: Any
+
+
 @contextlib.contextmanager
-def entered_region(training: bool) -> Iterator[None]:
-    """Marks an entered region: whether autograd was on (a training forward, where an op run with autograd off
-    may be a reentrant checkpoint's forward), and the saved-tensor hook innermost at entry (a checkpoint begun
-    before the region recomputes the region with its block)."""
+def entered_region(record: Any) -> Iterator[None]:
+    """Track a region as the innermost one on this thread while inside."""
     regions = _stack("regions")
-    regions.append((training, _top_pack()))
+    entry = EnteredRegion(torch.is_grad_enabled(), _top_pack(), record)
+    regions.append(entry)
     try:
         yield
     finally:
-        regions.pop()
+        regions.remove(entry)
+
+
+def innermost_region() -> EnteredRegion | None:
+    """The innermost region entered on this thread (eager code; compiled regions are not tracked)."""
+    regions = _stack("regions")
+    return regions[-1] if regions else None
 
 
 def _stack(name: str) -> list:
@@ -89,16 +115,16 @@ def _top_pack() -> object | None:
 def refuse_foreign_checkpoint(part: str) -> None:
     """Raise ValueError when torch's own checkpoint records this forward (eager), begun inside the region and
     not made by mixprec; ``part``: what of the region would be missing from its recompute, for the message."""
-    regions = _stack("regions")
-    if torch.compiler.is_compiling() or not regions:
+    region = innermost_region()
+    if torch.compiler.is_compiling() or region is None:
         return
-    training, entry_pack = regions[-1]
     if not torch.is_grad_enabled():
-        if training and _in_reentrant_checkpoint():
+        if region.training and _in_reentrant_checkpoint():
             raise ValueError(_refusal("torch.utils.checkpoint(..., use_reentrant=True)", part, reentrant=True))
         return
     pack = _top_pack()
-    if pack is None or pack is entry_pack or not getattr(pack, "__qualname__", "").startswith(_TORCH_CHECKPOINT_HOOK):
+    torchs = getattr(pack, "__qualname__", "").startswith(_TORCH_CHECKPOINT_HOOK)
+    if not torchs or pack is region.entry_pack:
         return
     marks = _stack("marks")
     if marks and marks[-1][0] is None:

@@ -153,18 +153,23 @@ def diagnose(
     return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
 
 
+def _first_place(nonfinite: tuple[str, ...]) -> str:
+    """Where the first inf or NaN was made: a module ("" is the model itself), else the loss."""
+    return "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
+
+
 def _some_steps_broken(nonfinite: tuple[str, ...], broken: int, steps: int) -> str:
-    where = "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
     return (
-        f"{broken} of {steps} recorded steps had a non-finite loss already in FP32 (first inf or NaN in {where}): "
+        f"{broken} of {steps} recorded steps had a non-finite loss already in FP32 (first inf or NaN in "
+        f"{_first_place(nonfinite)}): "
         "those batches are skipped whatever the precision; check the data"
     )
 
 
 def _broken_in_fp32(nonfinite: tuple[str, ...], steps: int) -> str:
-    where = "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
     return (
-        f"the model makes inf or NaN already in FP32, in every one of {steps} recorded step(s), starting in {where} "
+        f"the model makes inf or NaN already in FP32, in every one of {steps} recorded step(s), starting in "
+        f"{_first_place(nonfinite)} "
         f"({len(nonfinite)} place(s) in all): no precision policy trains it (every update would be skipped). "
         "Fix the model, its initialization or its inputs, then run the doctor again (in a training loop, "
         "mixprec.NonFiniteTracer names the first module that makes a non-finite value)"

@@ -42,7 +42,7 @@ from torch import nn
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.device import device_caps, device_type_of
 from mixprec.compute.emulation import EmulatedAutocast
-from mixprec.compute.foreign_checkpoint import entered_region, refuse_foreign_checkpoint
+from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.compute.nest import map_floating
 from mixprec.policy.parse import get_policy
@@ -264,7 +264,6 @@ class Region:
         with (
             _no_graph_breaks() if traced else null,  # first: it covers everything entered after it
             entered(frame),
-            entered_region(torch.is_grad_enabled()) if frame is not None else null,
             # Not native: the region still owns the precision, so an outer autocast is switched off inside.
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
             # compiled, GEMM attention steps aside (the compiler picks its attention kernel): not entered at all

@@ -98,6 +98,9 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
     """Raise ValueError for an entry of the policy's ``fp32_names`` or ``fp32_modules`` (``norm`` aside, which
     presets list for any model) that matches no module of ``model``: a typo would keep nothing in FP32,
     silently (a name of the doctor's advice mistyped: every fp16 step then overflowed and was skipped)."""
+    classes_named = [cls for cls in policy.fp32_modules if cls != NORM]
+    if not (policy.fp32_names or classes_named):  # the presets' norm alone: a region made per call costs nothing
+        return
     named = [(name, module) for name, module in model.named_modules() if name]
     wrappers = _wrapper_prefixes(model)
     for glob in policy.fp32_names:
@@ -105,8 +108,8 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
             names = [n for n in dict.fromkeys(_unwrapped_name(name, wrappers) for name, _ in named) if n]
             raise ValueError(_unmatched(policy, "fp32_names", glob, names, "module names", model))
     classes = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
-    for cls in policy.fp32_modules:
-        if cls != NORM and cls not in classes:
+    for cls in classes_named:
+        if cls not in classes:
             raise ValueError(_unmatched(policy, "fp32_modules", cls, sorted(classes), "module classes", model))
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +40,12 @@ import torch
 from torch import nn
 
 from mixprec.compute.emulation import active_emulation
-from mixprec.compute.foreign_checkpoint import claim_checkpoint, mixprec_checkpoint_forward
+from mixprec.compute.foreign_checkpoint import (
+    claim_checkpoint,
+    entered_region,
+    innermost_region,
+    mixprec_checkpoint_forward,
+)
 
 __all__ = ["checkpoint", "recompute_context", "wire_checkpointing"]
 
@@ -55,20 +59,10 @@ class Frame:
     fp32_depth: int = 0
 
 
-_local = threading.local()
-
-
-def _frames() -> list[Frame]:
-    frames = getattr(_local, "frames", None)
-    if frames is None:
-        frames = _local.frames = []
-    return frames
-
-
 def current_frame() -> Frame | None:
     """The innermost region entered on this thread (eager code; compiled regions are not tracked)."""
-    frames = _frames()
-    return frames[-1] if frames else None
+    region = innermost_region()
+    return None if region is None else region.record
 
 
 @contextlib.contextmanager
@@ -77,12 +71,8 @@ def entered(frame: Frame | None) -> Iterator[None]:
     if frame is None:
         yield
         return
-    frames = _frames()
-    frames.append(frame)
-    try:
+    with entered_region(frame):
         yield
-    finally:
-        frames.remove(frame)
 
 
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

@@ -174,14 +174,9 @@ def resumed_config(saved: TrainConfig, args: argparse.Namespace) -> TrainConfig:
     continues the run config.json describes and a silently ignored flag would train something else."""
     defaults = argparse.ArgumentParser()
     add_run_arguments(defaults)
-    run_flags = vars(defaults.parse_args([]))
-    explicit = getattr(args, "given", None)  # set by the command line: a flag given with its default's value too
-    if explicit is None:
-        given = {k: v for k, v in vars(args).items() if k in run_flags and v != defaults.get_default(k)}
-    else:
-        given = {k: v for k, v in vars(args).items() if k in run_flags and k in explicit}
-    if args.policy != "auto" or (explicit is not None and "policy" in explicit):
-        given["policy"] = args.policy
+    # args.given: the flags on the command line (app/cli/main.py), a default's value given too
+    run_flags = {*vars(defaults.parse_args([])), "policy"}
+    given = {k: v for k, v in vars(args).items() if k in run_flags and k in args.given}
     if given.get("model"):
         given["task"] = given.pop("model")
     changes = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE}
