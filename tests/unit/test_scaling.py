@@ -179,3 +179,20 @@ def test_repr_shows_the_configuration_without_reading_the_device(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", no_read)
     assert repr(dynamic).startswith("DynamicLossScaler(init_scale=8.0, growth_factor=2.0")
     assert repr(static) == "StaticLossScaler(scale=128.0)"
+
+
+@pytest.mark.parametrize("inv_scale", [2.0**-16, 3.0, 1 / 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unscaling_is_the_fp32_multiply_rounded_once_and_flags_what_held_inf_or_nan(dtype, inv_scale, device):
+    # bf16 on CUDA has no fused kernel in PyTorch (pure_bf16 failed on an H200): every dtype is held to one reference
+    scaler = mixprec.StaticLossScaler(1 / inv_scale)
+    finite = torch.tensor([1.5, -3.0e4, 2.0**-20, 0.0, 1.0078125 * 3], dtype=dtype, device=device)
+    for bad in (None, INF, -INF, float("nan")):
+        grads = [finite.clone(), finite.flip(0).clone()]
+        if bad is not None:
+            grads[1][2] = bad
+        expected = [(g.float() * torch.tensor(inv_scale, dtype=torch.float32)).to(dtype) for g in grads]
+        found = scaler.unscale_(grads)
+        assert found.item() == (0.0 if bad is None else 1.0), bad
+        for got, want in zip(grads, expected, strict=True):
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())

@@ -43,10 +43,24 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor)
     for (device, _), group in _groups(tensors).items():
         found_here = found if device == found.device else torch.zeros(1, dtype=torch.float32, device=device)
         inv_here = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_here)
+        _unscale_and_check_group_(group, found_here, inv_here)
         if found_here is not found:
             found += found_here.to(found.device, non_blocking=True)
     return found.clamp_(max=1.0)
+
+
+def _unscale_and_check_group_(group: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """One (device, dtype) group: PyTorch's kernel, except for bf16 off the CPU, which it lacks (torch 2.11 on
+    CUDA: "not implemented for 'BFloat16'"). There, as the kernel does: checked before the multiply (each
+    tensor's max |value|, inf or NaN where one is), then the multiply in FP32 rounded to bf16 once, tensor by
+    tensor (``_foreach_mul_`` would round a scale such as 1/3 to bf16 first: measured on an H200)."""
+    if group[0].dtype != torch.bfloat16 or group[0].device.type == "cpu":
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+        return
+    found.add_(torch.isfinite(max_magnitudes(group, found.device)).logical_not().any())
+    inv = inv_scale.reshape(())  # a 0-d parameter's gradient takes it too
+    for tensor in group:
+        tensor.copy_(tensor.float().mul_(inv))
 
 
 def max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
