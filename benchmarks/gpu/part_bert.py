@@ -19,13 +19,16 @@ import torch
 import torch.nn.functional as F
 from benchmarks.gpu.common import Part, Settings, free_memory, log
 from benchmarks.gpu.measure import prepare, time_modes
-from benchmarks.gpu.steps import Mode, Workload, mixprec_step
+from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
 
 import mixprec
 
 __all__ = ["run"]
 
 TRAIN_POLICIES = {"fp32": "fp32", "tf32": "tf32", "fp16": "mixed_fp16", "bf16": "mixed_bf16"}
+# the hand-written loops (torch.autocast, GradScaler for fp16, fused AdamW) beside mixprec's: its overhead
+TORCH_LOOPS = {"torch fp32": None, "torch autocast fp16": torch.float16, "torch autocast bf16": torch.bfloat16}
+TORCH_TWINS = {"fp32": "torch fp32", "fp16": "torch autocast fp16", "bf16": "torch autocast bf16"}
 INFERENCE_POLICIES = {"fp32": "fp32", "tf32": "tf32", "fp16": "p=f16,c=f16,o=f32", "bf16": "p=bf16,c=bf16,o=f32"}
 
 
@@ -68,10 +71,12 @@ def _inference(work: Workload, device: torch.device, policy: str) -> tuple[Calla
 
 def _modes(work: Workload, device: torch.device, phase: str) -> list[Mode]:
     if phase == "training":
-        return [
-            Mode(name, lambda p=policy: mixprec_step(work, device, p, "fused"))
+        mixprecs = [
+            Mode(name, lambda p=policy: mixprec_step(work, device, p, "fused"), twin=TORCH_TWINS.get(name))
             for name, policy in TRAIN_POLICIES.items()
         ]
+        loops = [Mode(name, lambda d=dtype: torch_step(work, device, d)) for name, dtype in TORCH_LOOPS.items()]
+        return mixprecs + loops
     return [Mode(name, lambda p=policy: _inference(work, device, p)) for name, policy in INFERENCE_POLICIES.items()]
 
 
@@ -93,10 +98,16 @@ def _phase(settings: Settings, part: Part, work: Workload, phase: str, batch: in
                              "spread_ms": round(timing.spread_ms, 3),
                              "samples_per_s": round(batch / (timing.median_ms / 1e3), 1),
                              "speedup_vs_fp32": round(fp32.median_ms / timing.median_ms, 2) if fp32 else None,
+                             "vs_torch_loop": _ratio(timing, timings.get(made.mode.twin or "")),
                              "peak_memory_mb": made.figures["peak_memory_mb"]})  # fmt: skip
     log(f"  {phase} batch {batch}: " + ", ".join(f"{n} {t.median_ms:.1f} ms" for n, t in timings.items()))
     del ready
     free_memory()
+
+
+def _ratio(timing, twin) -> float | None:
+    """Step time over the hand-written loop's (above 1: mixprec is slower)."""
+    return round(timing.median_ms / twin.median_ms, 3) if twin else None
 
 
 def run(settings: Settings, part: Part) -> None:

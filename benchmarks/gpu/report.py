@@ -28,7 +28,8 @@ COLUMNS = {
             ("mixprec_kernel_path_equals_kernel", "mixprec path == kernel"),
             ("n", "n"), ("dtype", "dtype"), ("tflops", "TFLOP/s"), ("vs_bf16", "vs bf16")],
     "bert": [("phase", "phase"), ("batch", "batch"), ("mode", "precision"), ("median_ms", "ms"),
-             ("samples_per_s", "samples/s"), ("speedup_vs_fp32", "vs fp32"), ("peak_memory_mb", "peak MB")],
+             ("samples_per_s", "samples/s"), ("speedup_vs_fp32", "vs fp32"), ("vs_torch_loop", "vs torch loop"),
+             ("peak_memory_mb", "peak MB")],
 }  # fmt: skip
 
 

@@ -159,6 +159,15 @@ def test_a_delayed_history_loaded_on_the_cpu_is_kept_on_the_tensors_device(devic
     assert scale.item() == 2.0 ** math.floor(math.log2(448.0 / 3.0))  # scaled from the loaded history's max
 
 
+def test_only_the_recorded_amaxes_of_a_loaded_history_count(device):
+    # 2 recorded: the 9.0 after them was never recorded (a hand-made or tampered state) and must not set the scale
+    state = ScaleState("fp8_e4m3", Fp8Recipe(history=4))
+    state.load_state_dict({"history": torch.tensor([3.0, 2.0, 9.0, 7.0]), "recorded": 2})
+    scale = state.scale_for(torch.full((8,), 0.5, device=device))
+    assert scale.item() == 2.0 ** math.floor(math.log2(448.0 / 3.0))
+    assert state.history.cpu().tolist() == [0.5, 3.0, 2.0, 0.0] and int(state.recorded) == 3
+
+
 def test_where_the_kernel_fails_the_probe_says_why_and_the_compute_plan_repeats_it(monkeypatch):
     from mixprec.regions.autocast import compute_plan
     from mixprec.regions.fp8 import gemm

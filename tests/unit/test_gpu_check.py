@@ -92,8 +92,11 @@ def _check_bert(part: dict) -> None:
     for phase in ("training", "inference"):
         records = [r for r in part["records"] if r["phase"] == phase]
         assert {r["batch"] for r in records} == {1, 2}
-        assert {r["mode"] for r in records} == {"fp32", "tf32", "fp16", "bf16"}
+        loops = {"torch fp32", "torch autocast fp16", "torch autocast bf16"} if phase == "training" else set()
+        assert {r["mode"] for r in records} == {"fp32", "tf32", "fp16", "bf16"} | loops
         assert all(r["samples_per_s"] > 0 and r["speedup_vs_fp32"] > 0 for r in records)
+    twinned = [r for r in part["records"] if r["phase"] == "training" and r["mode"] in ("fp32", "fp16", "bf16")]
+    assert len(twinned) == 6 and all(r["vs_torch_loop"] > 0 for r in twinned)  # 3 modes x 2 batches
 
 
 def test_a_failing_part_is_recorded_and_the_next_part_still_runs(gpu_check, monkeypatch, tmp_path, capsys):

@@ -26,7 +26,7 @@ import torch
 from mixprec.numerics.formats import Format
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
-from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8
+from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8_storage
 
 __all__ = ["Fp8LinearState", "fp8_linear"]
 
@@ -54,7 +54,7 @@ class Fp8LinearState:
 
 
 def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    return cast_to_fp8(tensor, scale, fmt).to(fmt.torch_dtype)
+    return cast_to_fp8_storage(tensor, scale, fmt)
 
 
 class _Fp8Linear(torch.autograd.Function):

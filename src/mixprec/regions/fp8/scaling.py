@@ -10,8 +10,8 @@ in place (``copy_``), and the count of recorded amaxes, a device scalar (``add_`
 the FP8 Linear's autograd function (the gradient's in its backward) traces under torch.compile: the
 compiler carries in-place updates of tensors into the graph, while an attribute reassigned there (the
 history rebuilt by ``torch.cat``) or a count kept in Python is a side effect it refuses, a graph break in
-every FP8 layer. "No history yet" is a ``torch.where`` on the count, not a Python branch, and a
-fixed-shape mask stands in for slicing by it, so nothing waits for the host. A custom op
+every FP8 layer. "No history yet" is a ``torch.where`` on the count, not a Python branch, and the entries not
+recorded yet are zeros (no slicing by the count), so nothing waits for the host. A custom op
 (``torch.library.custom_op`` with ``mutates_args``) was not needed: the autograd function carries the
 updates as they are, and the compiled FP8 arithmetic equals eager bit for bit. ``state_dict`` reads the count
 (a host sync, at checkpoints only) and keeps the format of earlier checkpoints, ``{"history": tensor,
@@ -28,17 +28,18 @@ from mixprec.numerics.formats import Format, get_format
 from mixprec.numerics.quantize import quantize
 from mixprec.policy.fp8_recipe import Fp8Recipe
 
-__all__ = ["ScaleState", "cast_to_fp8", "power_of_two_scale"]
+__all__ = ["ScaleState", "cast_to_fp8", "cast_to_fp8_storage", "power_of_two_scale"]
 
 
 def power_of_two_scale(amax: torch.Tensor, fmt_max: float, margin: int = 0) -> torch.Tensor:
     """The FP32 scale 2**k, k the largest integer with ``amax * 2**k <= fmt_max``, minus ``margin``."""
     max_mantissa, max_exponent = math.frexp(fmt_max)
     mantissa, exponent = torch.frexp(amax.float())
-    k = (max_exponent - exponent) - (mantissa > max_mantissa).int() - margin
-    usable = torch.isfinite(amax) & (amax > 0)
-    k = torch.where(usable, k, 0).clamp(-126, 126)
-    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), k)
+    # the biased exponent of 2**k (k + 127), clamped to k in [-126, 126]; 127 (k = 0) for a zero,
+    # infinite or NaN amax (NaN fails both tests)
+    biased = ((max_exponent - margin + 127) - exponent).add_(mantissa > max_mantissa, alpha=-1)
+    biased = torch.where((amax > 0) & (amax < math.inf), biased, 127).clamp_(1, 253)
+    return (biased << 23).view(torch.float32)  # 2**k from its exponent bits: exact, fewer launches than ldexp
 
 
 def cast_to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) -> torch.Tensor:
@@ -50,12 +51,29 @@ def cast_to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) ->
     train on).
     """
     spec = get_format(fmt)
+    if spec.torch_dtype is not None:
+        return cast_to_fp8_storage(tensor, scale, spec).float()
     scaled = tensor.float() * scale
-    clamped = scaled.clamp(-spec.max, spec.max)
-    # PyTorch's own float8 cast where it has the dtype (one fused pass; mixprec.quantize, which equals it
-    # bit for bit, is ten times slower); quantize for formats PyTorch lacks
-    rounded = clamped.to(spec.torch_dtype).float() if spec.torch_dtype is not None else quantize(clamped, spec)
+    rounded = quantize(scaled.clamp(-spec.max, spec.max), spec)  # formats PyTorch lacks
     return torch.where(torch.isfinite(scaled), rounded, scaled if spec.has_inf else scaled - scaled)  # inf-inf: NaN
+
+
+def cast_to_fp8_storage(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """:func:`cast_to_fp8` held in the format's PyTorch dtype (1 byte a value), for formats PyTorch has.
+
+    Four launches on an FP32 tensor (five otherwise): the multiply, infinities to NaN (e4m3) or kept
+    (e5m2), the saturating clamp (NaN passes it), PyTorch's own float8 cast (one fused pass;
+    mixprec.quantize, which equals it bit for bit, is ten times slower).
+    """
+    spec = get_format(fmt)
+    scaled = tensor.float() * scale
+    if not spec.has_inf:
+        return (
+            scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
+            .clamp_(-spec.max, spec.max)
+            .to(spec.torch_dtype)
+        )
+    return torch.where(torch.isinf(scaled), scaled, scaled.clamp(-spec.max, spec.max)).to(spec.torch_dtype)
 
 
 class ScaleState:
@@ -90,21 +108,19 @@ class ScaleState:
         return scale
 
     def _past_amax(self) -> torch.Tensor:
-        """The history reduced by the recipe (meaningful once ``recorded`` > 0)."""
-        if self.recipe.amax != "max":
-            return self.history[0]
-        # the first min(recorded, history) entries, as a mask of fixed shape: slicing by a device count
-        # would wait for the host
-        valid = torch.arange(self.history.numel(), device=self.history.device) < self.recorded
-        return torch.where(valid, self.history, 0.0).max()
+        """The history reduced by the recipe (meaningful once ``recorded`` > 0). The entries not recorded yet
+        are zeros (the history starts so, recording shifts them along, loading zeroes them), so the
+        largest is the largest of those recorded, with no mask by a device count (which would wait for
+        the host)."""
+        return self.history.max() if self.recipe.amax == "max" else self.history[0]
 
     def _record(self, amax: torch.Tensor) -> None:
         """Push ``amax`` onto the history; a non-finite one (an overflowing step, skipped) is left out, so the
         next scale comes from the amaxes before it (no device-to-host read: both updates are masked)."""
-        finite = torch.isfinite(amax)
+        finite = amax < math.inf  # an amax is >= 0 or NaN
         shifted = torch.cat([amax.reshape(1), self.history[:-1]])  # cat first: no overlapping copy
         self.history.copy_(torch.where(finite, shifted, self.history))
-        self.recorded.add_(finite.to(self.recorded.dtype))
+        self.recorded.add_(finite)
 
     def state_dict(self) -> dict:
         """The history and the count as an int (reads one device scalar: a host sync, at checkpoints only)."""
@@ -115,5 +131,8 @@ class ScaleState:
         if not isinstance(history, torch.Tensor) or history.shape != (self.recipe.history,):
             raise ValueError(f"FP8 scale state: expected an amax history of {self.recipe.history} values.")
         # onto the state's device; a state still on the CPU moves to the tensors' device on first use
-        self.history = history.detach().to(self.history.device, torch.float32, copy=True)
-        self.recorded = torch.tensor(int(state["recorded"]), dtype=torch.int64, device=self.history.device)
+        recorded = int(state["recorded"])
+        history = history.detach().to(self.history.device, torch.float32, copy=True)
+        history[max(recorded, 0) :] = 0.0  # never recorded: zeros, as _past_amax reads them
+        self.history = history
+        self.recorded = torch.tensor(recorded, dtype=torch.int64, device=self.history.device)
