@@ -37,9 +37,9 @@ COMPILED = (
     "mixed_bf16",
     "torch autocast fp16",
     "mixed_fp16",
+    "fp8",
     "o2_bf16",
     "pure_bf16",
-    "fp8",
     "fp8_hybrid",
 )
 DRY_RUN_POLICIES = ("fp32", "mixed_bf16", "fp8")
