@@ -276,7 +276,7 @@ class MixedPrecision:
         if self.accumulate_in_fp32:
             self.masters.grads_to_masters()
         if not isinstance(self.scalers[loss_id], NoOpLossScaler):  # unscaled gradients are the caller's to edit
-            self._scaled_grads.record([*self.model.parameters(), *self._optimizer_params()])
+            self._scaled_grads.record([*self._parameters.parameters, *self._optimizer_params()])
 
     def _refuse_changed_scaled_grads(self) -> None:
         """Raise when a gradient was written to or replaced since the last backward while it still carries the
@@ -486,7 +486,7 @@ class MixedPrecision:
     def _zero_grad(self) -> None:
         self._scaled_grads.forget()
         self.optimizer.zero_grad(set_to_none=True)
-        for param in self.model.parameters():
+        for param in self._parameters.parameters:  # the model's, as checked at every update
             param.grad = None
         self._new_window()
 

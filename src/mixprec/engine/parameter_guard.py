@@ -55,6 +55,8 @@ class ParameterGuard:
             for name, param in module.named_parameters(recurse=False)
         ]
         self._identity = not sharded
+        # what model.parameters() gives while check() passes (a tied weight once), without walking the modules
+        self.parameters = tuple(dict.fromkeys(entry[3] for entry in self._expected))
 
     def check(self) -> None:
         """Raise ValueError naming the first parameter cast, replaced or moved since the snapshot."""
