@@ -111,6 +111,65 @@ def test_a_stop_in_a_window_that_spans_two_epochs_finishes_the_window_first(tmp_
     assert_bit_identical(parameters(straight), parameters(resumed))
 
 
+def _sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_second_stop_while_an_update_is_applied_waits_for_it(tmp_path):
+    # the first SIGTERM in update 8's forward, the second inside its optimizer step, after the weights moved:
+    # stopping there saved update 8's weights at update 7's position, and the resumed run applied batch 8 twice
+    straight = make_trainer(tmp_path / "straight")
+    straight.fit(steps=12)
+    calls = {"loss": 0}
+
+    def stopping_loss(outputs, targets):
+        calls["loss"] += 1
+        if calls["loss"] == 8:
+            _sigterm()
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    split = make_trainer(tmp_path / "split", loss_fn=stopping_loss)
+    split.optimizer.register_step_post_hook(lambda *_: _sigterm() if calls["loss"] == 8 else None)
+    with pytest.raises(TrainingInterrupted) as stop:
+        split.fit(steps=12)
+    assert stop.value.step == 8 and stop.value.checkpoint.name == "step-00000008.safetensors"
+    resumed = make_trainer(tmp_path / "split")
+    resumed.fit(steps=12, resume=True)
+    assert_bit_identical(parameters(straight), parameters(resumed))
+
+
+def test_a_second_stop_while_the_stop_checkpoint_is_written_lets_it_finish(tmp_path):
+    # it used to arrive after fit had put SIGTERM's default back: the process died, and the checkpoint with it
+    def stopping_loss(outputs, targets):
+        if not calls["stopped"]:
+            calls["stopped"] = True
+            _sigterm()
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    calls = {"stopped": False}
+    trainer = make_trainer(tmp_path, loss_fn=stopping_loss)
+    trainer.optimizer.register_state_dict_pre_hook(lambda optimizer: _sigterm())  # while the checkpoint is made
+    with pytest.raises(TrainingInterrupted) as stop:
+        trainer.fit(steps=5)
+    assert stop.value.step == 1 and stop.value.checkpoint.name == "step-00000001.safetensors"
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000001.safetensors"]
+
+
+def test_a_stop_during_the_final_evaluation_still_ends_the_run_whole(tmp_path):
+    def interrupted_accuracy(outputs, targets):
+        if not calls["sent"]:
+            calls["sent"] = True
+            _sigterm()  # SIGTERM's default used to be back by then: the process died
+        return accuracy.batch(outputs, targets)
+
+    calls = {"sent": False}
+    trainer = make_trainer(tmp_path)
+    trainer.data = dataclasses.replace(trainer.data, metric=dataclasses.replace(accuracy, batch=interrupted_accuracy))
+    result = trainer.fit(steps=4)
+    assert calls["sent"] and result.steps == 4 and result.eval["accuracy"] > 0
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000004.safetensors"]
+
+
 def test_metrics_file_and_final_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, policy="mixed_bf16", eval_every=10)
     result = trainer.fit(epochs=1)

@@ -4,7 +4,11 @@ Ctrl-C (SIGINT), SIGTERM (what Slurm preemption and time limits, Kubernetes, ``d
 systemd send first) and SIGUSR1 (Slurm's usual pre-timeout signal, ``#SBATCH --signal=USR1@120``) by
 default. The first one asks the loop to stop after the current update; the Trainer then saves a
 checkpoint and raises :class:`~mixprec.app.trainer.TrainingInterrupted` naming the signal. A second
-one stops at once (the checkpoint then holds the last completed update).
+one stops at once (the checkpoint then holds the last completed update), except inside a shielded
+section (:meth:`StopRequest.shield`: an update being applied, a checkpoint being written), which it lets
+finish first: cut short there, the weights would be one update ahead of the saved position, or the
+checkpoint lost. Once the run is saving its last checkpoint (:meth:`StopRequest.ending`), further signals
+are logged and change nothing.
 
 Under torchrun each rank receives its signal at its own moment; :meth:`StopRequest.agree` makes every
 rank stop after the same update (the signal's number is all-reduced with max, so a rank that received
@@ -49,6 +53,9 @@ class StopRequest:
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(names)
         self.signal: str | None = None  # the first stop signal received
+        self._shielded = 0  # how many shielded sections are open
+        self._again = False  # a second signal arrived inside one: stop at once when it ends
+        self._ending = False  # the last checkpoint is being saved: nothing is left to cut short
 
     @property
     def requested(self) -> bool:
@@ -69,6 +76,23 @@ class StopRequest:
         return bool(due)
 
     @contextlib.contextmanager
+    def shield(self) -> Iterator[None]:
+        """A section a second stop signal lets finish (an update applied and committed, a checkpoint written);
+        it stops the run at once when the section ends (KeyboardInterrupt, as outside one)."""
+        self._shielded += 1
+        try:
+            yield
+        finally:
+            self._shielded -= 1
+        if not self._shielded and self._again:
+            self._again = False
+            raise KeyboardInterrupt
+
+    def ending(self) -> None:
+        """The run is saving its last checkpoint: later signals are logged and stop nothing."""
+        self._ending = True
+
+    @contextlib.contextmanager
     def handlers(self) -> Iterator[None]:
         """Install the handlers for the duration of a fit (main thread only: elsewhere signals stay as they are)."""
         if threading.current_thread() is not threading.main_thread():
@@ -76,8 +100,14 @@ class StopRequest:
             return
 
         def handler(signum: int, frame: object) -> None:
-            if self.signal is not None:
-                raise KeyboardInterrupt  # a second stop signal: stop at once
+            if self.signal is not None:  # a second stop signal: stop at once, or where the section ends
+                if self._ending or self._shielded:
+                    self._again = not self._ending
+                    logger.warning("%s received again: %s", signal.Signals(signum).name, "already saving the last "
+                                   "checkpoint" if self._ending else "stopping once this update or checkpoint is "
+                                   "complete")  # fmt: skip
+                    return
+                raise KeyboardInterrupt
             self.signal = signal.Signals(signum).name
             logger.warning("%s received: stopping after the current step, then saving a checkpoint; send it "
                            "again to stop at once", self.signal)  # fmt: skip

@@ -204,23 +204,25 @@ class Trainer:
         bar = ProgressBar(total, "training", self.run.progress and self.world.is_main)
         window = _Window(time.perf_counter())
         start = time.perf_counter()
-        try:
-            with self._stop.handlers(), self.tracer or contextlib.nullcontext():
-                # a stop ends the run after an update: an epoch that ran out in the middle of an accumulation
-                # window goes on into the next epoch first (a checkpoint holds no window's gradients)
-                while self.step < total and not (self._stop.requested and self.mp.micro_step == 0):
-                    self._run_epoch(total, window, bar)
-        except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
-            bar.close()
-            self._restore_committed()
-            raise self._stopped(self._stop.signal or "SIGINT", at_once=True) from None
-        finally:
-            bar.close()
-        if self._stop.requested:
-            raise self._stopped(self._stop.signal)
-        seconds = time.perf_counter() - start
-        self.save_checkpoint()
-        evaluation = self._final_evaluation()
+        with self._stop.handlers():  # until fit ends: no stop signal ends it without a checkpoint
+            try:
+                with self.tracer or contextlib.nullcontext():
+                    # a stop ends the run after an update: an epoch that ran out in the middle of an accumulation
+                    # window goes on into the next epoch first (a checkpoint holds no window's gradients)
+                    while self.step < total and not (self._stop.requested and self.mp.micro_step == 0):
+                        self._run_epoch(total, window, bar)
+                bar.close()
+                if self._stop.requested:
+                    raise self._stopped(self._stop.signal)
+                seconds = time.perf_counter() - start
+                self.save_checkpoint()
+                evaluation = self._final_evaluation()
+            except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
+                bar.close()
+                self._restore_committed()
+                raise self._stopped(self._stop.signal or "SIGINT", at_once=True) from None
+            finally:
+                bar.close()
         self.log.close()
         train = [r for r in self.log.records if r["kind"] == "train"]
         timed = [r["ms_per_step"] for r in train if r["ms_per_step"] > 0]
@@ -308,15 +310,16 @@ class Trainer:
             if self.update.max_grad_norm is not None and self.mp.at_update_boundary:
                 self.mp.clip_grad_norm_(self.update.max_grad_norm)
             window.add(loss.detach(), samples)
-            result = self.mp.step()
-            if not result.update_step:
-                continue
-            if self.tracer is not None:
-                self._trace(result)
-            if self.scheduler is not None:
-                self.mp.step_scheduler(self.scheduler)
-            self.step += 1
-            self._commit()
+            with self._stop.shield():  # a second stop signal waits: weights, schedule and position move together
+                result = self.mp.step()
+                if not result.update_step:
+                    continue
+                if self.tracer is not None:
+                    self._trace(result)
+                if self.scheduler is not None:
+                    self.mp.step_scheduler(self.scheduler)
+                self.step += 1
+                self._commit()
             due = self._checkpoint_due()
             if self.world.distributed:
                 due = self._stop.agree(self.device, due)  # the same stop and checkpoint on every rank
@@ -344,6 +347,7 @@ class Trainer:
             logger.warning("Stopped at once: the FSDP2 ranks cannot save together now; the last checkpoint stands")
             checkpoint = None
         else:
+            self._stop.ending()
             checkpoint = self.save_checkpoint()
         self.log.close()
         return TrainingInterrupted(self.step, checkpoint, signal)
@@ -564,13 +568,14 @@ class Trainer:
             return None
         self._saved_at = time.monotonic()
         keep = self.run.keep_checkpoints
-        if self.mp.sharded:
-            model_state, optimizer_state = sharded_state(self.model, self.optimizer)
-            state = {"model": model_state, "optimizer": optimizer_state, **self._run_state()}
-            return save_sharded_checkpoint(self.checkpoint_dir, self.step, state, keep=keep, device=self.device)
-        if not self.world.is_main:
-            return None
-        return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=keep)
+        with self._stop.shield():  # a second stop signal lets the write (a collective, sharded) finish
+            if self.mp.sharded:
+                model_state, optimizer_state = sharded_state(self.model, self.optimizer)
+                state = {"model": model_state, "optimizer": optimizer_state, **self._run_state()}
+                return save_sharded_checkpoint(self.checkpoint_dir, self.step, state, keep=keep, device=self.device)
+            if not self.world.is_main:
+                return None
+            return save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), keep=keep)
 
     def _resume(self) -> None:
         if self.checkpoint_dir is None:
