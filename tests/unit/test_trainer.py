@@ -170,6 +170,25 @@ def test_a_stop_during_the_final_evaluation_still_ends_the_run_whole(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000004.safetensors"]
 
 
+def test_a_new_run_where_one_crashed_before_its_first_checkpoint_sets_its_metrics_aside(tmp_path, caplog):
+    def crashing_loss(outputs, targets):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise RuntimeError("out of memory, say")
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    calls = {"n": 0}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        make_trainer(tmp_path, loss_fn=crashing_loss).fit(steps=20)
+    assert not list_checkpoints(tmp_path / "checkpoints")
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        make_trainer(tmp_path).fit(steps=10)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [5, 10]  # the crashed run's step 5 came first
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics-earlier.jsonl").read_text().splitlines()] == [5]
+    assert "1 metric records of an earlier run that saved no checkpoint" in caplog.text
+
+
 def test_metrics_file_and_final_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, policy="mixed_bf16", eval_every=10)
     result = trainer.fit(epochs=1)

@@ -14,6 +14,7 @@ from typing import Any
 __all__ = ["MetricsLog", "read_metrics"]
 
 FILE = "metrics.jsonl"
+EARLIER_FILE = "metrics-earlier.jsonl"  # a run that saved no checkpoint, set aside by the next
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -61,6 +62,25 @@ class MetricsLog:
         temporary = self.run_dir / f".{FILE}.tmp-{os.getpid()}"
         temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
         os.replace(temporary, self.run_dir / FILE)
+
+    def set_aside(self) -> int:
+        """Start empty, keeping an earlier run's records (one that saved no checkpoint, so a new run starts over
+        in its folder) as ``metrics-earlier.jsonl`` and its TensorBoard events under ``tensorboard/earlier``
+        (shown there as a run of its own); the number of records set aside. Replaces an older set-aside."""
+        count = len(self.records)
+        self.records, self.last_train_step = [], 0
+        if self.run_dir is None or not (self.run_dir / FILE).exists():
+            return count
+        os.replace(self.run_dir / FILE, self.run_dir / EARLIER_FILE)
+        events = sorted((self.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+        if events:
+            earlier = self.run_dir / "tensorboard" / "earlier"
+            earlier.mkdir(exist_ok=True)
+            for old in earlier.glob("events.out.tfevents.*"):
+                old.unlink()
+            for event in events:
+                os.replace(event, earlier / event.name)
+        return count
 
     def _last_train_step(self) -> int:
         return next((r["step"] for r in reversed(self.records) if r["kind"] == "train"), 0)

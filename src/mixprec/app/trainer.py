@@ -34,7 +34,7 @@ from torch import nn
 
 from mixprec.app.checkpoint import list_checkpoints, save_checkpoint, save_sharded_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
-from mixprec.app.metrics_log import MetricsLog
+from mixprec.app.metrics_log import EARLIER_FILE, MetricsLog
 from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.app.progress import ProgressBar
 from mixprec.app.resume import restore_latest, run_identity
@@ -198,6 +198,7 @@ class Trainer:
             self._resume()
         else:
             self.check_new_run()
+            self._set_aside_an_earlier_run()
             self._seed_everything()
         first_step = self.step
         self._stop, self._saved_at = StopRequest(self.run.stop_signals), time.monotonic()
@@ -267,6 +268,16 @@ class Trainer:
                 f"{self.out_dir} already holds a run with checkpoints; resume it (resume=True; mixprec train "
                 f"--out {self.out_dir} --resume) or choose a new folder."
             )
+
+    def _set_aside_an_earlier_run(self) -> None:
+        """A run in this folder that saved no checkpoint (killed before its first): its metrics are set aside,
+        not mixed with this run's."""
+        count = self.log.set_aside()
+        if count:
+            logger.warning(
+                "%s held %d metric records of an earlier run that saved no checkpoint; this run starts over, "
+                "and they are kept in %s", self.out_dir, count, EARLIER_FILE,
+            )  # fmt: skip
 
     def _seed_everything(self) -> None:
         seed = self.run.seed
