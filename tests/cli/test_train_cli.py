@@ -36,6 +36,15 @@ def summary(stdout):
     return {line[:18].strip(): line[18:].strip() for line in stdout.splitlines() if line[:18].strip()}
 
 
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, run, monkeypatch):
+    monkeypatch.setattr(time, "strftime", lambda *_: "20261126-120000")  # both in one second
+    for _ in range(2):
+        assert run("train", "digits", "--size", "tiny", "--steps", "2", "--quiet", cwd=tmp_path).returncode == 0
+    folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert folders == ["digits-auto-20261126-120000", "digits-auto-20261126-120000-2"]
+    assert all(list_checkpoints(tmp_path / "runs" / name / "checkpoints") for name in folders)
+
+
 def test_train_writes_a_complete_run(tmp_path, run):
     result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run")
     assert result.returncode == 0, result.stderr

@@ -201,6 +201,24 @@ def run_stamp() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
 
 
+def default_run_folder(task: str, policy: str) -> Path:
+    """``runs/TASK-POLICY-TIME``, claimed by creating it: a run started in the same second gets ``-2``, ``-3``
+    (two runs there used to share it, and the second was refused). Under torchrun the run id names it, the same
+    folder on every rank."""
+    base = Path("runs") / slug(f"{task}-{policy}-{run_stamp()}")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return base
+    base.parent.mkdir(parents=True, exist_ok=True)
+    folder, number = base, 1
+    while True:
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            number += 1
+            folder = base.with_name(f"{base.name}-{number}")
+
+
 def slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in text)[:60]
 
@@ -239,7 +257,7 @@ def _train(args: argparse.Namespace) -> int:
         out = args.out
     else:
         config = config_from(args, args.policy)
-        out = args.out or Path("runs") / slug(f"{config.task}-{config.policy}-{run_stamp()}")
+        out = args.out or default_run_folder(config.task, config.policy)
     from mixprec.app.run import run_training  # needs the 'train' extra (plots)
     from mixprec.app.trainer import TrainingInterrupted
     from mixprec.distributed.ranks import world
