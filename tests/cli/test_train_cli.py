@@ -43,6 +43,19 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, run,
     folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert folders == ["digits-auto-20261126-120000", "digits-auto-20261126-120000-2"]
     assert all(list_checkpoints(tmp_path / "runs" / name / "checkpoints") for name in folders)
+    bad_policy = "base=mixed_bf16,fp32_modules=Nope"  # refused once the model is built, in the claimed folder
+    assert run("train", "digits", "--size", "tiny", "--policy", bad_policy, cwd=tmp_path).returncode != 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == folders  # a run that never started leaves none
+
+
+def test_resume_to_fewer_steps_than_the_run_has_is_refused_before_anything_is_written(tmp_path, run):
+    # --steps is the run's total: "--resume --steps 10" on a run at 20 trained nothing and rewrote config.json
+    assert run("train", "digits", "--size", "tiny", "--steps", "20", "--quiet", "--out", tmp_path).returncode == 0
+    config = (tmp_path / "config.json").read_text()
+    refused = run("train", "--out", tmp_path, "--resume", "--steps", "10")
+    assert refused.returncode == 2 and "the run is at update 20, past the 10 steps asked for" in refused.stderr
+    assert "ask for more than 20 updates" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "config.json").read_text() == config
 
 
 def test_train_writes_a_complete_run(tmp_path, run):

@@ -189,6 +189,13 @@ def test_a_new_run_where_one_crashed_before_its_first_checkpoint_sets_its_metric
     assert "1 metric records of an earlier run that saved no checkpoint" in caplog.text
 
 
+def test_resuming_a_run_past_the_length_asked_for_is_refused(tmp_path):
+    make_trainer(tmp_path).fit(steps=6)
+    with pytest.raises(ValueError, match=r"at update 6, past the 4 steps asked for.* more than 6 updates"):
+        make_trainer(tmp_path).fit(steps=4, resume=True)
+    assert make_trainer(tmp_path).fit(steps=8, resume=True).steps == 8
+
+
 def test_metrics_file_and_final_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, policy="mixed_bf16", eval_every=10)
     result = trainer.fit(epochs=1)

@@ -38,6 +38,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_latest",
+    "newest_step",
     "save_checkpoint",
     "save_sharded_checkpoint",
 ]
@@ -189,6 +190,12 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
         return []
     found = [(step, path) for path in directory.iterdir() if (step := _step(path)) is not None]
     return [path for _, path in sorted(found)]
+
+
+def newest_step(directory: str | Path) -> int | None:
+    """The step the newest checkpoint's name says (None without one); read from names, no file opened."""
+    found = list_checkpoints(directory)
+    return _step(found[-1]) if found else None
 
 
 def load_checkpoint(path: str | Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mixprec.app.checkpoint import newest_step
 from mixprec.app.config import TrainConfig, check_device
 from mixprec.app.machine import machine_info
 from mixprec.app.optimizer import adamw_for
@@ -149,13 +150,15 @@ def run_training(
     resume: bool = False,
     progress: bool = True,
     allow_foreign_checkpoint: bool = False,
+    claimed: bool = False,
 ) -> RunOutcome:
     """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there, refusing a
-    checkpoint of another run unless ``allow_foreign_checkpoint``).
+    checkpoint of another run unless ``allow_foreign_checkpoint``; ``claimed``: the caller created the empty
+    folder to reserve its name).
 
     A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
     """
-    created = not run_dir.exists()
+    created = claimed or not run_dir.exists()
     if not created and not run_dir.is_dir():
         raise ValueError(f"run folder (--out): {run_dir} is a file, not a folder; name a folder for the run.")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,8 +171,11 @@ def _train_in(  # long: the run's steps in order, each one or two lines
 ) -> RunOutcome:
     try:
         trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign)
+        length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
+        elif (step := newest_step(trainer.checkpoint_dir)) is not None:  # a length it is past: refused first
+            trainer.check_resume_length(trainer.total_steps(**length), step, next(iter(length)))
     except BaseException:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -177,7 +183,6 @@ def _train_in(  # long: the run's steps in order, each one or two lines
     main = trainer.world.is_main
     if main:  # on resume too: a length or checkpoint setting given with --resume holds for later resumes
         config.save(run_dir)
-    length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
     result = trainer.fit(**length, resume=resume)
     inputs, _ = next(iter(parts.eval_data))
     inputs = inputs.to(trainer.device)

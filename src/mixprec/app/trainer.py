@@ -193,9 +193,10 @@ class Trainer:
             TrainingInterrupted: on a stop signal, after saving a checkpoint.
             ValueError: bad arguments, or a batch with non-finite inputs under ``on_bad_batch="stop"``.
         """
-        total = self._total_steps(epochs, steps)
+        total = self.total_steps(epochs, steps)
         if resume:
             self._resume()
+            self.check_resume_length(total, self.step, "steps" if steps is not None else "epochs")
         else:
             self.check_new_run()
             self._set_aside_an_earlier_run()
@@ -242,7 +243,18 @@ class Trainer:
             timed_steps=self.step - first_step if timed else 0,
         )
 
-    def _total_steps(self, epochs: int | None, steps: int | None) -> int:
+    @staticmethod
+    def check_resume_length(total: int, step: int, given: str) -> None:
+        """Refuse to resume a run already past its target: ``--steps`` and ``--epochs`` are the run's total."""
+        if total < step:
+            more = "steps" if given == "steps" else "updates (its epochs)"
+            raise ValueError(
+                f"resume: the run is at update {step}, past the {total} {more} asked for; --{given} (fit({given}=...)) "
+                f"counts the whole run, not the updates added: ask for more than {step} updates to continue it."
+            )
+
+    def total_steps(self, epochs: int | None = None, steps: int | None = None) -> int:
+        """The updates ``fit(epochs=..., steps=...)`` runs to in all (exactly one of the two given)."""
         if (epochs is None) == (steps is None):
             raise ValueError(f"fit() takes exactly one of epochs= or steps=; received epochs={epochs}, steps={steps}.")
         value, name = (epochs, "epochs") if epochs is not None else (steps, "steps")

@@ -269,6 +269,7 @@ def _train(args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=not args.quiet,
             allow_foreign_checkpoint=args.allow_foreign_checkpoint,
+            claimed=args.out is None and not args.resume,
         )
     except TrainingInterrupted as stop:
         if world().is_main:  # rank 0 saved the checkpoint: one line, from it
