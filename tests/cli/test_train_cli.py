@@ -48,6 +48,16 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, run,
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == folders  # a run that never started leaves none
 
 
+def test_a_relaunch_with_the_same_torchrun_id_leaves_the_earlier_run_as_it_was(tmp_path, run, monkeypatch):
+    # torchrun names the default folder by its run id ("none" without a rendezvous id): a second launch is
+    # refused there, and its cleanup used to delete the first run's folder, checkpoints and all
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert run("train", "digits", "--size", "tiny", "--steps", "2", "--quiet", cwd=tmp_path).returncode == 0
+    again = run("train", "digits", "--size", "tiny", "--steps", "2", "--quiet", cwd=tmp_path)
+    assert again.returncode == 2 and "already holds a run with checkpoints" in again.stderr
+    assert list_checkpoints(tmp_path / "runs" / "digits-auto-none" / "checkpoints")
+
+
 def test_resume_to_fewer_steps_than_the_run_has_is_refused_before_anything_is_written(tmp_path, run):
     # --steps is the run's total: "--resume --steps 10" on a run at 20 trained nothing and rewrote config.json
     assert run("train", "digits", "--size", "tiny", "--steps", "20", "--quiet", "--out", tmp_path).returncode == 0

@@ -196,3 +196,11 @@ def test_unscaling_is_the_fp32_multiply_rounded_once_and_flags_what_held_inf_or_
         assert found.item() == (0.0 if bad is None else 1.0), bad
         for got, want in zip(grads, expected, strict=True):
             assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
+
+
+def test_an_empty_gradient_is_unscaled_like_the_others(device):
+    # FSDP2 leaves a rank an empty shard of a small parameter; CUDA's max-norm pass refuses an empty tensor
+    grads = [torch.empty(0, dtype=torch.bfloat16, device=device), torch.full((3,), 4.0, dtype=torch.bfloat16,
+                                                                             device=device)]  # fmt: skip
+    assert mixprec.StaticLossScaler(4.0).unscale_(grads).item() == 0.0 and grads[1].tolist() == [1.0] * 3
+    assert mixprec.StaticLossScaler(4.0).unscale_(grads[:1]).item() == 0.0

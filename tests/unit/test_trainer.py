@@ -138,6 +138,22 @@ def test_a_second_stop_while_an_update_is_applied_waits_for_it(tmp_path):
     assert_bit_identical(parameters(straight), parameters(resumed))
 
 
+def test_a_ctrl_c_that_is_not_a_stop_signal_inside_an_update_saves_nothing_from_it(tmp_path):
+    # SIGINT left out of the stop signals keeps Python's KeyboardInterrupt: raised inside update 8's optimizer
+    # step, it used to save update 8's weights as step 7 (the resumed run applied batch 8 twice)
+    straight = make_trainer(tmp_path / "straight")
+    straight.fit(steps=12)
+    split = make_trainer(tmp_path / "split", stop_signals=("SIGTERM",), checkpoint_every=5)
+    split.optimizer.register_step_post_hook(lambda *_: os.kill(os.getpid(), signal.SIGINT) if split.step == 7 else None)
+    with pytest.raises(TrainingInterrupted, match="in the middle of an update; the newest checkpoint stands") as stop:
+        split.fit(steps=12)
+    assert stop.value.checkpoint.name == "step-00000005.safetensors"
+    assert [p.name for p in list_checkpoints(tmp_path / "split" / "checkpoints")] == ["step-00000005.safetensors"]
+    resumed = make_trainer(tmp_path / "split")
+    resumed.fit(steps=12, resume=True)
+    assert_bit_identical(parameters(straight), parameters(resumed))
+
+
 def test_a_second_stop_while_the_stop_checkpoint_is_written_lets_it_finish(tmp_path):
     # it used to arrive after fit had put SIGTERM's default back: the process died, and the checkpoint with it
     def stopping_loss(outputs, targets):
@@ -194,6 +210,13 @@ def test_resuming_a_run_past_the_length_asked_for_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"at update 6, past the 4 steps asked for.* more than 6 updates"):
         make_trainer(tmp_path).fit(steps=4, resume=True)
     assert make_trainer(tmp_path).fit(steps=8, resume=True).steps == 8
+
+
+def test_a_second_fit_in_memory_keeps_the_first_ones_records():
+    trainer = make_trainer(None)
+    trainer.fit(steps=10)
+    trainer.fit(steps=20)  # no run folder: nothing to set aside, the history goes on
+    assert [r["step"] for r in trainer.log.records if r["kind"] == "train"] == [5, 10, 15, 20]
 
 
 def test_metrics_file_and_final_checkpoint(tmp_path):

@@ -67,10 +67,10 @@ class MetricsLog:
         """Start empty, keeping an earlier run's records (one that saved no checkpoint, so a new run starts over
         in its folder) as ``metrics-earlier.jsonl`` and its TensorBoard events under ``tensorboard/earlier``
         (shown there as a run of its own); the number of records set aside. Replaces an older set-aside."""
+        if self.run_dir is None or not (self.run_dir / FILE).exists():
+            return 0  # in memory: a second fit() on the same Trainer goes on with the same records
         count = len(self.records)
         self.records, self.last_train_step = [], 0
-        if self.run_dir is None or not (self.run_dir / FILE).exists():
-            return count
         os.replace(self.run_dir / FILE, self.run_dir / EARLIER_FILE)
         events = sorted((self.run_dir / "tensorboard").glob("events.out.tfevents.*"))
         if events:

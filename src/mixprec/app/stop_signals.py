@@ -56,6 +56,7 @@ class StopRequest:
         self._shielded = 0  # how many shielded sections are open
         self._again = False  # a second signal arrived inside one: stop at once when it ends
         self._ending = False  # the last checkpoint is being saved: nothing is left to cut short
+        self.cut_mid_update = False  # an exception (a Ctrl-C outside the stop signals) left an update half done
 
     @property
     def requested(self) -> bool:
@@ -76,12 +77,17 @@ class StopRequest:
         return bool(due)
 
     @contextlib.contextmanager
-    def shield(self) -> Iterator[None]:
+    def shield(self, update: bool = False) -> Iterator[None]:
         """A section a second stop signal lets finish (an update applied and committed, a checkpoint written);
-        it stops the run at once when the section ends (KeyboardInterrupt, as outside one)."""
+        it stops the run at once when the section ends (KeyboardInterrupt, as outside one). ``update``: the
+        section changes the weights; an exception out of it (a Ctrl-C that is not a stop signal) leaves them
+        half updated, which :attr:`cut_mid_update` says, so that no checkpoint is made from them."""
         self._shielded += 1
         try:
             yield
+        except BaseException:
+            self.cut_mid_update = self.cut_mid_update or update
+            raise
         finally:
             self._shielded -= 1
         if not self._shielded and self._again:

@@ -63,9 +63,13 @@ class TrainingInterrupted(Exception):
     """A stop signal during fit() (Ctrl-C, SIGTERM, SIGUSR1): a checkpoint was saved (when the run has a
     folder); ``checkpoint`` is its path, ``signal`` the signal's name."""
 
-    def __init__(self, step: int, checkpoint: Path | None, signal: str = "SIGINT") -> None:
+    def __init__(self, step: int, checkpoint: Path | None, signal: str = "SIGINT", cut_short: bool = False) -> None:
         by = "" if signal == "SIGINT" else f" by {signal}"
-        saved = f"; checkpoint saved to {checkpoint}" if checkpoint else ""
+        if cut_short:  # in the middle of update step + 1: nothing saved from it
+            saved = f" in the middle of an update; the newest checkpoint stands: {checkpoint}" if checkpoint else (
+                " in the middle of an update; no checkpoint was made")  # fmt: skip
+        else:
+            saved = f"; checkpoint saved to {checkpoint}" if checkpoint else ""
         super().__init__(f"interrupted{by} at step {step}{saved}")
         self.step = step
         self.checkpoint = checkpoint
@@ -220,7 +224,10 @@ class Trainer:
                 self.save_checkpoint()
                 evaluation = self._final_evaluation()
             except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
+                self._stop.ending()  # a further signal now would end fit without a checkpoint
                 bar.close()
+                if self._stop.cut_mid_update:
+                    raise self._cut_short(self._stop.signal or "SIGINT") from None
                 self._restore_committed()
                 raise self._stopped(self._stop.signal or "SIGINT", at_once=True) from None
             finally:
@@ -333,7 +340,7 @@ class Trainer:
             if self.update.max_grad_norm is not None and self.mp.at_update_boundary:
                 self.mp.clip_grad_norm_(self.update.max_grad_norm)
             window.add(loss.detach(), samples)
-            with self._stop.shield():  # a second stop signal waits: weights, schedule and position move together
+            with self._stop.shield(update=True):  # a second stop signal waits: weights, schedule, position together
                 result = self.mp.step()
                 if not result.update_step:
                     continue
@@ -374,6 +381,15 @@ class Trainer:
             checkpoint = self.save_checkpoint()
         self.log.close()
         return TrainingInterrupted(self.step, checkpoint, signal)
+
+    def _cut_short(self, signal: str) -> TrainingInterrupted:
+        """A Ctrl-C outside the stop signals cut an update short: its weights are half updated, so no checkpoint is
+        made from them; the newest one stands."""
+        self.log.close()
+        newest = next(reversed(list_checkpoints(self.checkpoint_dir)), None) if self.checkpoint_dir else None
+        logger.warning("Stopped in the middle of an update: no checkpoint made from its half-updated weights; "
+                       "the newest one stands (%s)", newest)  # fmt: skip
+        return TrainingInterrupted(self.step, newest, signal, cut_short=True)
 
     def _checkpoint_due(self) -> bool:
         """Whether ``RunOptions(checkpoint_every_minutes=...)`` of wall clock passed since the last save."""

@@ -38,7 +38,7 @@ import torch
 __all__ = [
     "EnteredRegion",
     "claim_checkpoint",
-    "close_checkpoint_forward",
+    "closing_failed_checkpoints",
     "entered_region",
     "innermost_region",
     "mixprec_checkpoint_forward",
@@ -132,29 +132,42 @@ def refuse_foreign_checkpoint(part: str) -> None:
         marks[-1][0] = pack  # mixprec's checkpoint: the first checkpoint hook its forward meets is its own
     if marks and marks[-1][0] is pack:
         return
-    close_checkpoint_forward()
     raise ValueError(_refusal("torch.utils.checkpoint", part, reentrant=False))
 
 
-def close_checkpoint_forward() -> None:
-    """Pops what the innermost non-reentrant checkpoint pushed for its forward, before an exception leaves it.
+@contextlib.contextmanager
+def closing_failed_checkpoints() -> Iterator[None]:
+    """Around a region's inside: an exception that leaves it through non-reentrant checkpoints (a refusal, an
+    error of the user's in the checkpointed function) closes what those checkpoints pushed for their forward.
 
     torch 2.12 and older never resume the generator that pops them when the checkpointed function raises: its
     saved-tensor hook stays innermost, so tensors saved afterwards are kept for a recompute that never comes,
-    and a region's exit pops that hook instead of its own (on torch 2.11 the emulation's hook then stayed on,
-    outside any region). Closing the generator runs its exits. Newer torch throws the exception into it.
+    and the region's own exit pops that hook instead of its own (on torch 2.11 the emulation's hook then
+    stayed on outside any region, and every later checkpoint failed). The checkpoints the exception passed
+    through are in its traceback; closing their generators, innermost first, runs their exits in order.
+    Newer torch throws the exception into the generator itself: nothing is done there.
     """
+    try:
+        yield
+    except BaseException as error:
+        _close_checkpoints_in(error.__traceback__)
+        raise
+
+
+def _close_checkpoints_in(traceback: Any) -> None:
     module = sys.modules.get("torch.utils.checkpoint")
     function = getattr(module, "checkpoint", None)
     code = getattr(getattr(function, "__wrapped__", function), "__code__", None)
     if code is None or "throw" in code.co_names:
         return
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    generator = None if frame is None else frame.f_locals.get("gen")
-    if generator is not None and hasattr(generator, "close"):
-        generator.close()
+    generators = []
+    while traceback is not None:  # outermost frame first
+        if traceback.tb_frame.f_code is code:
+            generators.append(traceback.tb_frame.f_locals.get("gen"))
+        traceback = traceback.tb_next
+    for generator in reversed(generators):
+        if generator is not None and hasattr(generator, "close"):
+            generator.close()
 
 
 def _in_reentrant_checkpoint() -> bool:

@@ -57,6 +57,9 @@ def _unscale_and_check_group_(group: list[torch.Tensor], found: torch.Tensor, in
     if group[0].dtype != torch.bfloat16 or group[0].device.type == "cpu":
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
         return
+    group = [tensor for tensor in group if tensor.numel()]  # CUDA's _foreach_norm refuses an empty one (FSDP2 shards)
+    if not group:
+        return
     found.add_(torch.isfinite(max_magnitudes(group, found.device)).logical_not().any())
     inv = inv_scale.reshape(())  # a 0-d parameter's gradient takes it too
     for tensor in group:

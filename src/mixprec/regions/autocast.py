@@ -42,7 +42,7 @@ from torch import nn
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.device import device_caps, device_type_of
 from mixprec.compute.emulation import EmulatedAutocast
-from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
+from mixprec.compute.foreign_checkpoint import closing_failed_checkpoints, refuse_foreign_checkpoint
 from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.compute.nest import map_floating
 from mixprec.policy.parse import get_policy
@@ -276,6 +276,7 @@ class Region:
             self.fp8.computing(policy.compute_dtype) if self.fp8 is not None else null,
             _output_dtype(model, policy.output_dtype) if model is not None else null,
             _model_hooks(self._fp32_modules, fp32_region, frame) if self._fp32_modules else null,
+            null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
             yield policy
 

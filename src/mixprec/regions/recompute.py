@@ -42,7 +42,6 @@ from torch import nn
 from mixprec.compute.emulation import active_emulation
 from mixprec.compute.foreign_checkpoint import (
     claim_checkpoint,
-    close_checkpoint_forward,
     entered_region,
     innermost_region,
     mixprec_checkpoint_forward,
@@ -195,11 +194,7 @@ def _checkpoint_with_context(checkpoint_fn: Callable, function: Callable, *args:
 
     def claimed(*inner_args: Any, **inner_kwargs: Any) -> Any:
         claim_checkpoint()  # the checkpoint hook innermost now is this checkpoint's: a torch one inside is not
-        try:
-            return function(*inner_args, **inner_kwargs)
-        except BaseException:
-            close_checkpoint_forward()  # torch <= 2.12 would leave its hook and our mark pushed
-            raise
+        return function(*inner_args, **inner_kwargs)
 
     return checkpoint_fn(claimed, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 

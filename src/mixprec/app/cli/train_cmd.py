@@ -201,19 +201,19 @@ def run_stamp() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
 
 
-def default_run_folder(task: str, policy: str) -> Path:
-    """``runs/TASK-POLICY-TIME``, claimed by creating it: a run started in the same second gets ``-2``, ``-3``
-    (two runs there used to share it, and the second was refused). Under torchrun the run id names it, the same
-    folder on every rank."""
+def default_run_folder(task: str, policy: str) -> tuple[Path, bool]:
+    """``runs/TASK-POLICY-TIME`` and whether it was claimed here by creating it: a run started in the same second
+    gets ``-2``, ``-3`` (two runs there used to share it, and the second was refused). Under torchrun the run id
+    names it, the same folder on every rank, which may hold a run already: not claimed."""
     base = Path("runs") / slug(f"{task}-{policy}-{run_stamp()}")
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return base
+        return base, False
     base.parent.mkdir(parents=True, exist_ok=True)
     folder, number = base, 1
     while True:
         try:
             folder.mkdir()
-            return folder
+            return folder, True
         except FileExistsError:
             number += 1
             folder = base.with_name(f"{base.name}-{number}")
@@ -254,10 +254,10 @@ def _train(args: argparse.Namespace) -> int:
         if args.out is None:
             raise ValueError("--resume needs --out RUN_FOLDER: the run to continue.")
         config = resumed_config(TrainConfig.load(args.out), args)
-        out = args.out
+        out, claimed = args.out, False
     else:
         config = config_from(args, args.policy)
-        out = args.out or default_run_folder(config.task, config.policy)
+        out, claimed = (args.out, False) if args.out else default_run_folder(config.task, config.policy)
     from mixprec.app.run import run_training  # needs the 'train' extra (plots)
     from mixprec.app.trainer import TrainingInterrupted
     from mixprec.distributed.ranks import world
@@ -269,7 +269,7 @@ def _train(args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=not args.quiet,
             allow_foreign_checkpoint=args.allow_foreign_checkpoint,
-            claimed=args.out is None and not args.resume,
+            claimed=claimed,
         )
     except TrainingInterrupted as stop:
         if world().is_main:  # rank 0 saved the checkpoint: one line, from it
