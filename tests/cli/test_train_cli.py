@@ -68,6 +68,17 @@ def test_resume_to_fewer_steps_than_the_run_has_is_refused_before_anything_is_wr
     assert (tmp_path / "config.json").read_text() == config
 
 
+def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_over(tmp_path, run, caplog):
+    # docs/training.md's requeue recipe resumes whenever config.json exists: a run killed before its first
+    # checkpoint left one, and every requeued job failed with "nothing to resume"
+    assert run("train", "digits", "--size", "tiny", "--steps", "3", "--quiet", "--out", tmp_path).returncode == 0
+    shutil.rmtree(tmp_path / "checkpoints")  # as a SIGKILL before the first checkpoint leaves the folder
+    with caplog.at_level("WARNING", logger="mixprec"):
+        assert run("train", "--out", tmp_path, "--resume", "--quiet").returncode == 0
+    assert "holds no checkpoint (its run ended before the first)" in caplog.text
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000003.safetensors"]
+
+
 def test_train_writes_a_complete_run(tmp_path, run):
     result = run("train", "digits", "--size", "tiny", "--policy", "mixed_bf16", "--out", tmp_path / "run")
     assert result.returncode == 0, result.stderr

@@ -154,6 +154,50 @@ def test_a_ctrl_c_that_is_not_a_stop_signal_inside_an_update_saves_nothing_from_
     assert_bit_identical(parameters(straight), parameters(resumed))
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_a_stop_at_once_in_the_first_update_keeps_the_starting_state(tmp_path, resumed):
+    # two SIGTERMs in the first update's loss, after the forward moved the batch-norm statistics: the buffers and
+    # random state of the start were not remembered, so the checkpoint held that update's statistics (a resumed
+    # run's good checkpoint was overwritten with them)
+    straight = make_trainer(tmp_path / "straight")
+    straight.fit(steps=8)
+    if resumed:
+        make_trainer(tmp_path / "split").fit(steps=3)
+
+    def stopping_loss(outputs, targets):
+        if not calls["sent"]:
+            calls["sent"] = True
+            _sigterm()
+            _sigterm()  # at once: KeyboardInterrupt here, in the middle of the update
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    calls = {"sent": False}
+    with pytest.raises(TrainingInterrupted) as stop:
+        make_trainer(tmp_path / "split", loss_fn=stopping_loss).fit(steps=8, resume=resumed)
+    assert stop.value.step == (3 if resumed else 0)
+    resumed_run = make_trainer(tmp_path / "split")
+    resumed_run.fit(steps=8, resume=True)
+    assert_bit_identical(parameters(straight), parameters(resumed_run))
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.buffers(), resumed_run.model.buffers(), strict=True))
+
+
+def test_each_run_that_dies_before_its_first_checkpoint_keeps_its_metrics(tmp_path):
+    def crashing_loss(outputs, targets):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise RuntimeError("out of memory, say")
+        return torch.nn.functional.cross_entropy(outputs, targets)
+
+    for _ in range(2):
+        calls = {"n": 0}
+        with pytest.raises(RuntimeError, match="out of memory"):
+            make_trainer(tmp_path, loss_fn=crashing_loss).fit(steps=20)
+    make_trainer(tmp_path).fit(steps=5)
+    kept = sorted(p.name for p in tmp_path.glob("metrics-earlier*.jsonl"))
+    assert kept == ["metrics-earlier-2.jsonl", "metrics-earlier.jsonl"]  # the first death's were overwritten
+    assert sorted(p.name for p in (tmp_path / "tensorboard").iterdir() if p.is_dir()) in ([], ["earlier", "earlier-2"])
+
+
 def test_a_second_stop_while_the_stop_checkpoint_is_written_lets_it_finish(tmp_path):
     # it used to arrive after fit had put SIGTERM's default back: the process died, and the checkpoint with it
     def stopping_loss(outputs, targets):

@@ -6,6 +6,7 @@ back to the checkpoint's step, so the history never holds steps that the resumed
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -14,7 +15,11 @@ from typing import Any
 __all__ = ["MetricsLog", "read_metrics"]
 
 FILE = "metrics.jsonl"
-EARLIER_FILE = "metrics-earlier.jsonl"  # a run that saved no checkpoint, set aside by the next
+
+
+def earlier_file(number: int = 1) -> str:
+    """Where the ``number``-th run that saved no checkpoint in a folder left its metrics, set aside by the next."""
+    return "metrics-earlier.jsonl" if number == 1 else f"metrics-earlier-{number}.jsonl"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -63,24 +68,23 @@ class MetricsLog:
         temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
         os.replace(temporary, self.run_dir / FILE)
 
-    def set_aside(self) -> int:
+    def set_aside(self) -> tuple[int, str | None]:
         """Start empty, keeping an earlier run's records (one that saved no checkpoint, so a new run starts over
         in its folder) as ``metrics-earlier.jsonl`` and its TensorBoard events under ``tensorboard/earlier``
-        (shown there as a run of its own); the number of records set aside. Replaces an older set-aside."""
+        (shown there as a run of its own), or ``-2``, ``-3`` after those; how many records, and the file."""
         if self.run_dir is None or not (self.run_dir / FILE).exists():
-            return 0  # in memory: a second fit() on the same Trainer goes on with the same records
+            return 0, None  # in memory: a second fit() on the same Trainer goes on with the same records
         count = len(self.records)
         self.records, self.last_train_step = [], 0
-        os.replace(self.run_dir / FILE, self.run_dir / EARLIER_FILE)
+        number = next(n for n in itertools.count(1) if not (self.run_dir / earlier_file(n)).exists())
+        os.replace(self.run_dir / FILE, self.run_dir / earlier_file(number))
         events = sorted((self.run_dir / "tensorboard").glob("events.out.tfevents.*"))
         if events:
-            earlier = self.run_dir / "tensorboard" / "earlier"
+            earlier = self.run_dir / "tensorboard" / ("earlier" if number == 1 else f"earlier-{number}")
             earlier.mkdir(exist_ok=True)
-            for old in earlier.glob("events.out.tfevents.*"):
-                old.unlink()
             for event in events:
                 os.replace(event, earlier / event.name)
-        return count
+        return count, earlier_file(number)
 
     def _last_train_step(self) -> int:
         return next((r["step"] for r in reversed(self.records) if r["kind"] == "train"), 0)

@@ -7,6 +7,7 @@ over :func:`run_training`.
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from mixprec.app.machine import machine_info
 from mixprec.app.optimizer import adamw_for
 from mixprec.app.report import plot_run, write_run_report
 from mixprec.app.run_lock import run_lock
+from mixprec.app.stop_signals import held
 from mixprec.app.task import TaskConfig, TaskParts, build_task
 from mixprec.app.torchrun import init_from_env
 from mixprec.app.trainer import FitResult, Trainer
@@ -33,6 +35,8 @@ from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.regions.autocast import ComputePlan
 from mixprec.scaling.dynamic import DynamicLossScaler
+
+logger = logging.getLogger("mixprec")
 
 __all__ = ["RunOutcome", "build_trainer", "resolve_device", "run_training"]
 
@@ -172,9 +176,14 @@ def _train_in(  # long: the run's steps in order, each one or two lines
     try:
         trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign)
         length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
+        step = newest_step(trainer.checkpoint_dir) if resume else None
+        if resume and step is None:  # a requeued job whose run died before its first checkpoint
+            logger.warning("%s holds no checkpoint (its run ended before the first): starting the run over from its "
+                           "config.json", run_dir)  # fmt: skip
+            resume = False
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
-        elif (step := newest_step(trainer.checkpoint_dir)) is not None:  # a length it is past: refused first
+        else:  # a length the run is past: refused before anything is written
             trainer.check_resume_length(trainer.total_steps(**length), step, next(iter(length)))
     except BaseException:
         if created:
@@ -184,6 +193,15 @@ def _train_in(  # long: the run's steps in order, each one or two lines
     if main:  # on resume too: a length or checkpoint setting given with --resume holds for later resumes
         config.save(run_dir)
     result = trainer.fit(**length, resume=resume)
+    with held(trainer.run.stop_signals, "writing the run's report"):  # the run is complete: the report follows
+        return _report(run_dir, config, trainer, parts, settings, result)
+
+
+def _report(
+    run_dir: Path, config: TrainConfig, trainer: Trainer, parts: TaskParts, settings: dict, result: FitResult
+) -> RunOutcome:
+    """The saved activations' size, the plots and report.md of a finished run."""
+    main = trainer.world.is_main
     inputs, _ = next(iter(parts.eval_data))
     inputs = inputs.to(trainer.device)
     with trainer.mp.autocast():

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_STOP_SIGNALS", "StopRequest", "check_stop_signals"]
+__all__ = ["DEFAULT_STOP_SIGNALS", "StopRequest", "check_stop_signals", "held"]
 
 logger = logging.getLogger("mixprec")
 
@@ -124,3 +124,24 @@ class StopRequest:
         finally:
             for name, old in previous.items():
                 signal.signal(getattr(signal, name), old)
+
+
+@contextlib.contextmanager
+def held(names: Sequence[str], what: str) -> Iterator[None]:
+    """The stop signals logged and ignored while inside (main thread only): the run has ended, its checkpoint is
+    written, and ``what`` (its report, its last line) finishes first instead of a default handler killing the
+    process silently or changing its exit status."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        logger.warning("%s received while %s: the run has ended; finishing that first", signal.Signals(signum).name,
+                       what)  # fmt: skip
+
+    previous = {name: signal.signal(getattr(signal, name), handler) for name in names}
+    try:
+        yield
+    finally:
+        for name, old in previous.items():
+            signal.signal(getattr(signal, name), old)

@@ -34,7 +34,7 @@ from torch import nn
 
 from mixprec.app.checkpoint import list_checkpoints, save_checkpoint, save_sharded_checkpoint
 from mixprec.app.evaluate import batch_size, evaluate, to_device
-from mixprec.app.metrics_log import EARLIER_FILE, MetricsLog
+from mixprec.app.metrics_log import MetricsLog
 from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.app.progress import ProgressBar
 from mixprec.app.resume import restore_latest, run_identity
@@ -205,6 +205,7 @@ class Trainer:
             self.check_new_run()
             self._set_aside_an_earlier_run()
             self._seed_everything()
+        self._commit()  # the state a stop at once in the first update goes back to (buffers, random state)
         first_step = self.step
         self._stop, self._saved_at = StopRequest(self.run.stop_signals), time.monotonic()
         bar = ProgressBar(total, "training", self.run.progress and self.world.is_main)
@@ -291,11 +292,11 @@ class Trainer:
     def _set_aside_an_earlier_run(self) -> None:
         """A run in this folder that saved no checkpoint (killed before its first): its metrics are set aside,
         not mixed with this run's."""
-        count = self.log.set_aside()
+        count, kept = self.log.set_aside()
         if count:
             logger.warning(
                 "%s held %d metric records of an earlier run that saved no checkpoint; this run starts over, "
-                "and they are kept in %s", self.out_dir, count, EARLIER_FILE,
+                "and they are kept in %s", self.out_dir, count, kept,
             )  # fmt: skip
 
     def _seed_everything(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -100,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if argv is None:  # the console script, about to exit: a signal in its teardown would only garble the status
+            for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -259,6 +259,7 @@ def _train(args: argparse.Namespace) -> int:
         config = config_from(args, args.policy)
         out, claimed = (args.out, False) if args.out else default_run_folder(config.task, config.policy)
     from mixprec.app.run import run_training  # needs the 'train' extra (plots)
+    from mixprec.app.stop_signals import held
     from mixprec.app.trainer import TrainingInterrupted
     from mixprec.distributed.ranks import world
 
@@ -272,9 +273,10 @@ def _train(args: argparse.Namespace) -> int:
             claimed=claimed,
         )
     except TrainingInterrupted as stop:
-        if world().is_main:  # rank 0 saved the checkpoint: one line, from it
-            print(f"mixprec train: {stop}. Resume with: mixprec train --out {out} --resume", file=sys.stderr)
-        return 128 + signal.Signals[stop.signal].value  # the shell's convention: 130 Ctrl-C, 143 SIGTERM
+        with held(config.stop_signal_names, "saying how to resume"):
+            if world().is_main:  # rank 0 saved the checkpoint: one line, from it
+                print(f"mixprec train: {stop}. Resume with: mixprec train --out {out} --resume", file=sys.stderr)
+            return 128 + signal.Signals[stop.signal].value  # the shell's convention: 130 Ctrl-C, 143 SIGTERM
     except RuntimeError as error:  # under torchrun: a peer died or became unreachable (gloo, NCCL errors)
         if not world().distributed:
             raise
