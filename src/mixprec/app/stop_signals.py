@@ -57,6 +57,7 @@ class StopRequest:
         self._again = False  # a second signal arrived inside one: stop at once when it ends
         self._ending = False  # the last checkpoint is being saved: nothing is left to cut short
         self.cut_mid_update = False  # an exception (a Ctrl-C outside the stop signals) left an update half done
+        self.finishing = False  # every update is done: the final checkpoint and evaluation are under way
 
     @property
     def requested(self) -> bool:
@@ -115,6 +116,10 @@ class StopRequest:
                     return
                 raise KeyboardInterrupt
             self.signal = signal.Signals(signum).name
+            if self.finishing:
+                logger.warning("%s received: the run's last update is done; it ends after its final checkpoint "
+                               "and evaluation", self.signal)  # fmt: skip
+                return
             logger.warning("%s received: stopping after the current step, then saving a checkpoint; send it "
                            "again to stop at once", self.signal)  # fmt: skip
 

@@ -222,6 +222,7 @@ class Trainer:
                 if self._stop.requested:
                     raise self._stopped(self._stop.signal)
                 seconds = time.perf_counter() - start
+                self._stop.finishing = True
                 self.save_checkpoint()
                 evaluation = self._final_evaluation()
             except KeyboardInterrupt:  # a second stop signal, or a Ctrl-C raised from inside a step
