@@ -198,14 +198,7 @@ class Trainer:
             ValueError: bad arguments, or a batch with non-finite inputs under ``on_bad_batch="stop"``.
         """
         total = self.total_steps(epochs, steps)
-        if resume:
-            self._resume()
-            self.check_resume_length(total, self.step, "steps" if steps is not None else "epochs")
-        else:
-            self.check_new_run()
-            self._set_aside_an_earlier_run()
-            self._seed_everything()
-        self._commit()  # the state a stop at once in the first update goes back to (buffers, random state)
+        self._start(total, resume, "steps" if steps is not None else "epochs")
         first_step = self.step
         self._stop, self._saved_at = StopRequest(self.run.stop_signals), time.monotonic()
         bar = ProgressBar(total, "training", self.run.progress and self.world.is_main)
@@ -251,6 +244,17 @@ class Trainer:
             resumed_from=first_step if resume else None,
             timed_steps=self.step - first_step if timed else 0,
         )
+
+    def _start(self, total: int, resume: bool, given: str) -> None:
+        """Where fit starts: the run's newest checkpoint, or a fresh seeded run; remembered as committed."""
+        if resume:
+            self._resume()
+            self.check_resume_length(total, self.step, given)
+        else:
+            self.check_new_run()
+            self._set_aside_an_earlier_run()
+            self._seed_everything()
+        self._commit()  # the state a stop at once in the first update goes back to (buffers, random state)
 
     @staticmethod
     def check_resume_length(total: int, step: int, given: str) -> None:
