@@ -1,7 +1,5 @@
 """``python -m mixprec``: the same as the ``mixprec`` command."""
 
-import sys
+from mixprec.app.cli.main import console_main
 
-from mixprec.app.cli.main import main
-
-sys.exit(main())
+console_main()

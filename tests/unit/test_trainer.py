@@ -144,14 +144,22 @@ def test_a_ctrl_c_that_is_not_a_stop_signal_inside_an_update_saves_nothing_from_
     straight = make_trainer(tmp_path / "straight")
     straight.fit(steps=12)
     split = make_trainer(tmp_path / "split", stop_signals=("SIGTERM",), checkpoint_every=5)
-    split.optimizer.register_step_post_hook(lambda *_: os.kill(os.getpid(), signal.SIGINT) if split.step == 7 else None)
+    sent = []
+
+    def ctrl_c_once(*_) -> None:
+        if split.step == 7 and not sent:
+            sent.append(True)  # first: the KeyboardInterrupt comes out of os.kill
+            os.kill(os.getpid(), signal.SIGINT)
+
+    split.optimizer.register_step_post_hook(ctrl_c_once)
     with pytest.raises(TrainingInterrupted, match="in the middle of an update; the newest checkpoint stands") as stop:
         split.fit(steps=12)
-    assert stop.value.checkpoint.name == "step-00000005.safetensors"
+    assert stop.value.checkpoint.name == "step-00000005.safetensors" and stop.value.cut_short
     assert [p.name for p in list_checkpoints(tmp_path / "split" / "checkpoints")] == ["step-00000005.safetensors"]
-    resumed = make_trainer(tmp_path / "split")
-    resumed.fit(steps=12, resume=True)
-    assert_bit_identical(parameters(straight), parameters(resumed))
+    with pytest.raises(ValueError, match=r"last update was cut short.* resume=True"):  # the same Trainer, as in a
+        split.fit(steps=12)  # notebook: it went on from the half-updated weights
+    split.fit(steps=12, resume=True)
+    assert_bit_identical(parameters(straight), parameters(split))
 
 
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
@@ -213,6 +221,16 @@ def test_a_second_stop_while_the_stop_checkpoint_is_written_lets_it_finish(tmp_p
         trainer.fit(steps=5)
     assert stop.value.step == 1 and stop.value.checkpoint.name == "step-00000001.safetensors"
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000001.safetensors"]
+
+
+def test_a_stop_after_the_last_update_still_ends_the_run_whole(tmp_path):
+    # a SIGTERM while update 4's periodic checkpoint is written, 4 of 4: the run used to end interrupted, with no
+    # final evaluation (and the CLI's exit 143 asked to resume a finished run)
+    trainer = make_trainer(tmp_path, checkpoint_every=4)
+    sent = []
+    trainer.optimizer.register_state_dict_pre_hook(lambda _: None if sent else (sent.append(True), _sigterm()))
+    result = trainer.fit(steps=4)
+    assert result.steps == 4 and result.eval["accuracy"] > 0
 
 
 def test_a_stop_during_the_final_evaluation_still_ends_the_run_whole(tmp_path):

@@ -74,6 +74,7 @@ class TrainingInterrupted(Exception):
         self.step = step
         self.checkpoint = checkpoint
         self.signal = signal
+        self.cut_short = cut_short  # True: update step + 1 was cut short, and ``checkpoint`` is an older one
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class Trainer:
         self._committed = (0, 0)  # (epoch, batch_in_epoch) after the last completed update: where a resume starts
         self._committed_rng: dict[str, Any] | None = None  # the random state there
         self._committed_buffers: list[torch.Tensor] = []  # and the model's buffers (e.g. batch-norm statistics)
+        self._half_updated = False  # an update was cut short: the weights are neither before nor after it
         self._stop = StopRequest(run.stop_signals)  # set by a stop signal (Ctrl-C, SIGTERM, SIGUSR1)
         self._saved_at = time.monotonic()  # for RunOptions(checkpoint_every_minutes=...)
         self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
@@ -212,7 +214,7 @@ class Trainer:
                     while self.step < total and not (self._stop.requested and self.mp.micro_step == 0):
                         self._run_epoch(total, window, bar)
                 bar.close()
-                if self._stop.requested:
+                if self._stop.requested and self.step < total:  # past the last update, the run ends whole
                     raise self._stopped(self._stop.signal)
                 seconds = time.perf_counter() - start
                 self._stop.finishing = True
@@ -227,6 +229,7 @@ class Trainer:
                 raise self._stopped(self._stop.signal or "SIGINT", at_once=True) from None
             finally:
                 bar.close()
+                self._half_updated = self._half_updated or self._stop.cut_mid_update
         self.log.close()
         train = [r for r in self.log.records if r["kind"] == "train"]
         timed = [r["ms_per_step"] for r in train if r["ms_per_step"] > 0]
@@ -250,10 +253,18 @@ class Trainer:
         if resume:
             self._resume()
             self.check_resume_length(total, self.step, given)
+            self._half_updated = False
         else:
+            if self._half_updated:
+                raise ValueError(
+                    "fit(): this Trainer's last update was cut short, so its weights are half updated; continue "
+                    "from the newest checkpoint with fit(..., resume=True), or build a new Trainer."
+                )
             self.check_new_run()
-            self._set_aside_an_earlier_run()
+            if self.step == 0:  # a Trainer that trained already goes on with its own records
+                self._set_aside_an_earlier_run()
             self._seed_everything()
+        self.mp.zero_grad()  # nothing of an interrupted fit's window is carried in
         self._commit()  # the state a stop at once in the first update goes back to (buffers, random state)
 
     @staticmethod
@@ -356,6 +367,7 @@ class Trainer:
                     self.mp.step_scheduler(self.scheduler)
                 self.step += 1
                 self._commit()
+                self._stop.finishing = self.step >= total  # a signal from now on: the run still ends whole
             due = self._checkpoint_due()
             if self.world.distributed:
                 due = self._stop.agree(self.device, due)  # the same stop and checkpoint on every rank

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from mixprec.app.cli import (
@@ -101,11 +102,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return 130
-    finally:
-        if argv is None:  # the console script, about to exit: a signal in its teardown would only garble the status
-            for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def console_main() -> None:
+    """The ``mixprec`` console script: :func:`main`, then the exit. A stop signal in the interpreter's teardown
+    would only garble the exit status (a run's checkpoint and report are written by then), so it is ignored."""
+    code = main()
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

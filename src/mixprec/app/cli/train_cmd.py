@@ -282,9 +282,10 @@ def _train(args: argparse.Namespace) -> int:
             raise
         print(peer_failure_line(error, out), file=sys.stderr)
         return PEER_FAILED
-    if world().is_main:  # under torchrun, one summary
-        print(summary(outcome))
-    return 0
+    with held(config.stop_signal_names, "printing the summary"):
+        if world().is_main:  # under torchrun, one summary
+            print(summary(outcome))
+        return 0
 
 
 PEER_FAILED = 1
