@@ -281,6 +281,14 @@ def test_a_second_fit_in_memory_keeps_the_first_ones_records():
     assert [r["step"] for r in trainer.log.records if r["kind"] == "train"] == [5, 10, 15, 20]
 
 
+def test_a_resumed_runs_time_goes_on_from_its_records(tmp_path):
+    make_trainer(tmp_path).fit(steps=10)
+    make_trainer(tmp_path).fit(steps=20, resume=True)
+    times = [json.loads(line)["time"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]  # fmt: skip
+    assert len(times) == 4 and times == sorted(times)  # it used to start again from 0 at step 15
+
+
 def test_metrics_file_and_final_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, policy="mixed_bf16", eval_every=10)
     result = trainer.fit(epochs=1)

@@ -204,7 +204,7 @@ class Trainer:
         first_step = self.step
         self._stop, self._saved_at = StopRequest(self.run.stop_signals), time.monotonic()
         bar = ProgressBar(total, "training", self.run.progress and self.world.is_main)
-        window = _Window(time.perf_counter())
+        window = self._window(resume)
         start = time.perf_counter()
         with self._stop.handlers():  # until fit ends: no stop signal ends it without a checkpoint
             try:
@@ -266,6 +266,11 @@ class Trainer:
             self._seed_everything()
         self.mp.zero_grad()  # nothing of an interrupted fit's window is carried in
         self._commit()  # the state a stop at once in the first update goes back to (buffers, random state)
+
+    def _window(self, resume: bool) -> _Window:
+        """The train records' window; a resumed run's "time" goes on from where its records stop."""
+        earlier = next((r.get("time", 0.0) for r in reversed(self.log.records) if r["kind"] == "train"), 0.0)
+        return _Window(time.perf_counter(), earlier if resume else 0.0)
 
     @staticmethod
     def check_resume_length(total: int, step: int, given: str) -> None:
@@ -648,9 +653,10 @@ _POSITION = ("step", "epoch", "batch_in_epoch", "skipped_batches")
 class _Window:
     """Running loss, samples and time since the last train record (the loss stays on the device)."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, earlier: float = 0.0) -> None:
+        """``earlier``: seconds of training before this fit (a resumed run's), where "time" starts."""
         self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
-        self.origin = now
+        self.origin = now - earlier
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         self.loss = loss.float() if self.loss is None else self.loss + loss.float()
