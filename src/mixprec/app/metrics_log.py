@@ -17,9 +17,10 @@ __all__ = ["MetricsLog", "read_metrics"]
 FILE = "metrics.jsonl"
 
 
-def earlier_file(number: int = 1) -> str:
-    """Where the ``number``-th run that saved no checkpoint in a folder left its metrics, set aside by the next."""
-    return "metrics-earlier.jsonl" if number == 1 else f"metrics-earlier-{number}.jsonl"
+def _earlier(number: int) -> str:
+    """The name the ``number``-th run that saved no checkpoint in a folder is set aside under by the next: its
+    metrics as ``metrics-NAME.jsonl``, its TensorBoard events in ``tensorboard/NAME``."""
+    return "earlier" if number == 1 else f"earlier-{number}"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -76,15 +77,16 @@ class MetricsLog:
             return 0, None  # in memory: a second fit() on the same Trainer goes on with the same records
         count = len(self.records)
         self.records, self.last_train_step = [], 0
-        number = next(n for n in itertools.count(1) if not (self.run_dir / earlier_file(n)).exists())
-        os.replace(self.run_dir / FILE, self.run_dir / earlier_file(number))
+        name = next(
+            _earlier(n) for n in itertools.count(1) if not (self.run_dir / f"metrics-{_earlier(n)}.jsonl").exists()
+        )
+        os.replace(self.run_dir / FILE, self.run_dir / f"metrics-{name}.jsonl")
         events = sorted((self.run_dir / "tensorboard").glob("events.out.tfevents.*"))
         if events:
-            earlier = self.run_dir / "tensorboard" / ("earlier" if number == 1 else f"earlier-{number}")
-            earlier.mkdir(exist_ok=True)
+            (self.run_dir / "tensorboard" / name).mkdir(exist_ok=True)
             for event in events:
-                os.replace(event, earlier / event.name)
-        return count, earlier_file(number)
+                os.replace(event, self.run_dir / "tensorboard" / name / event.name)
+        return count, f"metrics-{name}.jsonl"
 
     def _last_train_step(self) -> int:
         return next((r["step"] for r in reversed(self.records) if r["kind"] == "train"), 0)

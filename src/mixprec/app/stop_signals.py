@@ -21,7 +21,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -99,12 +99,8 @@ class StopRequest:
         """The run is saving its last checkpoint: later signals are logged and stop nothing."""
         self._ending = True
 
-    @contextlib.contextmanager
-    def handlers(self) -> Iterator[None]:
+    def handlers(self) -> contextlib.AbstractContextManager:
         """Install the handlers for the duration of a fit (main thread only: elsewhere signals stay as they are)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
 
         def handler(signum: int, frame: object) -> None:
             if self.signal is not None:  # a second stop signal: stop at once, or where the section ends
@@ -123,27 +119,28 @@ class StopRequest:
             logger.warning("%s received: stopping after the current step, then saving a checkpoint; send it "
                            "again to stop at once", self.signal)  # fmt: skip
 
-        previous = {name: signal.signal(getattr(signal, name), handler) for name in self.names}
-        try:
-            yield
-        finally:
-            for name, old in previous.items():
-                signal.signal(getattr(signal, name), old)
+        return _installed(self.names, handler)
 
 
-@contextlib.contextmanager
-def held(names: Sequence[str], what: str) -> Iterator[None]:
+def held(names: Sequence[str], what: str) -> contextlib.AbstractContextManager:
     """The stop signals logged and ignored while inside (main thread only): the run has ended, its checkpoint is
     written, and ``what`` (its report, its last line) finishes first instead of a default handler killing the
     process silently or changing its exit status."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def handler(signum: int, frame: object) -> None:
         logger.warning("%s received while %s: the run has ended; finishing that first", signal.Signals(signum).name,
                        what)  # fmt: skip
 
+    return _installed(names, handler)
+
+
+@contextlib.contextmanager
+def _installed(names: Sequence[str], handler: Callable[[int, object], None]) -> Iterator[None]:
+    """``handler`` for the signals ``names`` while inside, the previous ones restored after (main thread only:
+    Python installs handlers there alone, so elsewhere signals stay as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {name: signal.signal(getattr(signal, name), handler) for name in names}
     try:
         yield

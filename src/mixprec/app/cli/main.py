@@ -25,6 +25,7 @@ from mixprec.app.cli import (
     serve_cmd,
     train_cmd,
 )
+from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS
 
 USAGE_ERROR = 2
 
@@ -109,7 +110,7 @@ def console_main() -> None:
     would only garble the exit status (a run's checkpoint and report are written by then), so it is ignored."""
     code = main()
     if threading.current_thread() is threading.main_thread():
-        for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        for name in DEFAULT_STOP_SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     sys.exit(code)
 
