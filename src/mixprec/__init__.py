@@ -24,7 +24,18 @@ if TYPE_CHECKING:
     from mixprec.numerics import FORMATS, ROUNDING_MODES, Format, get_format, quantize
     from mixprec.parallel import fully_shard
     from mixprec.policy import PRESETS, Fp8Recipe, Policy, get_policy
-    from mixprec.regions import FP32Ops, autocast, cast_module, checkpoint, fp8, fp32_modules, recompute_context
+    from mixprec.regions import (
+        ComputePlan,
+        FP32Ops,
+        Prepared,
+        autocast,
+        cast_module,
+        checkpoint,
+        fp8,
+        fp32_modules,
+        prepare,
+        recompute_context,
+    )
     from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler, StaticLossScaler
 
 try:
@@ -55,7 +66,10 @@ _SOURCES = {
     "quantize": "mixprec.numerics",
     "PRESETS": "mixprec.policy",
     "DeviceCaps": "mixprec.compute",
+    "ComputePlan": "mixprec.regions",
     "FP32Ops": "mixprec.regions",
+    "Prepared": "mixprec.regions",
+    "prepare": "mixprec.regions",
     "Policy": "mixprec.policy",
     "autocast": "mixprec.regions",
     "cast_module": "mixprec.regions",
@@ -73,11 +87,15 @@ _SOURCES = {
 
 __getattr__, __dir__ = lazy_names(__name__, globals(), _SOURCES)
 
+# The framework probes register their guards with the engine (imports no framework, no torch).
+import mixprec.integrations  # noqa: E402, F401
+
 __all__ = [
     "FORMATS",
     "PRESETS",
     "ROUNDING_MODES",
     "AdamW",
+    "ComputePlan",
     "DeviceCaps",
     "DynamicLossScaler",
     "FP32Ops",
@@ -88,6 +106,7 @@ __all__ = [
     "NoOpLossScaler",
     "NonFiniteTracer",
     "Policy",
+    "Prepared",
     "RangeWatch",
     "StateBytes",
     "StaticLossScaler",
@@ -107,6 +126,7 @@ __all__ = [
     "get_format",
     "get_policy",
     "parallel",
+    "prepare",
     "quantize",
     "recompute_context",
 ]

@@ -118,7 +118,7 @@ def _scenarios(rank: int, out: str) -> None:
         state = _full_state(trainer.model, trainer.optimizer, True)
         if rank == 0:
             save_file(state, f"{out}/{name}.safetensors")
-    summary["resumed_at"] = first.step
+    summary["resumed_at"] = first.updates_done
     refusals = []
     for shard, policy in (("o2_bf16", "mixed_bf16"), (None, "o2_bf16")):
         model = _net()

@@ -6,7 +6,7 @@ from torch import nn
 import mixprec
 from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.engine.memory import saved_activation_bytes
-from mixprec.regions.autocast import compute_plan
+from mixprec.regions.plan import compute_plan
 
 FP16 = torch.float16
 

@@ -169,8 +169,8 @@ def test_only_the_recorded_amaxes_of_a_loaded_history_count(device):
 
 
 def test_where_the_kernel_fails_the_probe_says_why_and_the_compute_plan_repeats_it(monkeypatch):
-    from mixprec.regions.autocast import compute_plan
     from mixprec.regions.fp8 import gemm
+    from mixprec.regions.plan import compute_plan
 
     def failing(*args, **kwargs):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore lines")

@@ -10,7 +10,7 @@ from torch import nn
 import mixprec
 from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.compute.kernels import CACHE_VERSION, FAMILIES, kernel_plan
-from mixprec.regions.autocast import compute_plan
+from mixprec.regions.plan import compute_plan
 
 FP16, BF16 = torch.float16, torch.bfloat16
 

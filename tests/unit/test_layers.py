@@ -130,3 +130,72 @@ def test_no_function_is_longer_than_sixty_lines(path):
             if length > LONGEST_FUNCTION and not reason:
                 long.append(f"{node.name} (line {node.lineno}, {length} lines)")
     assert not long, f"split these, or give the reason in a '# long: ...' comment on the def line: {long}"
+
+
+# The library's public packages (docs/api.md): the application and the adapters import only their __all__ names.
+PUBLIC_PACKAGES = {
+    "mixprec",
+    "mixprec.numerics",
+    "mixprec.compute",
+    "mixprec.policy",
+    "mixprec.scaling",
+    "mixprec.master",
+    "mixprec.distributed",
+    "mixprec.regions",
+    "mixprec.regions.fp8",
+    "mixprec.parallel",
+    "mixprec.persist",
+    "mixprec.engine",
+    "mixprec.doctor",
+}
+
+
+# The internal API the application may use besides (docs/design.md names it): the argument checks' one wording and
+# the lazy public names; nothing a user of the library needs.
+INTERNAL_FOR_APP = {"mixprec.checks": {"whole_number", "positive_number"}, "mixprec.lazy": {"lazy_names"}}
+
+
+def _private_imports(path: Path, tree: ast.AST) -> list[str]:
+    """Imports of the library (not the app, not the adapters) from outside its public packages' ``__all__``."""
+    import importlib
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("mixprec"):
+            module = node.module
+            if module.startswith(("mixprec.app", "mixprec.integrations")):
+                continue
+            public = importlib.import_module(module).__all__ if module in PUBLIC_PACKAGES else ()
+            public = {*public, *INTERNAL_FOR_APP.get(module, ())}
+            found += [
+                f"{path.relative_to(SOURCE)}:{node.lineno} {module}.{a.name}"
+                for a in node.names
+                if a.name not in public
+            ]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{path.relative_to(SOURCE)}:{node.lineno} import {a.name}"
+                for a in node.names
+                if a.name.startswith("mixprec.")
+                and not a.name.startswith(("mixprec.app", "mixprec.integrations"))
+                and a.name not in PUBLIC_PACKAGES
+            ]
+    return found
+
+
+def test_the_application_and_the_adapters_use_the_public_api_only():
+    """app/ and integrations/ are built on docs/api.md's names: a name they need is made public there, deliberately."""
+    private = []
+    for path in _modules():
+        if _layer(path) in ("app", "integrations"):
+            private += _private_imports(path, ast.parse(path.read_text()))
+    assert not private, "import these from a public package (or make them public in docs/api.md):\n" + "\n".join(
+        private
+    )
+
+
+def test_the_public_api_check_sees_a_private_import():
+    tree = ast.parse("from mixprec.engine.mixed_precision import MixedPrecision\nfrom mixprec.engine import Stats\n")
+    assert _private_imports(SOURCE / "app" / "x.py", tree) == [
+        "app/x.py:1 mixprec.engine.mixed_precision.MixedPrecision"
+    ]

@@ -147,7 +147,7 @@ def test_a_ctrl_c_that_is_not_a_stop_signal_inside_an_update_saves_nothing_from_
     sent = []
 
     def ctrl_c_once(*_) -> None:
-        if split.step == 7 and not sent:
+        if split.updates_done == 7 and not sent:
             sent.append(True)  # first: the KeyboardInterrupt comes out of os.kill
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -484,7 +484,7 @@ def test_a_nan_made_by_the_forward_pass_stops_naming_the_module_or_drops_the_bat
     stopping = _poisoned_run("stop")
     with pytest.raises(ValueError, match=r"batch 3 of epoch 0: the forward pass produced nan first in module '1'"):
         stopping.fit(epochs=1)
-    assert stopping.step == 2  # the two good batches before it, nothing after
+    assert stopping.updates_done == 2  # the two good batches before it, nothing after
     with pytest.raises(ValueError, match=r"first in module '1'.* Under fp16 .* `mixprec doctor` names the modules"):
         _poisoned_run("stop", policy="mixed_fp16").fit(epochs=1)
     skipping = _poisoned_run("skip")
@@ -498,7 +498,7 @@ def test_a_nan_made_by_the_forward_pass_stops_naming_the_module_or_drops_the_bat
 
 def test_checkpoints_by_wall_clock_as_well_as_by_updates(tmp_path, monkeypatch):
     clock = {"now": 0.0}
-    monkeypatch.setattr("mixprec.app.trainer.time.monotonic", lambda: clock["now"])
+    monkeypatch.setattr("mixprec.app.lifecycle.time.monotonic", lambda: clock["now"])
 
     def slow_loss(outputs, targets):  # each micro-batch "takes" 20 seconds of wall clock
         clock["now"] += 20.0
@@ -548,7 +548,7 @@ def test_a_misnamed_or_edited_newest_checkpoint_is_skipped_with_one_line(tmp_pat
         trainer.fit(steps=4, resume=True)
     skipped = [r.message for r in caplog.records if r.message.startswith("Skipped a checkpoint")]
     assert len(skipped) == 1 and "holds step '3', not the step its name says; using step-00000002" in skipped[0]
-    assert trainer.step == 4
+    assert trainer.updates_done == 4
 
 
 def test_a_checkpoint_that_does_not_fit_is_skipped_and_leaves_the_trainer_as_it_was(tmp_path, caplog):

@@ -24,12 +24,10 @@ from mixprec.app.evaluate import evaluate, to_device
 from mixprec.app.resume import check_run_identity
 from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
-from mixprec.parallel.state import with_tied_names
+from mixprec.parallel import with_tied_names
 from mixprec.persist import write_atomically
-from mixprec.policy.parse import get_policy
-from mixprec.policy.policy import NORM, Policy
-from mixprec.regions.autocast import autocast
-from mixprec.regions.casting import cast_module
+from mixprec.policy import NORM, Policy, get_policy
+from mixprec.regions import autocast, cast_module
 
 __all__ = ["EXPORT_DTYPES", "ExportResult", "export_policy", "export_run", "fp32_weights"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mixprec.doctor.report import PHASES, DoctorReport
-from mixprec.numerics.formats import get_format
+from mixprec.doctor import PHASES, DoctorReport
+from mixprec.numerics import get_format
 
 __all__ = ["plot_histograms"]
 

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from mixprec import __version__
-from mixprec.compute.device import cpu_isa, device_caps
+from mixprec.compute import cpu_isa, device_caps
 
 __all__ = ["machine_info"]
 

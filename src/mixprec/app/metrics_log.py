@@ -2,17 +2,24 @@
 
 Records are plain dicts (see :mod:`mixprec.app.trainer` for their fields). On resume the file is cut
 back to the checkpoint's step, so the history never holds steps that the resumed run will redo.
+:class:`LogInterval` sums what a train record reports between two records.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["MetricsLog", "read_metrics"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LogInterval", "MetricsLog", "read_metrics"]
 
 FILE = "metrics.jsonl"
 
@@ -108,3 +115,31 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+class LogInterval:
+    """Running loss, samples and time since the last train record (the loss stays on the device)."""
+
+    def __init__(self, records: Sequence[dict[str, Any]] = ()) -> None:
+        """``records``: a resumed run's records, whose last train record's "time" this run's goes on from."""
+        now = time.perf_counter()
+        self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
+        self.origin = now - next((r.get("time", 0.0) for r in reversed(records) if r["kind"] == "train"), 0.0)
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss = loss.float() if self.loss is None else self.loss + loss.float()
+        self.batches += 1
+        self.samples += samples
+
+    def flush(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        loss = float(self.loss) / self.batches if self.batches else math.nan  # host sync: once per record
+        record = {
+            "loss": loss,
+            "samples_per_s": self.samples / elapsed,
+            "ms_per_step": 1e3 * elapsed / max(self.updates, 1),
+            "time": now - self.origin,
+        }
+        self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
+        return record

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from mixprec.engine import needs_compensated_optimizer
-from mixprec.master.compensated import AdamW as CompensatedAdamW
-from mixprec.policy.policy import Policy
+from mixprec.master import AdamW as CompensatedAdamW
+from mixprec.policy import Policy
 
 __all__ = ["FUSED_ADAMW_DEVICES", "KERNEL_CHOICES", "adamw_for"]
 

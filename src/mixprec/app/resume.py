@@ -8,6 +8,9 @@ the next older one is tried; the trainer's state is put back as it was after eac
 Under FSDP2 the ranks agree on which checkpoint is damaged, so that they all load the same one.
 One that verifies but belongs to another run stops the resume with the differences, unless the
 caller allows foreign checkpoints.
+
+It knows the Trainer only as :class:`RunParts` (what identifies a run) and :class:`Resumable` (a state
+that goes out and back in): the Trainer's own state lives in :mod:`mixprec.app.trainer_state`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import copy
 import hashlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,9 +28,11 @@ from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.distributed import agree_max
 
 if TYPE_CHECKING:
-    from mixprec.app.trainer import Trainer
+    from mixprec.app.trainer_options import RunOptions
+    from mixprec.distributed import World
+    from mixprec.engine import MixedPrecision
 
-__all__ = ["ForeignCheckpointError", "check_run_identity", "restore_latest", "run_identity"]
+__all__ = ["ForeignCheckpointError", "Resumable", "RunParts", "check_run_identity", "restore_latest", "run_identity"]
 
 logger = logging.getLogger("mixprec")
 
@@ -36,7 +41,31 @@ class ForeignCheckpointError(ValueError):
     """A valid checkpoint of another run (another seed, policy, model or optimizer setting)."""
 
 
-def run_identity(trainer: Trainer) -> dict[str, Any]:
+class RunParts(Protocol):
+    """What identifies a run (a :class:`~mixprec.app.trainer.Trainer` has it): the model, the optimizer, the
+    engine's policy and the run's seed."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    mp: MixedPrecision
+    run_options: RunOptions
+
+
+class Resumable(RunParts, Protocol):
+    """What a resume loads a checkpoint into (a Trainer is one): its training state, out and back in, and the
+    ranks and device it runs on."""
+
+    world: World
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def run_identity(trainer: RunParts) -> dict[str, Any]:
     """What makes a run this run: policy, seed, model architecture, optimizer and its settings."""
     shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in trainer.model.named_parameters())
     settings = {
@@ -46,7 +75,7 @@ def run_identity(trainer: Trainer) -> dict[str, Any]:
     }
     return {
         "policy": str(trainer.mp.policy),
-        "seed": trainer.run.seed,
+        "seed": trainer.run_options.seed,
         "model": f"{_model_class(trainer.model)} {hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
         "optimizer": type(trainer.optimizer).__name__,
         **{f"optimizer {key}": value for key, value in sorted(settings.items())},
@@ -59,7 +88,7 @@ def _model_class(model: torch.nn.Module) -> str:
     return own.__name__
 
 
-def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = False) -> tuple[Path, dict]:
+def restore_latest(trainer: Resumable, directory: Path, *, allow_foreign: bool = False) -> tuple[Path, dict]:
     """Load the newest usable checkpoint of ``directory`` into ``trainer``; returns its path and state.
 
     Raises:
@@ -93,7 +122,7 @@ def restore_latest(trainer: Trainer, directory: Path, *, allow_foreign: bool = F
     raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
 
 
-def _verified(trainer: Trainer, path: Path) -> dict:
+def _verified(trainer: Resumable, path: Path) -> dict:
     """The verified state of ``path``; CheckpointError if it is damaged, under FSDP2 on any rank (each
     rank checksums its share of the shard files; one all-reduce makes them all skip a checkpoint together)."""
     error, state = None, {}
@@ -120,7 +149,7 @@ def _found_by_another_rank(path: Path) -> CheckpointError:
     return CheckpointError(f"{path}: damaged as another rank read it")
 
 
-def check_run_identity(trainer: Trainer, path: Path, state: dict, *, allow_foreign: bool = False) -> None:
+def check_run_identity(trainer: RunParts, path: Path, state: dict, *, allow_foreign: bool = False) -> None:
     """Raise ForeignCheckpointError when the checkpoint ``state`` (read from ``path``) belongs to another
     run than ``trainer``'s (``allow_foreign``: warn instead); CheckpointError when it records no identity."""
     saved, here = state.get("identity"), run_identity(trainer)

@@ -27,14 +27,13 @@ from mixprec.app.task import TaskConfig, TaskParts, build_task
 from mixprec.app.torchrun import init_from_env
 from mixprec.app.trainer import FitResult, Trainer
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
-from mixprec.distributed.ranks import world
-from mixprec.doctor.trace import NonFiniteEvent
-from mixprec.engine.memory import saved_activation_bytes
-from mixprec.parallel.fsdp import fully_shard
-from mixprec.policy.parse import get_policy
-from mixprec.policy.policy import Policy
-from mixprec.regions.autocast import ComputePlan
-from mixprec.scaling.dynamic import DynamicLossScaler
+from mixprec.distributed import world
+from mixprec.doctor import NonFiniteEvent
+from mixprec.engine import saved_activation_bytes
+from mixprec.parallel import fully_shard
+from mixprec.policy import Policy, get_policy
+from mixprec.regions import ComputePlan
+from mixprec.scaling import DynamicLossScaler
 
 logger = logging.getLogger("mixprec")
 
@@ -193,7 +192,7 @@ def _train_in(  # long: the run's steps in order, each one or two lines
     if main:  # on resume too: a length or checkpoint setting given with --resume holds for later resumes
         config.save(run_dir)
     result = trainer.fit(**length, resume=resume)
-    with held(trainer.run.stop_signals, "writing the run's report"):  # the run is complete: the report follows
+    with held(trainer.run_options.stop_signals, "writing the run's report"):  # the run is complete: the report follows
         return _report(run_dir, config, trainer, parts, settings, result)
 
 

@@ -37,10 +37,8 @@ from mixprec.app.config import TrainConfig
 from mixprec.app.evaluate import evaluate
 from mixprec.app.export import export_policy, fp32_weights
 from mixprec.app.run import build_trainer
-from mixprec.policy.parse import get_policy
-from mixprec.policy.policy import Policy
-from mixprec.regions.autocast import Region
-from mixprec.regions.casting import cast_module
+from mixprec.policy import Policy, get_policy
+from mixprec.regions import Region, cast_module
 
 __all__ = ["MODES", "ServeResult", "as_records", "serve_bench", "timing_batch"]
 

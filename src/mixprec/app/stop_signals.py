@@ -2,13 +2,18 @@
 
 Ctrl-C (SIGINT), SIGTERM (what Slurm preemption and time limits, Kubernetes, ``docker stop`` and
 systemd send first) and SIGUSR1 (Slurm's usual pre-timeout signal, ``#SBATCH --signal=USR1@120``) by
-default. The first one asks the loop to stop after the current update; the Trainer then saves a
-checkpoint and raises :class:`~mixprec.app.trainer.TrainingInterrupted` naming the signal. A second
-one stops at once (the checkpoint then holds the last completed update), except inside a shielded
-section (:meth:`StopRequest.shield`: an update being applied, a checkpoint being written), which it lets
-finish first: cut short there, the weights would be one update ahead of the saved position, or the
-checkpoint lost. Once the run is saving its last checkpoint (:meth:`StopRequest.ending`), further signals
-are logged and change nothing.
+default. The first one asks the loop to stop after the current update; the run's lifecycle
+(:mod:`mixprec.app.lifecycle`) then saves a checkpoint and raises
+:class:`~mixprec.app.lifecycle.TrainingInterrupted` naming the signal. A second one stops at once (the
+checkpoint then holds the last completed update), except inside a shielded section
+(:meth:`StopRequest.shield`: an update being applied, a checkpoint being written), which it lets finish
+first: cut short there, the weights would be one update ahead of the saved position, or the checkpoint
+lost. Once the run is saving its last checkpoint (:attr:`StopRequest.saving_last_checkpoint`), further
+signals are logged and change nothing.
+
+This module is the mechanics (handlers, shields, the cross-rank agreement); it loads no torch, so that
+the options can check signal names for ``mixprec --help``. The Trainer talks to
+:class:`~mixprec.app.lifecycle.RunLifecycle`, which holds one :class:`StopRequest` per fit.
 
 Under torchrun each rank receives its signal at its own moment; :meth:`StopRequest.agree` makes every
 rank stop after the same update (the signal's number is all-reduced with max, so a rank that received
@@ -55,9 +60,11 @@ class StopRequest:
         self.signal: str | None = None  # the first stop signal received
         self._shielded = 0  # how many shielded sections are open
         self._again = False  # a second signal arrived inside one: stop at once when it ends
-        self._ending = False  # the last checkpoint is being saved: nothing is left to cut short
         self.cut_mid_update = False  # an exception (a Ctrl-C outside the stop signals) left an update half done
-        self.finishing = False  # every update is done: the final checkpoint and evaluation are under way
+        # every update is done: the final checkpoint and evaluation are under way, and a signal lets them finish
+        self.last_update_done = False
+        # the last checkpoint is being saved: nothing is left to cut short, later signals are logged and stop nothing
+        self.saving_last_checkpoint = False
 
     @property
     def requested(self) -> bool:
@@ -68,7 +75,7 @@ class StopRequest:
         a host sync); returns whether a checkpoint is due on any rank."""
         import torch  # here: the config checks signal names without loading torch (`mixprec --help`)
 
-        from mixprec.distributed.ranks import agree_max
+        from mixprec.distributed import agree_max
 
         number = signal.Signals[self.signal].value if self.signal else 0
         flags = [torch.tensor([float(value)], device=device) for value in (number, checkpoint_due)]
@@ -95,24 +102,20 @@ class StopRequest:
             self._again = False
             raise KeyboardInterrupt
 
-    def ending(self) -> None:
-        """The run is saving its last checkpoint: later signals are logged and stop nothing."""
-        self._ending = True
-
     def handlers(self) -> contextlib.AbstractContextManager:
         """Install the handlers for the duration of a fit (main thread only: elsewhere signals stay as they are)."""
 
         def handler(signum: int, frame: object) -> None:
             if self.signal is not None:  # a second stop signal: stop at once, or where the section ends
-                if self._ending or self._shielded:
-                    self._again = not self._ending
+                if self.saving_last_checkpoint or self._shielded:
+                    self._again = not self.saving_last_checkpoint
                     logger.warning("%s received again: %s", signal.Signals(signum).name, "already saving the last "
-                                   "checkpoint" if self._ending else "stopping once this update or checkpoint is "
-                                   "complete")  # fmt: skip
+                                   "checkpoint" if self.saving_last_checkpoint else "stopping once this update or "
+                                   "checkpoint is complete")  # fmt: skip
                     return
                 raise KeyboardInterrupt
             self.signal = signal.Signals(signum).name
-            if self.finishing:
+            if self.last_update_done:
                 logger.warning("%s received: the run's last update is done; it ends after its final checkpoint "
                                "and evaluation", self.signal)  # fmt: skip
                 return

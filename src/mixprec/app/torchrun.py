@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from mixprec.compute.nest import map_tensors
+from mixprec.compute import map_tensors
 
 __all__ = ["exit_now", "init_from_env", "leave_group", "shard"]
 

@@ -25,7 +25,7 @@ import torch
 from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS, check_stop_signals
 from mixprec.app.task import Metric
 from mixprec.checks import positive_number, whole_number
-from mixprec.scaling.base import LossScaler
+from mixprec.scaling import LossScaler
 
 __all__ = ["BAD_BATCH_ACTIONS", "BatchChecks", "RunOptions", "TrainData", "UpdateOptions"]
 

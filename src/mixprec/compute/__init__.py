@@ -5,18 +5,22 @@ Nothing here knows about policies; :mod:`mixprec.policy` (``auto``) and :mod:`mi
 """
 
 from mixprec.compute.compiled_casts import dropped_roundings_note, inductor_keeps_casts
-from mixprec.compute.device import DeviceCaps, device_caps, device_type_of
+from mixprec.compute.device import DeviceCaps, cpu_isa, device_caps, device_type_of
 from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.compute.kernels import KERNEL_SETTINGS, KernelPlan, kernel_plan
+from mixprec.compute.nest import map_floating, map_tensors
 
 __all__ = [
     "KERNEL_SETTINGS",
     "DeviceCaps",
     "EmulatedAutocast",
     "KernelPlan",
+    "cpu_isa",
     "device_caps",
     "device_type_of",
     "dropped_roundings_note",
     "inductor_keeps_casts",
     "kernel_plan",
+    "map_floating",
+    "map_tensors",
 ]

@@ -23,14 +23,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 
 __all__ = ["GemmAttention", "gemm_attention"]
 
@@ -133,7 +131,12 @@ def _eligible(args: tuple, kwargs: dict) -> tuple | None:
 
 
 class GemmAttention(TorchFunctionMode):
-    """Route eligible ``F.scaled_dot_product_attention`` calls to :func:`gemm_attention`."""
+    """Route eligible ``F.scaled_dot_product_attention`` calls to :func:`gemm_attention`; ``refuse`` is called
+    first with what this part does (the region passes its foreign-recompute refusal)."""
+
+    def __init__(self, refuse: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self._refuse = refuse
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -141,6 +144,7 @@ class GemmAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and not torch.compiler.is_compiling():
             call = _eligible(args, kwargs)
             if call is not None:
-                refuse_foreign_checkpoint("bf16 GEMM attention")
+                if self._refuse is not None:
+                    self._refuse("bf16 GEMM attention")
                 return gemm_attention(*call)
         return func(*args, **kwargs)

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "EmulatedAutocast", "active_emulation"]
@@ -167,12 +166,14 @@ class EmulatedAutocast(TorchFunctionMode):
         only: frozenset[str] | None = None,
         device_type: str = "cpu",
         saves_low: bool = True,
+        refuse: Callable[[str], None] | None = None,
     ) -> None:
         """``only``: emulate just these ops, inside a ``torch.autocast(device_type)`` region that runs
         the rest natively (a hybrid plan, see :mod:`mixprec.compute.kernels`); the policy's FP32 ops
         are then left to :class:`~mixprec.regions.op_overrides.FP32Ops`. None: emulate the whole region.
         ``saves_low``: keep what autograd saves as 16-bit sources (saved-tensor hooks); off where another
-        hook keeps them (an activation checkpoint's recompute)."""
+        hook keeps them (an activation checkpoint's recompute). ``refuse``: called with what this part does,
+        before each op it rounds, while it saves for backward (the region passes its foreign-recompute refusal)."""
         super().__init__()
         self.dtype = dtype
         self._user_fp32 = frozenset(n for op in fp32_ops for n in (op, f"__{op}__", f"__r{op}__"))
@@ -184,6 +185,7 @@ class EmulatedAutocast(TorchFunctionMode):
         self._held: list[_Held] | None = None  # while an op of _SAVES_OWN_OUTPUT runs: its FP32 saved tensors
         self._suspended = 0
         self._saves_low = saves_low
+        self._refuse = refuse
 
     def __enter__(self) -> EmulatedAutocast:
         super().__enter__()
@@ -261,8 +263,8 @@ class EmulatedAutocast(TorchFunctionMode):
 
     def _emulate(self, func, name: str | None, args: tuple, kwargs: dict) -> Any:
         if name in LOWER_PRECISION_OPS:
-            if self._saving:  # torch's checkpoint would recompute this op without the rounding
-                refuse_foreign_checkpoint("the 16-bit emulation's roundings")
+            if self._refuse is not None:  # a foreign recompute would skip the rounding
+                self._refuse("the 16-bit emulation's roundings")
             args, kwargs = map_floating((args, kwargs), self._rounded_fp32)
             if name in _SAVES_OWN_OUTPUT and self._keeps_saved_low():
                 return self._keeping_output_low(func, args, kwargs)

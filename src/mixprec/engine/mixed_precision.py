@@ -40,93 +40,50 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.checks import whole_number
-from mixprec.compute.device import device_type_of
-from mixprec.distributed.ranks import agree_max, local, reduce_across_ranks
-from mixprec.engine.accelerate_sync import unsynced_update_problem
+from mixprec.distributed.ranks import agree_max, local
 from mixprec.engine.call_order import CallOrder
+from mixprec.engine.grad_norm import total_norm
+from mixprec.engine.guards import GuardList, registered_guards
+from mixprec.engine.master_drift import MasterDriftGuard
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
-from mixprec.engine.scaled_grads import ScaledGradsWatch
-from mixprec.engine.setup_checks import check_model_and_optimizer, check_sharding, needs_compensated_optimizer
+from mixprec.engine.saved_state import check_saved_state
+from mixprec.engine.scaled_grads import ScaledGradsGuard
+from mixprec.engine.setup import (
+    check_arguments,
+    check_model_and_optimizer,
+    check_sharding,
+    rounding_residuals,
+    scalers_for,
+)
 from mixprec.engine.stats import Stats, model_state_bytes
-from mixprec.master.compensated import AdamW as CompensatedAdamW
-from mixprec.master.compensated import rounding_residual, take_rounding_residuals
+from mixprec.engine.step_result import StepResult
 from mixprec.master.weights import MasterWeights
 from mixprec.parallel.fsdp import is_sharded
-from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.autocast import (
-    ComputePlan,
-    Region,
-    check_device_supports,
-    refuse_foreign_autocast,
-    tf32_matmuls,
-)
-from mixprec.regions.casting import cast_module, check_fp32_entries, lowered_parameters
+from mixprec.regions.autocast import Region
+from mixprec.regions.casting import cast_module
+from mixprec.regions.plan import ComputePlan, tf32_matmuls
+from mixprec.regions.prepare import Prepared, prepare
 from mixprec.scaling.base import LossScaler
-from mixprec.scaling.dynamic import DynamicLossScaler
 from mixprec.scaling.static import NoOpLossScaler
 
-__all__ = ["MixedPrecision", "StepResult", "default_scaler", "needs_compensated_optimizer"]
-
-
-def default_scaler(policy: Policy) -> LossScaler:
-    """Dynamic scaling where fp16 is involved (its range is too narrow for small gradients), else none."""
-    if torch.float16 in (policy.compute_dtype, policy.param_dtype):
-        return DynamicLossScaler()
-    return NoOpLossScaler()
-
-
-class StepResult:
-    """What ``step()`` did. ``bool(result)`` is True when the update was applied (may sync the host)."""
-
-    def __init__(self, update_step: bool, found: torch.Tensor | bool) -> None:
-        self.update_step = update_step  # False inside an accumulation window: nothing was attempted
-        self._found = found
-
-    def __bool__(self) -> bool:
-        if not self.update_step:
-            return False
-        found = self._found.item() if isinstance(self._found, torch.Tensor) else self._found  # host sync
-        return not found
-
-    @property
-    def applied(self) -> bool:
-        return bool(self)
-
-    def __repr__(self) -> str:
-        return f"StepResult(applied={bool(self)})" if self.update_step else "StepResult(accumulating)"
-
-
-def _check_arguments(
-    model: Any, optimizer: Any, accumulation_steps: Any, accumulate_in_fp32: Any, num_losses: Any
-) -> None:
-    """MixedPrecision's arguments of the wrong type or range, refused by name."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"MixedPrecision(model=...) needs an nn.Module; received {type(model).__name__}.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"MixedPrecision(optimizer=...) needs a torch.optim.Optimizer; received {type(optimizer).__name__}."
-        )
-    for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
-        whole_number(value, f"MixedPrecision({name}=...)")
-    if not isinstance(accumulate_in_fp32, bool):
-        raise TypeError(f"MixedPrecision(accumulate_in_fp32=...) needs True or False; received {accumulate_in_fp32!r}.")
+__all__ = ["MixedPrecision", "StepResult"]
 
 
 class MixedPrecision:
     """Mixed-precision training for ``model`` and ``optimizer`` under ``policy``.
 
-    On construction: resolves the policy on the model's device; for ``o2_*`` policies creates FP32 master
-    copies of the parameters it lowers and points the optimizer at them; casts the model; picks the
-    default scaler (dynamic for fp16, none otherwise).
+    On construction: prepares the policy on the model's device (:func:`mixprec.prepare`: resolved and checked
+    once); for ``o2_*`` policies creates FP32 master copies of the parameters it lowers and points the
+    optimizer at them; casts the model; picks the default scaler (dynamic for fp16, none otherwise); puts the
+    step's guards on one list (:mod:`mixprec.engine.guards`).
 
     Args:
         model: the model, with FP32 parameters, on its training device.
         optimizer: any ``torch.optim`` optimizer built on ``model``'s parameters (for ``pure_bf16``:
             ``mixprec.AdamW``, whose compensated updates stand in for master weights).
-        policy: a Policy, preset or policy string (default ``auto``).
+        policy: a Policy, preset or policy string (default ``auto``), or :func:`mixprec.prepare`'s value.
         scaler: a LossScaler, or a list of ``num_losses`` of them; default per policy.
         accumulation_steps: micro-batches per update; ``backward`` divides each loss by this.
         accumulate_in_fp32: keep gradients in FP32 buffers across micro-batches (o2 policies).
@@ -144,7 +101,7 @@ class MixedPrecision:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        policy: Policy | str = "auto",
+        policy: Policy | str | Prepared = "auto",
         scaler: LossScaler | Sequence[LossScaler] | None = None,
         *,
         accumulation_steps: int = 1,
@@ -152,81 +109,52 @@ class MixedPrecision:
         num_losses: int = 1,
         history: int = 32,
     ) -> None:
-        _check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses)
-        refuse_foreign_autocast(model)  # before anything is cast
-        first = next(model.parameters(), None)
-        self.device = first.device if first is not None else torch.device(device_type_of(None))
-        self.policy = get_policy(policy, device=self.device)
-        check_device_supports(self.policy, self.device.type)  # before anything is cast
-        check_fp32_entries(model, self.policy)
-        self.model = model
-        self.optimizer = optimizer
+        check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses)
+        prepared = prepare(model, policy)  # every check of the policy on this model, before anything is cast
+        self.policy, self.device, self.compute_plan = prepared.policy, prepared.device, prepared.plan
+        self.compute_plan: ComputePlan  # native or emulated, and why
+        self.model, self.optimizer = model, optimizer
         self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included
         if self.sharded:
             check_sharding(model, self.policy)
-        self.accumulation_steps = accumulation_steps
-        self.num_losses = num_losses
-        self.scalers = self._scalers(scaler, num_losses) or [default_scaler(self.policy) for _ in range(num_losses)]
+        self.accumulation_steps, self.num_losses = accumulation_steps, num_losses
+        self.scalers = scalers_for(scaler, num_losses, self.policy)
 
-        lowered = lowered_parameters(model, self.policy) if self.policy.param_dtype != torch.float32 else []
         trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mastered = [p for p in lowered if id(p) in trained] if self.policy.keeps_fp32_masters else []
-        check_model_and_optimizer(model, optimizer, self.policy, lowered, mastered)
+        mastered = [p for p in prepared.lowered if id(p) in trained] if self.policy.keeps_fp32_masters else []
+        check_model_and_optimizer(model, optimizer, self.policy, list(prepared.lowered), mastered)
         # made before the cast, from the exact values; sharded o2 models need none: their FP32 shards are the
         # masters, which FSDP2 gathers in 16 bits
         self.masters = MasterWeights(optimizer, mastered) if mastered and not self.sharded else None
-        residuals = self._rounding_residuals(lowered, trained)
+        residuals = rounding_residuals(optimizer, model, self.policy, prepared.lowered, trained, self.sharded)
         if not self.sharded:
             cast_module(model, self.policy)
         if residuals:  # pure_bf16: p + compensation starts at the exact FP32 weight, not at its rounding
             optimizer.start_from(residuals)
-        self._parameters = ParameterGuard(model, self.sharded)  # as the policy set them; checked at every update
-        self._region = Region(self.policy, model, self.device)  # prepared once: entering it only enters contexts
-        self.compute_plan: ComputePlan = self._region.plan  # native or emulated, and why
-
+        self._region = Region(prepared)  # prepared once: entering it only enters contexts
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
-        self._masters_unchecked = self.masters is not None  # until the first update
         self._order = CallOrder(accumulation_steps)
-        self._scaled_grads = ScaledGradsWatch()  # gradients written to while still scaled are refused
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
+        self._guards = self._make_guards()
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
+        self.grads_carry_scale = False  # the last backward's gradients are multiplied by a loss scale
         self._new_window()
 
-    def _rounding_residuals(self, lowered: list[nn.Parameter], trained: set[int]) -> dict[nn.Parameter, torch.Tensor]:
-        """What casting each trained FP32 parameter will lose, in its 16-bit dtype (2 bytes per parameter), for
-        a compensated optimizer; empty for any other (o2's masters keep the exact values themselves). A sharded
-        model was cast by mixprec.fully_shard, which kept what its shards lost."""
-        if not isinstance(self.optimizer, CompensatedAdamW):
-            return {}
-        if self.sharded:
-            return {p: r for p, r in take_rounding_residuals(self.model).items() if id(p) in trained}
-        dtype = self.policy.param_dtype
-        wanted = [p for p in lowered if p.dtype == torch.float32 and p.requires_grad and id(p) in trained]
-        return {p: rounding_residual(p, dtype) for p in wanted}
-
-    @staticmethod
-    def _scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
-        if scaler is None:
-            return []  # the policy's default
-        scalers = [scaler] if isinstance(scaler, LossScaler) else None
-        if isinstance(scaler, (list, tuple)):
-            scalers = list(scaler)
-        if scalers is None or len(scalers) != num_losses or not all(isinstance(s, LossScaler) for s in scalers):
-            raise ValueError(
-                f"MixedPrecision(scaler=...) needs one LossScaler per loss (num_losses={num_losses}); received "
-                f"{scaler!r}. Pass mixprec.DynamicLossScaler(init_scale=...) (a torch.amp.GradScaler or a number "
-                f"is not one), a list of {num_losses} separate scalers, or None for the policy's default."
-            )
-        if len({id(s) for s in scalers}) != len(scalers):
-            raise ValueError("MixedPrecision(scaler=...): each loss needs its own scaler object; the list repeats one.")
-        return scalers
+    def _make_guards(self) -> GuardList:
+        """The checks that protect the step (:mod:`mixprec.engine.guards`), in the order they run."""
+        parameters = ParameterGuard(self.model, self.sharded)  # as the policy set them
+        # the model's parameters without walking its modules each step (280 us a step on BERT)
+        self._parameters = parameters.parameters
+        drift = [MasterDriftGuard(self.masters)] if self.masters is not None else []
+        watched = lambda: [*self._parameters, *self._optimizer_params()]  # noqa: E731
+        return GuardList([parameters, ScaledGradsGuard(watched), *registered_guards(), *drift])
 
     # -- the training step -----------------------------------------------------------------------
     @contextlib.contextmanager
     def autocast(self) -> Iterator[Policy]:
         """The policy's low-precision region for this model (see :func:`mixprec.autocast`)."""
-        self._parameters.check()  # a clear error, not a dtype clash deep in the forward (or no training at all)
+        self._guards.before_forward(self)
         self._order.on_forward()
         with self._region.enter() as policy:
             yield policy
@@ -250,6 +178,24 @@ class MixedPrecision:
         into FP32 sums, so that no two scales mix; with one loss, gradients add up at their scale until the
         window's end, where they are unscaled once, in place.
         """
+        self._check_loss(loss, loss_id)
+        self._guards.before_gradients(self)
+        self._order.on_backward()
+        if self._scaled_by is not None and self.num_losses > 1:
+            self._unscale_scaled(into_sums=True)
+        self._scaled_by = loss_id
+        self._last_loss = loss.detach()  # to tell an underflow (all-zero gradients, a non-zero loss) at step()
+        if self.accumulation_steps > 1:
+            loss = loss / self.accumulation_steps
+        # tf32: the backward's matmuls too, not only the region's forward (float32_matmul_precision is global)
+        with tf32_matmuls(self.device.type) if self.policy.allow_tf32 else contextlib.nullcontext():
+            self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
+        if self.accumulate_in_fp32:
+            self.masters.grads_to_masters()
+        self.grads_carry_scale = not isinstance(self.scalers[loss_id], NoOpLossScaler)
+        self._guards.after_backward(self)
+
+    def _check_loss(self, loss: Any, loss_id: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"backward(loss=...) needs a one-element loss tensor; received {shape}. Reduce it first.")
@@ -261,40 +207,6 @@ class MixedPrecision:
                 "has no trainable parameters (none with requires_grad=True reached the loss), or the loss was "
                 "computed under torch.no_grad() or detached."
             )
-        self._refuse_changed_scaled_grads()
-        self._order.on_backward()
-        if self._scaled_by is not None and self.num_losses > 1:
-            self._unscale_scaled(into_sums=True)
-            self._check_kinds()
-        self._scaled_by = loss_id
-        self._last_loss = loss.detach()  # to tell an underflow (all-zero gradients, a non-zero loss) at step()
-        if self.accumulation_steps > 1:
-            loss = loss / self.accumulation_steps
-        # tf32: the backward's matmuls too, not only the region's forward (float32_matmul_precision is global)
-        with tf32_matmuls(self.device.type) if self.policy.allow_tf32 else contextlib.nullcontext():
-            self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
-        if self.accumulate_in_fp32:
-            self.masters.grads_to_masters()
-        if not isinstance(self.scalers[loss_id], NoOpLossScaler):  # unscaled gradients are the caller's to edit
-            self._scaled_grads.record([*self._parameters.parameters, *self._optimizer_params()])
-
-    def _refuse_changed_scaled_grads(self) -> None:
-        """Raise when a gradient was written to or replaced since the last backward while it still carries the
-        loss scale (a Python loop over the parameters; device work only for a replaced gradient)."""
-        param = self._scaled_grads.changed()
-        if param is None:
-            return
-        self.zero_grad()  # the window's gradients are spoiled: retrying must not apply them
-        name = next((n for n, p in self.model.named_parameters() if p is param), "a master weight")
-        raise RuntimeError(
-            f"MixedPrecision: the gradient of {name!r} was changed after mp.backward() while still multiplied "
-            "by the loss scale: clipping or editing scaled gradients (torch.nn.utils.clip_grad_norm_, "
-            "accelerator.clip_grad_norm_) sees them the loss scale (2^16 at first) times too large, and the update "
-            "would shrink silently. Nothing was applied, and this window's gradients were dropped. Clip with "
-            "mp.clip_grad_norm_(max_norm), which unscales first, or change gradients after mp.unscale_() (then the "
-            "optimizer's: under o2 policies the FP32 masters in optimizer.param_groups hold them; in Lightning, in "
-            "on_before_optimizer_step, where they are unscaled), or in a gradient hook during backward."
-        )
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -305,24 +217,26 @@ class MixedPrecision:
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
-        self._refuse_changed_scaled_grads()
+        self._guards.before_gradients(self)
         self._order.on_unscale("unscale_()")
         self._unscale()
-        self._check_kinds()  # now: the caller may change the gradients next
 
-    def _unscale(self) -> None:
+    def _unscale(self, classify_later: bool = False) -> None:
         """At the window's end, unscale the last loss's gradients: in place (with one loss, the window's only
         unscale, no copy), or into the FP32 sums of the losses before, which then become the gradients."""
-        self._unscale_scaled(into_sums=bool(self._sums))
+        self._unscale_scaled(into_sums=bool(self._sums), classify_later=classify_later)
         for param, grad in self._sums.values():
             param.grad = grad if param.dtype == torch.float32 else grad.to(param.dtype)
         self._sums = {}
 
-    def _unscale_scaled(self, into_sums: bool) -> None:
+    def _unscale_scaled(self, into_sums: bool, classify_later: bool = False) -> None:
         """Unscale the gradients in ``.grad`` (the masters' for o2) with the scaler of the loss that made them,
-        in place, or into FP32 sums that gradients of another scale can join; note the loss's found-inf flag."""
-        self._scaled_grads.forget()
+        in place, or into FP32 sums that gradients of another scale can join; note the loss's found-inf flag.
+
+        The statistics tell an overflow's inf from NaN right after, before clipping or summing can turn one into
+        the other; ``classify_later``: step()'s own unscale, whose flags step() reads next (free then)."""
         loss_id, self._scaled_by = self._scaled_by, None
+        self.grads_carry_scale = False
         if self.masters is not None:
             self.masters.grads_to_masters()
         params = [p for p in self._optimizer_params() if p.grad is not None]
@@ -331,7 +245,10 @@ class MixedPrecision:
         found = self.scalers[loss_id].unscale_(unscaled)
         before = self._found[loss_id]
         self._found[loss_id] = found if before is None else torch.maximum(before, found)  # 0 or 1, as fused steps need
-        self._unchecked = (unscaled, found)
+        if classify_later:
+            self._unclassified = (unscaled, found)
+        else:
+            self._log.classify(unscaled, found)
         if into_sums:
             for param, grad in zip(params, grads, strict=True):
                 if id(param) in self._sums:
@@ -339,14 +256,6 @@ class MixedPrecision:
                 else:
                     self._sums[id(param)] = (param, grad)
                 param.grad = None
-
-    def _check_kinds(self, host: bool | None = None) -> None:
-        """Hand the gradients unscaled last to the statistics, which tell inf from NaN (``host``: their flag,
-        if read already); done before anything can change them, and once."""
-        if self._unchecked is not None:
-            grads, found = self._unchecked
-            self._unchecked = None
-            self._log.classify(grads, found, host)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
@@ -365,23 +274,13 @@ class MixedPrecision:
                 f"without clipping); received {max_norm!r}."
             )
         if not self._order.unscaled:
-            self._refuse_changed_scaled_grads()
+            self._guards.before_gradients(self)
             self._order.on_unscale("clip_grad_norm_()")
             self._unscale()
-            self._check_kinds()  # before clipping can turn an inf into a NaN
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
-        # one kernel launch per device and dtype (as torch.nn.utils.clip_grad_norm_), not one per gradient
-        per_grad = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
-        norms = torch.stack([norm.to(self.device) for norm in per_grad])
-        if self.sharded:  # each rank holds a part of every gradient: combine the parts' norms over ranks
-            if norm_type == float("inf"):
-                total = reduce_across_ranks(norms.amax(), op="max")
-            else:
-                total = reduce_across_ranks(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
-        else:
-            total = torch.linalg.vector_norm(norms, norm_type)
+        total = total_norm(grads, norm_type, self.device, self.sharded)
         if max_norm != float("inf"):  # measuring alone changes nothing: non-finite gradients skip anyway
             self._skip_if_not_finite(total)
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
@@ -394,58 +293,31 @@ class MixedPrecision:
         self._found = [flag if flag is None else torch.maximum(flag, not_finite) for flag in self._found]
 
     def step(self) -> StepResult:
-        """Finish the step: unscale (if not done), check, apply the update or skip it, adjust the scale, zero grads.
+        """Finish the step: guards, unscale (if not done), check, apply the update or skip it, adjust the scale,
+        zero grads.
 
         Inside an accumulation window only counts the micro-batch. Returns a StepResult, truthy when the
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
         """
-        self._parameters.check()  # before anything changes: a model cast or re-sharded behind the policy's back
-        self._refuse_changed_scaled_grads()
-        if self._order.at_update_boundary and (problem := unsynced_update_problem()):
-            raise RuntimeError(problem)
+        self._guards.before_update(self)  # before anything changes
         already_unscaled = self._order.unscaled
         if not self._order.on_step():
             self._last = StepResult(False, False)
             return self._last
-        if self._masters_unchecked:  # once: weights written behind the masters' back are refused, not overwritten
-            self._refuse_drifted_weights()
         if not already_unscaled:
-            self._unscale()
-        flags = self._check()
-        self._log.watch_underflow(self._optimizer_grads(), self._last_loss)  # only after a scale collapse
-        self._update_or_skip(flags)
+            self._unscale(classify_later=True)
+        found = self._found_inf()
+        self._log.watch_underflow(self._optimizer_grads, self._last_loss)  # only after a scale collapse
+        self._update_or_skip(found)
         scales_before = self._log.scales()
-        for scaler, flag in zip(self.scalers, flags.per_loss, strict=True):
+        for scaler, flag in zip(self.scalers, found.per_loss, strict=True):
             scaler.update(flag)
         self._zero_grad()
-        self._log.record(flags, scales_before)
-        self._last = StepResult(True, flags.found)
+        self._log.record(found, scales_before)
+        self._last = StepResult(True, found.found)
         return self._last
 
-    def _refuse_drifted_weights(self) -> None:
-        """The first update's check that the model still holds the masters' roundings (one host sync, once)."""
-        drifted = self.masters.drifted()
-        # agreed, so that every rank raises together rather than leaving the others in the next all-reduce
-        (anywhere,) = agree_max([torch.tensor([float(len(drifted))], device=self.device)])
-        if anywhere.item():  # host sync, once
-            names = {id(p): name for name, p in self.model.named_parameters()}
-            where = (
-                f"{len(drifted)} of the model's {len(self.masters)} {self.policy.param_dtype} parameters (first: "
-                f"{names.get(id(self.masters.model_params[drifted[0]]), '?')!r})"
-                if drifted
-                else f"another rank's {self.policy.param_dtype} parameters"
-            )
-            raise RuntimeError(
-                f"MixedPrecision.step(): {where} no longer hold their FP32 masters' rounding: the weights were changed "
-                "after MixedPrecision made the masters from them, and this update would write the masters back over "
-                "them. Typical causes: DistributedDataParallel broadcast rank 0's weights to ranks that built "
-                "different ones (seed the model's initialization, or call mixprec.distributed.copy_from_main("
-                "list(model.parameters())) before MixedPrecision), or a load_state_dict on the model (load the "
-                "weights before building MixedPrecision, or use mp.load_state_dict)."
-            )
-        self._masters_unchecked = False
-
-    def _check(self) -> FoundInf:
+    def _found_inf(self) -> FoundInf:
         """Every loss's found-inf flag, the maximum over ranks, read on the host once (not at all where a
         fused optimizer takes the flag itself); the statistics then tell an overflow's inf from NaN."""
         per_loss = self._found
@@ -457,7 +329,9 @@ class MixedPrecision:
         if not self._skips_on_device:
             # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
             host = [flag != 0 for flag in torch.cat(per_loss).tolist()]
-        self._check_kinds(None if host is None else any(host))
+        if self._unclassified is not None:
+            self._log.classify(*self._unclassified, None if host is None else any(host))
+            self._unclassified = None
         if self.sharded and (host is None or any(host)):  # the same on every rank: the flags are agreed
             self._log.agree_kinds()  # a shard's NaN is every rank's skip (DDP replicas agree already)
         return FoundInf(per_loss, host)
@@ -484,11 +358,9 @@ class MixedPrecision:
             self.masters.copy_to_model()  # after a skip on the device: unchanged masters, the same values
 
     def _zero_grad(self) -> None:
-        self._scaled_grads.forget()
         self.optimizer.zero_grad(set_to_none=True)
-        # the model's parameters as checked at every update, without walking its modules (280 us a step on BERT);
         # one registered after MixedPrecision was built is in no optimizer, trains not, and keeps its gradient
-        for param in self._parameters.parameters:
+        for param in self._parameters:
             param.grad = None
         self._new_window()
 
@@ -497,7 +369,8 @@ class MixedPrecision:
         self._scaled_by: int | None = None  # the loss whose gradients, at its scale, are in .grad
         self._found: list[torch.Tensor | None] = [None] * self.num_losses  # each loss's found-inf flag
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unscaled FP32 sums, by id(param)
-        self._unchecked: tuple[list[torch.Tensor], torch.Tensor] | None = None  # awaiting the inf/NaN check
+        self._unclassified: tuple[list[torch.Tensor], torch.Tensor] | None = None  # step()'s, until its flag is read
+        self.grads_carry_scale = False
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""
@@ -574,34 +447,11 @@ class MixedPrecision:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned; refuses state from another policy or model."""
-        expected = {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps", "fp8"}
-        if not isinstance(state, dict) or set(state) | {"fp8"} != expected:
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"MixedPrecision.load_state_dict: expected keys {sorted(expected)}, received {got}; "
-                "pass what MixedPrecision.state_dict() returned."
-            )
-        if state["policy"] != str(self.policy):
-            raise ValueError(
-                f"MixedPrecision.load_state_dict: the state was saved under policy {state['policy']!r}, this run "
-                f"uses {str(self.policy)!r}; resume with the same policy."
-            )
-        if len(state["scalers"]) != len(self.scalers):
-            raise ValueError(
-                f"MixedPrecision.load_state_dict: the state has {len(state['scalers'])} loss scalers, this run "
-                f"has {len(self.scalers)} (num_losses); resume with the same num_losses."
-            )
-        if state["accumulation_steps"] != self.accumulation_steps:
-            raise ValueError(
-                f"MixedPrecision.load_state_dict: saved with accumulation_steps={state['accumulation_steps']}, "
-                f"this run uses {self.accumulation_steps}."
-            )
+        check_saved_state(state, self.policy, len(self.scalers), self.accumulation_steps, self.masters is not None)
         for scaler, scaler_state in zip(self.scalers, state["scalers"], strict=True):
             scaler.load_state_dict(scaler_state)
         if self.masters is not None:
             self.masters.load_state(state["masters"])
-        elif state["masters"]:
-            raise ValueError("MixedPrecision.load_state_dict: the state holds master weights, this policy keeps none.")
         self._log.load_state_dict(state["counters"])
         if int(state["micro_step"]):
             warnings.warn(

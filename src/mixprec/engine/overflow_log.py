@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,11 +130,15 @@ class OverflowLog:
         has_inf, has_nan = agree_max(flags)
         self._kinds = (has_inf.bool(), has_nan.bool())
 
-    def watch_underflow(self, grads: Sequence[torch.Tensor], loss: torch.Tensor | None) -> None:
+    def watch_underflow(self, gradients: Callable[[], Sequence[torch.Tensor]], loss: torch.Tensor | None) -> None:
         """After a collapse (a dynamic scale below 1), flag an update whose unscaled gradients are all zero
         although the loss is finite and non-zero: fp16 underflow, which would otherwise count as a normal
-        step. One max-magnitude pass over the gradients, only while the scale is collapsed."""
-        if not self._collapsed or loss is None or not grads:
+        step. One max-magnitude pass over the gradients, only while the scale is collapsed (``gradients`` is
+        called only then: listing them is per-parameter Python)."""
+        if not self._collapsed or loss is None:
+            return
+        grads = gradients()
+        if not grads:
             return
         amax = max_magnitudes(grads, self._device)
         loss = loss.float().to(self._device)

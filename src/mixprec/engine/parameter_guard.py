@@ -1,4 +1,4 @@
-"""The parameters as MixedPrecision prepared them, checked at every region entry and update.
+"""A guard: the parameters as MixedPrecision prepared them, checked at every region entry and update.
 
 Three things done to the model behind the policy's back would otherwise train silently wrong:
 
@@ -14,7 +14,12 @@ Three things done to the model behind the policy's back would otherwise train si
 
 from __future__ import annotations
 
+import operator
+
+import torch
 from torch import nn
+
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 __all__ = ["ParameterGuard"]
 
@@ -43,9 +48,11 @@ _FIX_MOVED = (
 class ParameterGuard:
     """A snapshot of a model's parameters: which tensor each module holds under each name, its dtype and device.
 
-    :meth:`check` raises if any was cast, replaced or moved since. A Python loop over the parameters, one dict
-    lookup each (no device work, no host sync): microseconds per step. ``sharded``: FSDP2 itself swaps a
-    sharded model's parameters for gathered ones around the forward, so only the dtypes are checked.
+    :meth:`refuse_changes` raises if any was cast, replaced or moved since: a guard (:mod:`mixprec.engine.guards`)
+    at every region entry (a clear error, not a dtype clash deep in the forward) and before every update. A
+    loop over the parameters in C (map), one dict lookup each (no device work, no host sync): microseconds per step.
+    ``sharded``: FSDP2 itself swaps a sharded model's parameters for gathered ones around the forward, so only
+    the dtypes are checked.
     """
 
     def __init__(self, model: nn.Module, sharded: bool = False) -> None:
@@ -55,12 +62,29 @@ class ParameterGuard:
             for name, param in module.named_parameters(recurse=False)
         ]
         self._identity = not sharded
-        # what model.parameters() gives while check() passes (a tied weight once), without walking the modules
-        self.parameters = tuple(dict.fromkeys(entry[3] for entry in self._expected))
+        # the same, as columns for the check's loops in C (map) rather than Python
+        self._tables = [entry[1]._parameters for entry in self._expected]
+        self._names = [entry[2] for entry in self._expected]
+        self._params = [entry[3] for entry in self._expected]
+        self._dtypes = [entry[4] for entry in self._expected]
+        self._devices = [entry[5] for entry in self._expected]
+        # what model.parameters() gives while the check passes (a tied weight once), without walking the modules
+        self.parameters = tuple(dict.fromkeys(self._params))
 
-    def check(self) -> None:
+    def before_forward(self, mp: object) -> None:
+        self.refuse_changes()
+
+    def before_update(self, mp: object) -> None:
+        self.refuse_changes()
+
+    def refuse_changes(self) -> None:
         """Raise ValueError naming the first parameter cast, replaced or moved since the snapshot."""
-        for qualified, module, name, param, dtype, device in self._expected:
+        if not torch.compiler.is_compiling():  # traced, the loop below becomes the compiler's guards
+            params = self._params
+            held = not self._identity or all(map(operator.is_, map(dict.get, self._tables, self._names), params))
+            if held and list(map(_DTYPE, params)) == self._dtypes and list(map(_DEVICE, params)) == self._devices:
+                return
+        for qualified, module, name, param, dtype, device in self._expected:  # which one, and how
             if self._identity and module._parameters.get(name) is not param:
                 raise ValueError(
                     f"MixedPrecision: parameter {qualified!r} is no longer the tensor it was: {_FIX_REPLACED}"

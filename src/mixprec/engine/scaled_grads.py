@@ -8,23 +8,57 @@ and the update comes out 65536x too small, silently (measured: an fp16 MLP with 
 instead of 0.23). Autograd bumps a tensor's version counter at every in-place change, so the counters recorded
 at the end of each backward tell whether anything wrote to the gradients since, or replaced them.
 
-Cost: a Python loop over the parameters at each backward and each unscale; no device work, no host sync.
+A guard (:mod:`mixprec.engine.guards`): it records after each backward that left scaled gradients, and refuses
+before anything else touches them (the next backward, an unscale, a clip, the update). Cost: a Python loop over
+the parameters at each backward and each unscale; no device work, no host sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["ScaledGradsWatch"]
+__all__ = ["ScaledGradsGuard"]
 
 
-class ScaledGradsWatch:
+class ScaledGradsGuard:
     """The gradients as the last backward left them: each one's tensor and version counter, by parameter."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._params = params  # the model's and the optimizer's now (o2's masters hold the unscaled ones)
         self._seen: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(param) -> (param, grad, version)
+
+    def after_backward(self, mp: Any) -> None:
+        if mp.grads_carry_scale:  # unscaled gradients are the caller's to edit
+            self.record(self._params())
+
+    def before_gradients(self, mp: Any) -> None:
+        """Before a backward adds to the gradients or an unscale divides them: nothing may have edited them."""
+        self._refuse_changed(mp)
+        self.forget()  # what comes next changes them itself; the next backward records them again
+
+    def before_update(self, mp: Any) -> None:
+        self._refuse_changed(mp)
+        if mp.at_update_boundary:  # unscaled and dropped next: keep no reference to them
+            self.forget()
+
+    def _refuse_changed(self, mp: Any) -> None:
+        param = self.changed()
+        if param is None:
+            return
+        mp.zero_grad()  # the window's gradients are spoiled: retrying must not apply them
+        name = next((n for n, p in mp.model.named_parameters() if p is param), "a master weight")
+        raise RuntimeError(
+            f"MixedPrecision: the gradient of {name!r} was changed after mp.backward() while still multiplied "
+            "by the loss scale: clipping or editing scaled gradients (torch.nn.utils.clip_grad_norm_, "
+            "accelerator.clip_grad_norm_) sees them the loss scale (2^16 at first) times too large, and the update "
+            "would shrink silently. Nothing was applied, and this window's gradients were dropped. Clip with "
+            "mp.clip_grad_norm_(max_norm), which unscales first, or change gradients after mp.unscale_() (then the "
+            "optimizer's: under o2 policies the FP32 masters in optimizer.param_groups hold them; in Lightning, in "
+            "on_before_optimizer_step, where they are unscaled), or in a gradient hook during backward."
+        )
 
     def record(self, params: Iterable[torch.Tensor]) -> None:
         """Remember the gradients of ``params`` now (the end of a backward)."""

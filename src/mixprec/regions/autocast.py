@@ -30,160 +30,46 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.compute.attention import GemmAttention
-from mixprec.compute.device import device_caps, device_type_of
 from mixprec.compute.emulation import EmulatedAutocast
-from mixprec.compute.foreign_checkpoint import closing_failed_checkpoints, refuse_foreign_checkpoint
-from mixprec.compute.kernels import KernelPlan, kernel_plan
+from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
 from mixprec.compute.nest import map_floating
-from mixprec.policy.parse import get_policy
-from mixprec.policy.policy import DTYPE_NAMES, Policy
-from mixprec.regions.casting import MIXED_DTYPE_NORMS, check_fp32_entries, fp32_modules
-from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel, wants_kernel
+from mixprec.policy.policy import Policy
+from mixprec.regions.casting import MIXED_DTYPE_NORMS
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.op_overrides import FP32Ops
+from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
+from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
 
-__all__ = [
-    "ComputePlan",
-    "Region",
-    "autocast",
-    "check_device_supports",
-    "compute_plan",
-    "refuse_foreign_autocast",
-    "tf32_matmuls",
-]
-
-
-@dataclass(frozen=True)
-class ComputePlan:
-    """How a policy's compute dtype runs on a device.
-
-    ``mode``: "fp32", "native" (torch.autocast), "emulated" (FP32 arithmetic with 16-bit rounding) or
-    "hybrid" (torch.autocast, with the op families in ``kernels`` that measured slower natively emulated).
-    ``kernels``: on CPUs, the kernel chosen for each op family and the timings behind the choice.
-    """
-
-    mode: str
-    dtype: torch.dtype
-    reason: str
-    kernels: KernelPlan | None = None
-
-    @property
-    def emulates(self) -> bool:
-        """Whether some 16-bit ops run emulated: FP32 arithmetic with 16-bit roundings."""
-        return self.mode in ("emulated", "hybrid")
-
-    def kernel(self, family: str) -> str:
-        """The kernel of one op family ("native", "emulated", "gemm"); without a kernel plan, the mode's."""
-        if self.kernels is not None:
-            return self.kernels.kernel(family)
-        return "emulated" if self.mode == "emulated" else "native"
-
-
-def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
-    """16-bit compute on CPUs as the per-machine timing probe chose it (:mod:`mixprec.compute.kernels`), each
-    op family native or emulated; native on GPUs unless the policy says ``kernels=emulated``.
-    FP8 Linear layers run on PyTorch's FP8 GEMM where the recipe picks it, else emulated exactly."""
-    plan = _compute_plan(policy, device_type)
-    if policy.fp8 is None:
-        return plan
-    recipe = policy.fp8
-    device = torch.device(device_type)
-    kernel = uses_kernel(recipe.gemm, device)
-    how = "on PyTorch's FP8 GEMM (torch._scaled_mm)" if kernel else "emulated with FP32 arithmetic"
-    if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
-        how += f" ({scaled_mm_unavailable_reason(device)})"
-    note = (
-        f"Linear layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
-        f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
-    )
-    return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
-
-
-_EMULATION_NOTE = "GEMM inputs and outputs rounded to the 16-bit format, FP32 accumulation, as on tensor cores"
-
-
-def _compute_plan(policy: Policy, device_type: str) -> ComputePlan:
-    caps = device_caps(device_type)
-    dtype = policy.compute_dtype
-    if dtype == torch.float32:
-        return ComputePlan("fp32", torch.float32, caps.tf32_note if policy.allow_tf32 else "FP32 compute")
-    name = DTYPE_NAMES[dtype]
-    if device_type == "cpu":
-        kernels = kernel_plan(dtype, kernels=policy.kernels)
-        mode = kernels.mode
-        why = {"native": "torch.autocast", "emulated": f"{name} emulated in FP32: {_EMULATION_NOTE}"}.get(
-            mode, f"torch.autocast, the families marked emulated in FP32 ({_EMULATION_NOTE})"
-        )
-        return ComputePlan(mode, dtype, f"{why}; {kernels.describe()}", kernels)
-    if policy.kernels == "emulated":
-        return ComputePlan("emulated", dtype, f"{name} emulated in FP32 (policy kernels=emulated): {_EMULATION_NOTE}")
-    note = caps.fp16_note if dtype == torch.float16 else caps.bf16_note
-    return ComputePlan("native", dtype, f"{note}; torch.autocast")
-
-
-def check_device_supports(policy: Policy, device_type: str) -> None:
-    """Raise ValueError when ``device_type`` cannot compute in the policy's compute dtype."""
-    caps = device_caps(device_type)
-    dtype = policy.compute_dtype
-    supported = {
-        torch.float32: True,
-        torch.float16: caps.supports_fp16,
-        torch.bfloat16: caps.supports_bf16,
-    }[dtype]
-    if not supported:
-        note = caps.bf16_note if dtype == torch.bfloat16 else caps.fp16_note
-        raise ValueError(
-            f"policy compute={DTYPE_NAMES[dtype]} cannot run on {caps.description} ({note}); "
-            "use policy 'auto', or 'mixed_fp16' / 'mixed_bf16' as the device allows."
-        )
-
-
-def uses_gemm_attention(policy: Policy, plan: ComputePlan) -> bool:
-    """bf16 attention from GEMMs (mixprec.compute.attention) where the probe chose it, unless kept in FP32."""
-    return plan.kernel("attention") == "gemm" and "scaled_dot_product_attention" not in policy.fp32_ops
-
-
-@contextlib.contextmanager
-def tf32_matmuls(device_type: str) -> Iterator[None]:
-    """Let FP32 matmuls use TF32 units where ``device_type`` has them; a no-op elsewhere."""
-    if not device_caps(device_type).tf32:
-        yield
-        return
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
+__all__ = ["Region", "autocast"]
 
 
 @contextlib.contextmanager
 def autocast(
-    policy: Policy | str,
+    policy: Policy | str | Prepared,
     model: nn.Module | None = None,
     device: str | torch.device | None = None,
 ) -> Iterator[Policy]:
     """Run the enclosed code under ``policy``'s precision; yields the resolved Policy.
 
     Args:
-        policy: a Policy, preset name or policy string (see :func:`mixprec.get_policy`).
+        policy: a Policy, preset name or policy string (see :func:`mixprec.get_policy`), or what
+            :func:`mixprec.prepare` returned (then ``model`` and ``device`` may be left out).
         model: when given, its outputs are cast to ``output_dtype`` and the modules the policy keeps
             in FP32 compute in FP32. Its device is the region's device unless ``device`` is given.
         device: the device whose autocast to use; default: the model's, else CUDA if present, else CPU.
 
     Raises:
-        ValueError: the device cannot compute in the policy's compute dtype.
+        ValueError: the set-up checks of :func:`mixprec.prepare` (e.g. the device cannot compute in the
+            policy's compute dtype).
     """
     region = Region(policy, model, device)
     try:
@@ -196,24 +82,23 @@ def autocast(
 class Region:
     """A policy's region prepared once and entered many times (:class:`mixprec.MixedPrecision` keeps one).
 
-    Preparing resolves the policy, checks the device, reads the compute plan (measured once per machine)
-    and installs the model's output cast; entering only enters contexts. So a step that enters the region
-    inside ``torch.compile`` traces it without graph breaks, and a compiled model is not recompiled
-    because hooks came and went.
+    Made from :func:`mixprec.prepare`'s value (prepared here from a policy, model and device otherwise), it
+    installs the model's output cast and FP8 routing once; entering only enters contexts. So a step that
+    enters the region inside ``torch.compile`` traces it without graph breaks, and a compiled model is not
+    recompiled because hooks came and went.
     """
 
     def __init__(
-        self, policy: Policy | str, model: nn.Module | None = None, device: str | torch.device | None = None
+        self,
+        policy: Policy | str | Prepared,
+        model: nn.Module | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
-        self.policy = get_policy(policy, device=device)
-        if device is None and model is not None:
-            first = next(model.parameters(), None)
-            device = first.device if first is not None else None
-        self.device_type = device_type_of(device)
-        check_device_supports(self.policy, self.device_type)
-        self.plan = compute_plan(self.policy, self.device_type)
-        self.model = model
-        self._fp32_modules: list[nn.Module] = []
+        prepared = prepare(model, policy, device)
+        self.prepared = prepared
+        self.policy, self.plan, self.model = prepared.policy, prepared.plan, prepared.model
+        self.device_type = prepared.device.type
+        model = self.model
         if self.policy.fp8 is not None and model is None:
             raise ValueError(
                 f"policy {self.policy} computes Linear layers in FP8, which needs the model: "
@@ -222,15 +107,13 @@ class Region:
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
         self._fp8_installed = False
+        self._fp32_modules = _hooked_fp32_modules(prepared)
         if model is not None:
-            refuse_foreign_autocast(model)
-            check_fp32_entries(model, self.policy)
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
-                fp32 = [name for name, _ in fp32_modules(model, self.policy)]  # their Linear layers stay FP32
+                fp32 = [name for name, _ in prepared.fp32_modules]  # their Linear layers stay FP32
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32)
                 self._fp8_installed = self.fp8.install()
-            self._fp32_modules = _hooked_fp32_modules(model, self.policy)
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
         self._checkpointing = checkpointing_modules(model) if model is not None else []
         wire_checkpointing(self._checkpointing)
@@ -244,17 +127,23 @@ class Region:
         policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
+        traced = torch.compiler.is_compiling()
+        # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
+        # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
+        refuse = None if traced else refuse_foreign_recompute
         emulation = None
-        if plan.mode == "emulated":
-            emulation = EmulatedAutocast(plan.dtype, policy.fp32_ops, saves_low=not recomputing)
-        elif plan.mode == "hybrid":
-            only = plan.kernels.emulated_ops
+        if plan.emulates:  # in a recompute the checkpoint, not the emulation, keeps what backward saves
+            only = plan.kernels.emulated_ops if plan.mode == "hybrid" else None
             emulation = EmulatedAutocast(
-                plan.dtype, policy.fp32_ops, only=only, device_type=device_type, saves_low=not recomputing
+                plan.dtype,
+                policy.fp32_ops,
+                only=only,
+                device_type=device_type,
+                saves_low=not recomputing,
+                refuse=None if recomputing else refuse,
             )
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
-        traced = torch.compiler.is_compiling()
         fp32_region = self._fp32_region(emulation) if self._fp32_modules else None
         frame = None
         if not traced:  # compiled, the compiler recomputes checkpoints from its graph
@@ -267,15 +156,15 @@ class Region:
             # Not native: the region still owns the precision, so an outer autocast is switched off inside.
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
             # compiled, GEMM attention steps aside (the compiler picks its attention kernel): not entered at all
-            GemmAttention()
+            GemmAttention(refuse)
             if native and not traced and torch.is_grad_enabled() and uses_gemm_attention(policy, plan)
             else null,
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
-            FP32Ops(policy.fp32_ops, device_type) if fp32_ops else null,
-            self.fp8.computing(policy.compute_dtype) if self.fp8 is not None else null,
+            FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
+            self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
             _output_dtype(model, policy.output_dtype) if model is not None else null,
-            _model_hooks(self._fp32_modules, fp32_region, frame) if self._fp32_modules else null,
+            _model_hooks(self._fp32_modules, fp32_region, frame, refuse) if self._fp32_modules else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
             yield policy
@@ -308,20 +197,6 @@ def _no_graph_breaks() -> contextlib.AbstractContextManager:
     return toggle(True) if toggle is not None else contextlib.nullcontext()
 
 
-def refuse_foreign_autocast(model: nn.Module) -> None:
-    """Raise ValueError when another framework already runs ``model`` under its own autocast: Accelerate's
-    ``Accelerator(mixed_precision="fp16"|"bf16")`` replaces ``model.forward`` and keeps the original as
-    ``_original_forward`` (on the model, or on the module a DDP wrapper holds)."""
-    for module in (model, getattr(model, "module", None)):
-        if isinstance(module, nn.Module) and "_original_forward" in vars(module):
-            raise ValueError(
-                "mixprec: the model's forward already runs under another framework's autocast (Accelerate's "
-                "Accelerator(mixed_precision='fp16' or 'bf16') replaced model.forward); two mixed-precision "
-                "systems would fight (autocast twice, two loss scalers). Use Accelerator(mixed_precision='no') "
-                "and let the mixprec policy set the precision."
-            )
-
-
 # The model's outputs are cast by one forward hook, installed once and kept: while a region is active
 # the model carries the output dtype in this attribute, and the hook casts to it; otherwise it does nothing.
 _OUTPUT_DTYPE = "_mixprec_output_dtype"
@@ -352,17 +227,20 @@ def _output_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
         setattr(model, _OUTPUT_DTYPE, previous)
 
 
-def _hooked_fp32_modules(model: nn.Module, policy: Policy) -> list[nn.Module]:
+def _hooked_fp32_modules(prepared: Prepared) -> list[nn.Module]:
     """The FP32 modules whose forward needs autocast off and FP32 inputs (norms compute in FP32 already)."""
-    if policy.compute_dtype == torch.float32:
+    if prepared.policy.compute_dtype == torch.float32:
         return []
     # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
-    return [module for _, module in fp32_modules(model, policy) if not isinstance(module, MIXED_DTYPE_NORMS)]
+    return [module for _, module in prepared.fp32_modules if not isinstance(module, MIXED_DTYPE_NORMS)]
 
 
 @contextlib.contextmanager
 def _model_hooks(
-    modules: list[nn.Module], fp32_region: Callable[[], contextlib.AbstractContextManager], frame: Frame | None
+    modules: list[nn.Module],
+    fp32_region: Callable[[], contextlib.AbstractContextManager],
+    frame: Frame | None,
+    refuse: Callable[[str], None] | None,
 ) -> Iterator[None]:
     """FP32 modules: autocast off and FP32 inputs for their forward (hooks for the region's lifetime). The
     frame counts open FP32 forwards: a checkpoint called inside one recomputes inside one."""
@@ -371,7 +249,8 @@ def _model_hooks(
     open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
 
     def enter_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        refuse_foreign_checkpoint(f"the policy's FP32 module {type(module).__name__}")
+        if refuse is not None:
+            refuse(f"the policy's FP32 module {type(module).__name__}")
         region = fp32_region()
         region.__enter__()
         open_regions.append((module, region))

@@ -18,10 +18,11 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32Ops"]
@@ -47,15 +48,17 @@ class FP32Ops(TorchFunctionMode):
         device_type: the autocast device type to disable around those ops (``"cpu"``, ``"cuda"``).
     """
 
-    def __init__(self, ops: tuple[str, ...], device_type: str) -> None:
+    def __init__(self, ops: tuple[str, ...], device_type: str, refuse: Callable[[str], None] | None = None) -> None:
         super().__init__()
+        self._refuse = refuse  # called first with what this part does (the region's foreign-recompute refusal)
         self._names = _names(ops)
         self._device_type = device_type
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs.get("out") is None and getattr(func, "__name__", None) in self._names:  # out=: see emulation.py
-            refuse_foreign_checkpoint(f"the policy's FP32 op {func.__name__}")
+            if self._refuse is not None:
+                self._refuse(f"the policy's FP32 op {func.__name__}")
             with torch.autocast(self._device_type, enabled=False):
                 args, kwargs = map_floating((args, kwargs), _to_fp32)
                 return func(*args, **kwargs)

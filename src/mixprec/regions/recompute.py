@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from mixprec.compute.emulation import active_emulation
-from mixprec.compute.foreign_checkpoint import (
+from mixprec.compute.foreign_recompute import (
     claim_checkpoint,
     entered_region,
     innermost_region,
@@ -78,7 +78,7 @@ def entered(frame: Frame | None) -> Iterator[None]:
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: around the forward, a
     mark that this checkpoint's recompute re-enters the region (the region's parts refuse torch's checkpoint
-    without it, see compute/foreign_checkpoint.py); around the recompute, the region the forward runs in now
+    without it, see compute/foreign_recompute.py); around the recompute, the region the forward runs in now
     (nothing around either if no region is active).
 
     Raises:

@@ -25,10 +25,9 @@ from torch import nn
 
 from mixprec.app.bench.timing import interleaved
 from mixprec.app.optimizer import adamw_for
-from mixprec.compute.emulation import EmulatedAutocast
-from mixprec.engine.memory import saved_activation_bytes
-from mixprec.engine.mixed_precision import MixedPrecision
-from mixprec.policy.parse import get_policy
+from mixprec.compute import EmulatedAutocast
+from mixprec.engine import MixedPrecision, saved_activation_bytes
+from mixprec.policy import get_policy
 
 __all__ = ["MODELS", "accuracy_suite", "gemm_suite", "memory_suite", "mixprec_step", "step_suite", "torch_step"]
 

@@ -40,7 +40,7 @@ def _list(text: str, name: str, valid: tuple[str, ...] | None = None) -> list[st
 def run(args: argparse.Namespace) -> int:
     from mixprec.app.bench import suites  # imports the tasks' models
     from mixprec.app.machine import machine_info
-    from mixprec.policy.parse import parse_policy_list
+    from mixprec.policy import parse_policy_list
 
     chosen = _list(args.suite, "suite", SUITES)
     models = _list(args.models, "models", tuple(suites.MODELS))

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.machine import machine_info
     from mixprec.app.report import plot_compare, write_compare_report  # the 'train' extra
     from mixprec.app.run import run_training
-    from mixprec.policy.parse import parse_policy_list
+    from mixprec.policy import parse_policy_list
 
     policies = parse_policy_list(args.policies, device=None if args.device == "auto" else args.device)
     folders = [slug(spec) for spec, _ in policies]

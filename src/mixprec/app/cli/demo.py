@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # torch is imported when the command runs, so that --help ans
     import torch
     from torch import nn
 
-    from mixprec.policy.policy import Policy
+    from mixprec.policy import Policy
 
 _FEATURES, _CLASSES, _HIDDEN, _SAMPLES, _BATCH = 64, 10, 1024, 24576, 256
 
@@ -72,7 +72,7 @@ class Training:
         import torch
 
         from mixprec.app.optimizer import adamw_for
-        from mixprec.engine.mixed_precision import MixedPrecision
+        from mixprec.engine import MixedPrecision
 
         x, y = _data(seed)
         split = _SAMPLES * 7 // 8
@@ -123,8 +123,8 @@ def train_side_by_side(policies: list[Policy], steps: int, seed: int) -> list[di
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from mixprec.numerics.formats import FORMATS
-    from mixprec.policy.parse import parse_policy_list
+    from mixprec.numerics import FORMATS
+    from mixprec.policy import parse_policy_list
 
     if args.steps < 10:
         raise ValueError(f"--steps must be at least 10; received {args.steps}.")

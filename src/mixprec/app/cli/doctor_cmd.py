@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.histograms import plot_histograms
     from mixprec.app.run import resolve_device
     from mixprec.app.task import TaskConfig, build_task
-    from mixprec.compute.device import device_caps, device_type_of
+    from mixprec.compute import device_caps, device_type_of
     from mixprec.doctor import diagnose, write_policy_file
 
     device = resolve_device(args.device)

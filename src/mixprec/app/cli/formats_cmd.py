@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from mixprec.app.cli.table import render_table
 
 if TYPE_CHECKING:  # torch is imported when the command runs, so that --help answers at once
-    from mixprec.numerics.formats import Format
+    from mixprec.numerics import Format
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.numerics.formats import FORMATS, get_format
+    from mixprec.numerics import FORMATS, get_format
 
     formats = (
         [get_format(name, argument="--format") for name in args.formats] if args.formats else list(FORMATS.values())
@@ -115,7 +115,7 @@ def represent(value: float, fmt: Format) -> dict:
     """What ``fmt`` stores for ``value``: the stored number and what happened to it."""
     import torch
 
-    from mixprec.numerics.quantize import quantize
+    from mixprec.numerics import quantize
 
     stored = quantize(torch.tensor([value], dtype=torch.float64), fmt).item()
     if math.isnan(value):

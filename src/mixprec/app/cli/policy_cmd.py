@@ -23,11 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.compute.device import device_caps, device_type_of
-    from mixprec.policy.parse import get_policy
-    from mixprec.policy.policy import DTYPE_NAMES
-    from mixprec.policy.presets import PRESETS
-    from mixprec.regions.autocast import check_device_supports, compute_plan
+    from mixprec.compute import device_caps, device_type_of
+    from mixprec.policy import DTYPE_NAMES, PRESETS, get_policy
+    from mixprec.regions import check_device_supports, compute_plan
 
     device_type = device_type_of(args.device)
     if args.spec is None:

@@ -128,7 +128,7 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
 
     loss_scale = args.loss_scale
     if policy.endswith(".json"):  # the doctor's advice: a policy and the loss scale it recommends
-        from mixprec.doctor.policy_file import read_policy_file
+        from mixprec.doctor import read_policy_file
 
         policy, advised_scale = read_policy_file(policy)
         loss_scale = loss_scale if loss_scale is not None else advised_scale
@@ -261,7 +261,7 @@ def _train(args: argparse.Namespace) -> int:
     from mixprec.app.run import run_training  # needs the 'train' extra (plots)
     from mixprec.app.stop_signals import held
     from mixprec.app.trainer import TrainingInterrupted
-    from mixprec.distributed.ranks import world
+    from mixprec.distributed import world
 
     try:
         outcome = run_training(

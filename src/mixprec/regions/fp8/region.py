@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
 
-from mixprec.compute.foreign_checkpoint import refuse_foreign_checkpoint
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 
@@ -61,6 +60,7 @@ class Fp8State:
         self.modules = dict(fp8_layers(model, recipe, self.fp32))  # chosen once
         self.layers = {name: Fp8LinearState(recipe, m.weight.device) for name, m in self.modules.items()}
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
+        self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
         self._replaced: dict[str, object] = {}
 
     def install(self) -> bool:
@@ -85,13 +85,15 @@ class Fp8State:
                 module.forward = previous
 
     @contextlib.contextmanager
-    def computing(self, out_dtype: torch.dtype) -> Iterator[Fp8State]:
-        """The installed layers compute in FP8 inside, with outputs in ``out_dtype``."""
-        previous, self.out_dtype = self.out_dtype, out_dtype
+    def computing(self, out_dtype: torch.dtype, refuse: Callable[[str], None] | None = None) -> Iterator[Fp8State]:
+        """The installed layers compute in FP8 inside, with outputs in ``out_dtype``; each calls ``refuse`` first
+        with what it does."""
+        previous = self.out_dtype, self.refuse
+        self.out_dtype, self.refuse = out_dtype, refuse
         try:
             yield self
         finally:
-            self.out_dtype = previous
+            self.out_dtype, self.refuse = previous
 
     def _routes(self, module: nn.Module) -> bool:
         forward = vars(module).get("forward")
@@ -122,7 +124,8 @@ class _Fp8Forward:
         module, out_dtype = self.module, self.state.out_dtype
         if out_dtype is None:
             return type(module).forward(module, x)
-        refuse_foreign_checkpoint("the policy's FP8 Linear layers")
+        if self.state.refuse is not None:
+            self.state.refuse("the policy's FP8 Linear layers")
         return fp8_linear(x, module.weight, module.bias, self.layer, out_dtype)
 
 

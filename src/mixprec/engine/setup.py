@@ -1,18 +1,89 @@
-"""What MixedPrecision checks before it touches a model: FP32 weights to start from, an optimizer that can
-keep the policy's updates, and FSDP2 sharding done whole and for the same policy. Each refusal names the
-argument and the fix."""
+"""What MixedPrecision checks and decides before it touches a model, beyond the policy's own checks
+(:func:`mixprec.prepare`): its arguments, FP32 weights to start from, an optimizer that can keep the policy's
+updates, FSDP2 sharding done whole and for the same policy, the loss scalers, and what casting will lose for
+a compensated optimizer. Each refusal names the argument and the fix."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.checks import whole_number
 from mixprec.distributed.ranks import world
 from mixprec.master.compensated import AdamW as CompensatedAdamW
+from mixprec.master.compensated import rounding_residual, take_rounding_residuals
 from mixprec.parallel.fsdp import sharded_with
 from mixprec.policy.policy import Policy
+from mixprec.scaling.base import LossScaler
+from mixprec.scaling.dynamic import DynamicLossScaler
+from mixprec.scaling.static import NoOpLossScaler
 
-__all__ = ["check_model_and_optimizer", "check_sharding", "needs_compensated_optimizer"]
+__all__ = [
+    "check_arguments",
+    "check_model_and_optimizer",
+    "check_sharding",
+    "default_scaler",
+    "needs_compensated_optimizer",
+    "rounding_residuals",
+    "scalers_for",
+]
+
+
+def check_arguments(
+    model: Any, optimizer: Any, accumulation_steps: Any, accumulate_in_fp32: Any, num_losses: Any
+) -> None:
+    """MixedPrecision's arguments of the wrong type or range, refused by name."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"MixedPrecision(model=...) needs an nn.Module; received {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"MixedPrecision(optimizer=...) needs a torch.optim.Optimizer; received {type(optimizer).__name__}."
+        )
+    for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
+        whole_number(value, f"MixedPrecision({name}=...)")
+    if not isinstance(accumulate_in_fp32, bool):
+        raise TypeError(f"MixedPrecision(accumulate_in_fp32=...) needs True or False; received {accumulate_in_fp32!r}.")
+
+
+def default_scaler(policy: Policy) -> LossScaler:
+    """Dynamic scaling where fp16 is involved (its range is too narrow for small gradients), else none."""
+    if torch.float16 in (policy.compute_dtype, policy.param_dtype):
+        return DynamicLossScaler()
+    return NoOpLossScaler()
+
+
+def scalers_for(scaler: Any, num_losses: int, policy: Policy) -> list[LossScaler]:
+    """One loss scaler per loss: the ones given, or the policy's default."""
+    if scaler is None:
+        return [default_scaler(policy) for _ in range(num_losses)]
+    scalers = [scaler] if isinstance(scaler, LossScaler) else None
+    if isinstance(scaler, (list, tuple)):
+        scalers = list(scaler)
+    if scalers is None or len(scalers) != num_losses or not all(isinstance(s, LossScaler) for s in scalers):
+        raise ValueError(
+            f"MixedPrecision(scaler=...) needs one LossScaler per loss (num_losses={num_losses}); received "
+            f"{scaler!r}. Pass mixprec.DynamicLossScaler(init_scale=...) (a torch.amp.GradScaler or a number "
+            f"is not one), a list of {num_losses} separate scalers, or None for the policy's default."
+        )
+    if len({id(s) for s in scalers}) != len(scalers):
+        raise ValueError("MixedPrecision(scaler=...): each loss needs its own scaler object; the list repeats one.")
+    return scalers
+
+
+def rounding_residuals(
+    optimizer: torch.optim.Optimizer, model: nn.Module, policy: Policy, lowered: Any, trained: set[int], sharded: bool
+) -> dict[nn.Parameter, torch.Tensor]:
+    """What casting each trained FP32 parameter will lose, in its 16-bit dtype (2 bytes per parameter), for
+    a compensated optimizer; empty for any other (o2's masters keep the exact values themselves). A sharded
+    model was cast by mixprec.fully_shard, which kept what its shards lost."""
+    if not isinstance(optimizer, CompensatedAdamW):
+        return {}
+    if sharded:
+        return {p: r for p, r in take_rounding_residuals(model).items() if id(p) in trained}
+    wanted = [p for p in lowered if p.dtype == torch.float32 and p.requires_grad and id(p) in trained]
+    return {p: rounding_residual(p, policy.param_dtype) for p in wanted}
 
 
 def needs_compensated_optimizer(policy: Policy) -> bool:

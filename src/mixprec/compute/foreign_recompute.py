@@ -8,7 +8,8 @@ notices (a ``CheckpointError``: the recomputed dtypes differ), but not always: u
 activation is an FP32 tensor, so the recompute silently skips the 16-bit roundings and backward's gradients
 come from other activations than the loss did.
 
-Each of those parts calls :func:`refuse_foreign_checkpoint` where it computes something: while torch's
+The region hands :func:`refuse_foreign_recompute` to each of those parts where it builds them (regions/autocast.py,
+once), and each part calls it where it computes something: while torch's
 checkpoint is recording a forward (its saved-tensor hook is the innermost one), and the checkpoint was not
 made by mixprec (whose recompute re-enters the region, see regions/recompute.py, and marks its forward with
 :func:`mixprec_checkpoint_forward`), the forward stops with the fix. The reentrant checkpoint
@@ -42,7 +43,7 @@ __all__ = [
     "entered_region",
     "innermost_region",
     "mixprec_checkpoint_forward",
-    "refuse_foreign_checkpoint",
+    "refuse_foreign_recompute",
 ]
 
 _local = threading.local()
@@ -113,7 +114,7 @@ def _top_pack() -> object | None:
     return None if hooks is None else hooks[0]
 
 
-def refuse_foreign_checkpoint(part: str) -> None:
+def refuse_foreign_recompute(part: str) -> None:
     """Raise ValueError when torch's own checkpoint records this forward (eager), begun inside the region and
     not made by mixprec; ``part``: what of the region would be missing from its recompute, for the message."""
     region = innermost_region()

@@ -1,17 +1,35 @@
-"""Accelerate's ``accelerator.accumulate(model)``, seen from ``MixedPrecision.step()``.
+"""Accelerate's ``accelerator.accumulate(model)``, seen from ``MixedPrecision.step()``: a guard on the engine's list.
+
+Accelerate needs no adapter: ``Accelerator(mixed_precision="no")`` and a MixedPrecision beside it
+(docs/integrations.md).
 
 Around the micro-batches it does not sync, ``accumulate`` enters DDP's ``no_sync`` and sets Accelerate's
 process-wide ``GradientState.sync_gradients`` to False. An update applied there would use this rank's own
 gradients: the replicas drift apart, silently, and nothing accumulates. MixedPrecision counts the
 micro-batches itself (``accumulation_steps``), so an update while Accelerate says "not synced" is refused.
-Read only where Accelerate is already imported; a dict lookup, no device work.
+Read only where Accelerate is already imported; a dict lookup, no device work. This module imports neither
+Accelerate nor torch: ``import mixprec`` registers the guard with every MixedPrecision made after.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-__all__ = ["unsynced_update_problem"]
+from mixprec.engine import register_guard
+
+__all__ = ["AccumulateGuard", "unsynced_update_problem"]
+
+
+class AccumulateGuard:
+    """Refuses an update inside ``accelerator.accumulate()`` on a micro-batch Accelerate left unsynchronized."""
+
+    def before_update(self, mp: Any) -> None:
+        if mp.at_update_boundary and (problem := unsynced_update_problem()):
+            raise RuntimeError(problem)
+
+
+register_guard(AccumulateGuard)
 
 
 def unsynced_update_problem() -> str | None:

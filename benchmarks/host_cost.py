@@ -1,0 +1,139 @@
+"""What MixedPrecision's step costs the host, beside the hand-written torch loop: a launch-bound proxy.
+
+    python benchmarks/host_cost.py [--rounds 5] [--steps 60] [--layers 100] [--src DIR ...]
+
+The model is ``--layers`` ``Linear(16, 16)`` (200 parameters at 100 layers), batch 4, one thread: the
+arithmetic is tiny, so a step's CPU time is the host work per step (Python, dispatch, guards), which on a
+GPU decides whether a launch-bound step waits on the host. Pairs, interleaved round by round:
+
+- torch.autocast bf16 + AdamW (the five-line loop) against mixprec ``mixed_bf16``;
+- torch.autocast fp16 + GradScaler against mixprec ``mixed_fp16`` with native kernels (``kernels=native``:
+  the same kernels as the loop, not the CPU's emulation).
+
+Each round times ``--steps`` steps per mode after 10 warm-up steps and keeps the median CPU time per step.
+``--src DIR`` (repeatable) times mixprec from other source trees too (e.g. a worktree of an older commit), each
+in its own process, interleaved with the first: the figures then compare versions on one machine in one run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WARMUP = 10
+
+
+def _model(layers: int):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+
+
+def _median_step_ms(step, steps: int) -> float:
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.process_time()
+        step()
+        times.append(time.process_time() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _torch_loop(dtype_name: str, layers: int):
+    import torch
+
+    model = _model(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dtype = getattr(torch, dtype_name)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+
+    def step():
+        with torch.autocast("cpu", dtype=dtype):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _mixprec_loop(policy: str, layers: int):
+    import torch
+
+    import mixprec
+
+    model = _model(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mp = mixprec.MixedPrecision(model, optimizer, policy=policy)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+
+    def step():
+        with mp.autocast():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        mp.backward(loss)
+        mp.step()
+
+    return step
+
+
+MODES = {
+    "torch autocast bf16": lambda layers: _torch_loop("bfloat16", layers),
+    "mixprec mixed_bf16": lambda layers: _mixprec_loop("mixed_bf16", layers),
+    "torch fp16 + GradScaler": lambda layers: _torch_loop("float16", layers),
+    "mixprec mixed_fp16 native": lambda layers: _mixprec_loop("base=mixed_fp16,kernels=native", layers),
+}
+
+
+def _one_round(modes: list[str], layers: int, steps: int) -> dict[str, float]:
+    import torch
+
+    torch.set_num_threads(1)
+    return {mode: _median_step_ms(MODES[mode](layers), steps) for mode in modes}
+
+
+def _round_in(src: str | None, modes: list[str], layers: int, steps: int) -> dict[str, float]:
+    """One round in a fresh process that imports mixprec from ``src`` (None: this process's own)."""
+    if src is None:
+        return _one_round(modes, layers, steps)
+    env = dict(os.environ, PYTHONPATH=os.path.join(src, "src"))
+    code = (
+        f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import host_cost; "
+        f"print(json.dumps(host_cost._one_round({modes!r}, {layers}, {steps})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layers", type=int, default=100)
+    parser.add_argument("--src", action="append", default=[], help="another source tree of mixprec to time too")
+    args = parser.parse_args()
+    mixprec_modes = [m for m in MODES if m.startswith("mixprec")]
+    sources: list[str | None] = [None, *args.src]
+    results: dict[str, list[float]] = {}
+    for round_index in range(args.rounds):
+        for src in sources:
+            modes = list(MODES) if src is None else mixprec_modes
+            for mode, ms in _round_in(src, modes, args.layers, args.steps).items():
+                key = mode if src is None else f"{mode} [{src}]"
+                results.setdefault(key, []).append(ms)
+        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+    medians = {key: statistics.median(values) for key, values in results.items()}
+    print(f"{2 * args.layers} parameters, batch 4, one thread; median CPU ms per step over {args.rounds} rounds")
+    for key, ms in medians.items():
+        reference = "torch autocast bf16" if "bf16" in key else "torch fp16 + GradScaler"
+        print(f"  {key:<60} {ms:6.3f} ms  ({ms / medians[reference]:.3f}x the torch loop)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""mixprec.prepare: a policy resolved on a model and device once, every set-up check in one place, the value
+that MixedPrecision, autocast and Region take; and the engine's guards on one list."""
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+import mixprec.policy.parse as parse
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+def _count_parses(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    real = parse._preset_name
+
+    def counting(text: str) -> str:
+        seen.append(text)
+        return real(text)
+
+    monkeypatch.setattr(parse, "_preset_name", counting)
+    return seen
+
+
+def test_prepare_resolves_the_policy_once_and_everything_takes_the_value(monkeypatch):
+    model = _model()
+    parses = _count_parses(monkeypatch)
+    prepared = mixprec.prepare(model, "o2_bf16")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = mixprec.MixedPrecision(model, optimizer, prepared)
+    assert parses == ["o2_bf16"]  # MixedPrecision and its region used the prepared value
+    assert mp.policy is prepared.policy and mp.compute_plan is prepared.plan and mp.device == prepared.device
+    assert [name for name, _ in prepared.fp32_modules] == ["1"]  # the LayerNorm, by the preset's norm entry
+    assert {id(p) for p in prepared.lowered} == {
+        id(model[0].weight),
+        id(model[0].bias),
+        id(model[2].weight),
+        id(model[2].bias),
+    }
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    assert mp.step()
+    assert parses == ["o2_bf16"]
+
+
+def test_autocast_and_region_take_a_prepared_value():
+    model = _model()
+    prepared = mixprec.prepare(model, "mixed_bf16")
+    with mixprec.autocast(prepared) as policy:
+        out = model(torch.randn(2, 8))
+    assert policy is prepared.policy and out.dtype == torch.float32  # outputs cast to the policy's FP32
+    with mixprec.regions.Region(prepared).enter():
+        assert model[0](torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+def test_a_value_prepared_for_another_model_is_refused():
+    prepared = mixprec.prepare(_model(), "mixed_bf16")
+    other = _model()
+    with pytest.raises(ValueError, match=r"prepared for another model .*mixprec.prepare\(model, policy\)"):
+        mixprec.MixedPrecision(other, torch.optim.SGD(other.parameters(), lr=0.1), prepared)
+    with pytest.raises(ValueError, match="prepared for another model"), mixprec.autocast(prepared, other):
+        pass
+
+
+def test_prepare_runs_every_check_before_anything_is_cast():
+    model = _model()
+    with pytest.raises(ValueError, match=r"fp32_names entry 'encoder\.\*' matches no module"):
+        mixprec.prepare(model, "base=o2_bf16,names=encoder.*")
+    with pytest.raises(ValueError, match=r"device='gpu0' .* is not a device"):
+        mixprec.prepare(model, "mixed_bf16", device="gpu0")
+    with pytest.raises(TypeError, match=r"prepare\(model=...\) needs an nn.Module"):
+        mixprec.prepare("model", "mixed_bf16")
+    model.forward, model._original_forward = model.forward, model.forward  # what Accelerate's autocast leaves
+    with pytest.raises(ValueError, match="another framework's autocast"):
+        mixprec.prepare(model, "mixed_bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything was cast
+
+
+def test_prepare_without_a_model_is_a_region_for_code():
+    prepared = mixprec.prepare(None, "mixed_bf16", device="cpu")
+    assert prepared.model is None and prepared.lowered == () and prepared.plan.dtype == torch.bfloat16
+    with mixprec.autocast(prepared):
+        assert (torch.randn(2, 3) @ torch.randn(3, 2)).dtype == torch.bfloat16
+
+
+def test_a_registered_guard_is_called_at_its_points_and_can_refuse_before_anything_changes():
+    from mixprec.engine.guards import _FACTORIES, register_guard
+
+    calls: list[str] = []
+
+    class Refuses:
+        def before_forward(self, mp):
+            calls.append("before_forward")
+
+        def after_backward(self, mp):
+            calls.append("after_backward")
+
+        def before_update(self, mp):
+            calls.append("before_update")
+            raise RuntimeError("refused by the test's guard")
+
+    register_guard(Refuses)
+    try:
+        model = _model()
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    finally:
+        _FACTORIES.remove(Refuses)
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    with pytest.raises(RuntimeError, match="refused by the test's guard"):
+        mp.step()
+    assert calls == ["before_forward", "after_backward", "before_update"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
