@@ -9,7 +9,26 @@ needs a new forward pass under autocast() first.
 
 from __future__ import annotations
 
-__all__ = ["CallOrder"]
+from typing import Any
+
+import torch
+
+__all__ = ["CallOrder", "check_loss"]
+
+
+def check_loss(loss: Any, loss_id: Any, num_losses: int) -> None:
+    """backward()'s arguments: a one-element loss that requires gradients, and the id of one of the losses."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"backward(loss=...) needs a one-element loss tensor; received {shape}. Reduce it first.")
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < num_losses:
+        raise ValueError(f"backward(loss_id=...) must be in 0..{num_losses - 1}; received {loss_id!r}.")
+    if not loss.requires_grad:
+        raise ValueError(
+            "backward(loss=...): the loss does not require gradients, so there is nothing to train: the model "
+            "has no trainable parameters (none with requires_grad=True reached the loss), or the loss was "
+            "computed under torch.no_grad() or detached."
+        )
 
 
 class CallOrder:

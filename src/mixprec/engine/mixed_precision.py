@@ -33,7 +33,6 @@ rank's statistics describe the step as a whole.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,13 +40,13 @@ import torch
 from torch import nn
 
 from mixprec.distributed.ranks import agree_max, local
-from mixprec.engine.call_order import CallOrder
+from mixprec.engine.call_order import CallOrder, check_loss
 from mixprec.engine.grad_norm import total_norm
 from mixprec.engine.guards import GuardList, registered_guards
 from mixprec.engine.master_drift import MasterDriftGuard
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
-from mixprec.engine.saved_state import check_saved_state
+from mixprec.engine.saved_state import check_saved_state, warn_mid_window
 from mixprec.engine.scaled_grads import ScaledGradsGuard
 from mixprec.engine.setup import (
     check_arguments,
@@ -178,7 +177,7 @@ class MixedPrecision:
         into FP32 sums, so that no two scales mix; with one loss, gradients add up at their scale until the
         window's end, where they are unscaled once, in place.
         """
-        self._check_loss(loss, loss_id)
+        check_loss(loss, loss_id, self.num_losses)
         self._guards.before_gradients(self)
         self._order.on_backward()
         if self._scaled_by is not None and self.num_losses > 1:
@@ -194,19 +193,6 @@ class MixedPrecision:
             self.masters.grads_to_masters()
         self.grads_carry_scale = not isinstance(self.scalers[loss_id], NoOpLossScaler)
         self._guards.after_backward(self)
-
-    def _check_loss(self, loss: Any, loss_id: Any) -> None:
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"backward(loss=...) needs a one-element loss tensor; received {shape}. Reduce it first.")
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
-            raise ValueError(f"backward(loss_id=...) must be in 0..{self.num_losses - 1}; received {loss_id!r}.")
-        if not loss.requires_grad:
-            raise ValueError(
-                "backward(loss=...): the loss does not require gradients, so there is nothing to train: the model "
-                "has no trainable parameters (none with requires_grad=True reached the loss), or the loss was "
-                "computed under torch.no_grad() or detached."
-            )
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -427,14 +413,7 @@ class MixedPrecision:
         Save after an update: in the middle of an accumulation window the gradients accumulated so far are not
         part of the state (a warning says so), and a run resumed from it starts the window again without them.
         """
-        if self._order.micro_step:
-            warnings.warn(
-                f"MixedPrecision.state_dict() in the middle of an accumulation window ({self._order.micro_step} of "
-                f"{self.accumulation_steps} micro-batches done): their gradients are not saved, so a run resumed "
-                "from this state starts the window again without them. Checkpoint right after an update (when "
-                "mp.step() returned update_step=True).",
-                stacklevel=2,
-            )
+        warn_mid_window(self._order.micro_step, self.accumulation_steps, saving=True)
         return {
             "policy": str(self.policy),
             "scalers": [s.state_dict() for s in self.scalers],
@@ -453,13 +432,7 @@ class MixedPrecision:
         if self.masters is not None:
             self.masters.load_state(state["masters"])
         self._log.load_state_dict(state["counters"])
-        if int(state["micro_step"]):
-            warnings.warn(
-                f"MixedPrecision.load_state_dict: the state was saved after {int(state['micro_step'])} of "
-                f"{self.accumulation_steps} micro-batches of an accumulation window, without their gradients: the "
-                "window starts again here, and those micro-batches do not count in the next update.",
-                stacklevel=2,
-            )
+        warn_mid_window(int(state["micro_step"]), self.accumulation_steps, saving=False)
         self._order.micro_step = 0
         if self._region.fp8 is not None:
             self._region.fp8.load_state_dict(state.get("fp8", {}))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from mixprec.policy.policy import Policy
 
-__all__ = ["STATE_KEYS", "check_saved_state"]
+__all__ = ["STATE_KEYS", "check_saved_state", "warn_mid_window"]
 
 STATE_KEYS = {"policy", "scalers", "masters", "counters", "micro_step", "accumulation_steps", "fp8"}
 
@@ -37,3 +38,23 @@ def check_saved_state(state: Any, policy: Policy, num_scalers: int, accumulation
         )
     if state["masters"] and not has_masters:
         raise ValueError(f"{where}: the state holds master weights, this policy keeps none.")
+
+
+def warn_mid_window(micro_step: int, accumulation_steps: int, *, saving: bool) -> None:
+    """The state saved (``saving``) or loaded holds no gradients of an unfinished accumulation window: say so."""
+    if not micro_step:
+        return
+    if saving:
+        message = (
+            f"MixedPrecision.state_dict() in the middle of an accumulation window ({micro_step} of "
+            f"{accumulation_steps} micro-batches done): their gradients are not saved, so a run resumed from this "
+            "state starts the window again without them. Checkpoint right after an update (when mp.step() returned "
+            "update_step=True)."
+        )
+    else:
+        message = (
+            f"MixedPrecision.load_state_dict: the state was saved after {micro_step} of {accumulation_steps} "
+            "micro-batches of an accumulation window, without their gradients: the window starts again here, and "
+            "those micro-batches do not count in the next update."
+        )
+    warnings.warn(message, stacklevel=3)  # at the caller of state_dict() / load_state_dict()
