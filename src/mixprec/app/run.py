@@ -89,27 +89,21 @@ def _parameter_groups(parts: TaskParts, weight_decay: float) -> list[dict[str, A
 
 
 def build_trainer(
-    config: TrainConfig, run_dir: Path | None, progress: bool, allow_foreign_checkpoint: bool = False
+    config: TrainConfig,
+    run_dir: Path | None,
+    progress: bool,
+    allow_foreign_checkpoint: bool = False,
+    policy: Policy | None = None,
 ) -> tuple[Trainer, TaskParts, dict]:
-    """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings)."""
+    """The task, optimizer, scheduler and Trainer a config describes; returns (trainer, parts, settings).
+    ``policy``: ``config.policy`` parsed already (by the caller that checked it), else parsed here, once."""
     # under torchrun: join the process group (FSDP2 in one process: a group of one)
     device = init_from_env(
         resolve_device(config.device), sharded=config.parallel == "fsdp", timeout=config.collective_timeout
     )
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
-    defaults = parts.defaults
-    settings = {
-        "lr": config.lr if config.lr is not None else defaults.get("lr", 1e-3),
-        "weight_decay": config.weight_decay if config.weight_decay is not None else defaults.get("weight_decay", 0.0),
-        "max_grad_norm": config.max_grad_norm if config.max_grad_norm is not None else defaults.get("max_grad_norm"),
-    }
-    if config.steps is None and config.epochs is None:
-        settings.update({k: defaults[k] for k in ("steps", "epochs") if k in defaults})
-        if "steps" not in settings and "epochs" not in settings:
-            settings["epochs"] = 1
-    else:
-        settings.update({"steps": config.steps} if config.steps is not None else {"epochs": config.epochs})
-    policy = get_policy(config.policy, device=device)
+    settings = _settings(config, parts.defaults)
+    policy = policy if policy is not None else get_policy(config.policy, device=device)
     if config.parallel == "fsdp" and world().backend is not None:  # shard before the optimizer sees the parameters
         fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
     groups = _parameter_groups(parts, settings["weight_decay"])
@@ -146,6 +140,22 @@ def build_trainer(
     return trainer, parts, settings
 
 
+def _settings(config: TrainConfig, defaults: dict) -> dict:
+    """The run's learning rate, weight decay, clipping and length: the config's, else the task's defaults."""
+    settings = {
+        "lr": config.lr if config.lr is not None else defaults.get("lr", 1e-3),
+        "weight_decay": config.weight_decay if config.weight_decay is not None else defaults.get("weight_decay", 0.0),
+        "max_grad_norm": config.max_grad_norm if config.max_grad_norm is not None else defaults.get("max_grad_norm"),
+    }
+    if config.steps is None and config.epochs is None:
+        settings.update({k: defaults[k] for k in ("steps", "epochs") if k in defaults})
+        if "steps" not in settings and "epochs" not in settings:
+            settings["epochs"] = 1
+    else:
+        settings.update({"steps": config.steps} if config.steps is not None else {"epochs": config.epochs})
+    return settings
+
+
 def run_training(
     config: TrainConfig,
     run_dir: Path,
@@ -154,10 +164,11 @@ def run_training(
     progress: bool = True,
     allow_foreign_checkpoint: bool = False,
     claimed: bool = False,
+    policy: Policy | None = None,
 ) -> RunOutcome:
     """Train as ``config`` says into ``run_dir`` (``resume``: continue the run already there, refusing a
     checkpoint of another run unless ``allow_foreign_checkpoint``; ``claimed``: the caller created the empty
-    folder to reserve its name).
+    folder to reserve its name; ``policy``: ``config.policy`` parsed already).
 
     A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
     """
@@ -166,14 +177,20 @@ def run_training(
         raise ValueError(f"run folder (--out): {run_dir} is a file, not a folder; name a folder for the run.")
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):  # RunFolderBusy: the folder is another run's, left as it is
-        return _train_in(run_dir, created, config, resume, progress, allow_foreign_checkpoint)
+        return _train_in(run_dir, created, config, resume, progress, allow_foreign_checkpoint, policy)
 
 
 def _train_in(  # long: the run's steps in order, each one or two lines
-    run_dir: Path, created: bool, config: TrainConfig, resume: bool, progress: bool, allow_foreign: bool
+    run_dir: Path,
+    created: bool,
+    config: TrainConfig,
+    resume: bool,
+    progress: bool,
+    allow_foreign: bool,
+    policy: Policy | None,
 ) -> RunOutcome:
     try:
-        trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign)
+        trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign, policy)
         length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
         step = newest_step(trainer.checkpoint_dir) if resume else None
         if resume and step is None:  # a requeued job whose run died before its first checkpoint

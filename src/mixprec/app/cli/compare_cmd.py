@@ -44,10 +44,11 @@ def run(args: argparse.Namespace) -> int:
     base = config_from(args, policies[0][0])
     out = args.out or Path("runs") / slug(f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     outcomes: list[RunOutcome] = []
-    for spec, _ in policies:
+    for spec, policy in policies:  # each parsed once, above
         if not args.quiet:
             print(f"== {spec}")
-        outcomes.append(run_training(base.replace(policy=spec), out / slug(spec), progress=not args.quiet))
+        config = base.replace(policy=spec)
+        outcomes.append(run_training(config, out / slug(spec), progress=not args.quiet, policy=policy))
     headers, rows = table(outcomes)
     print()
     print(render_table(headers, rows))
