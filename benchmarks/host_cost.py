@@ -6,7 +6,7 @@ The model is ``--layers`` ``Linear(16, 16)`` (200 parameters at 100 layers), bat
 arithmetic is tiny, so a step's CPU time is the host work per step (Python, dispatch, guards), which on a
 GPU decides whether a launch-bound step waits on the host. Pairs, interleaved round by round:
 
-- torch.autocast bf16 + AdamW (the five-line loop) against mixprec ``mixed_bf16``;
+- torch.autocast bf16 + AdamW(foreach=True) (the five-line loop) against mixprec ``mixed_bf16``;
 - torch.autocast fp16 + GradScaler against mixprec ``mixed_fp16`` with native kernels (``kernels=native``:
   the same kernels as the loop, not the CPU's emulation).
 
@@ -48,7 +48,7 @@ def _torch_loop(dtype_name: str, layers: int):
     import torch
 
     model = _model(layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     dtype = getattr(torch, dtype_name)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     x, y = torch.randn(4, 16), torch.randn(4, 16)
@@ -70,7 +70,7 @@ def _mixprec_loop(policy: str, layers: int):
     import mixprec
 
     model = _model(layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     mp = mixprec.MixedPrecision(model, optimizer, policy=policy)
     x, y = torch.randn(4, 16), torch.randn(4, 16)
 

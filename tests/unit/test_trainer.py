@@ -564,3 +564,22 @@ def test_a_checkpoint_that_does_not_fit_is_skipped_and_leaves_the_trainer_as_it_
     straight = make_trainer(tmp_path / "straight")
     straight.fit(steps=3)
     assert_bit_identical(parameters(straight), parameters(trainer))  # resumed at 2 as if 3 never existed
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_under_torchrun_a_stop_signal_counts_from_the_ranks_next_agreement(tmp_path, ranks):
+    # Under torchrun each rank gets its signal at its own moment. One that arrived on this rank while it logged or
+    # evaluated must not end its loop at once: the other ranks, which have not seen it yet, would wait for ever in
+    # the next update's all-reduce. It counts from the agreement after the next update, on every rank together.
+    from mixprec.app.lifecycle import RunLifecycle
+    from mixprec.app.progress import ProgressBar
+    from mixprec.distributed import World
+
+    trainer = make_trainer(tmp_path / "run")
+    lifecycle = RunLifecycle(trainer, trainer.run_options, trainer.mp, World(rank=0, size=ranks))
+    with lifecycle.running(10, ProgressBar(10, "training", False)):
+        assert not lifecycle.stop_requested
+        _sigterm()  # after this update's agreement, on this rank only
+        assert lifecycle.stop_requested == (ranks == 1)  # in one process: at once
+        lifecycle.after_update()  # the next update's agreement (max over the ranks' signals)
+        assert lifecycle.stop_requested

@@ -109,6 +109,7 @@ class RunLifecycle:
     def __init__(self, loop: Loop, options: RunOptions, mp: MixedPrecision, world: World) -> None:
         self._loop, self._options, self._mp, self._world = loop, options, mp, world
         self._stop = StopRequest(options.stop_signals)  # set by a stop signal; a fresh one for each fit
+        self._stop_agreed = False  # under torchrun: the stop request as the ranks last agreed on it
         self._saved_at = time.monotonic()  # for RunOptions(checkpoint_every_minutes=...)
         self._total = 0  # the update the running fit ends at
         self._bar: ProgressBar | None = None  # the running fit's progress bar, closed before a stop's checkpoint
@@ -119,8 +120,11 @@ class RunLifecycle:
 
     @property
     def stop_requested(self) -> bool:
-        """A stop signal arrived (on this rank, or on any rank as agreed after each update)."""
-        return self._stop.requested
+        """A stop signal arrived: in one process, as soon as it did; under torchrun, as the ranks agreed after the
+        last update. A signal that reaches one rank later (while it logs, evaluates or saves) counts at the next
+        update's agreement: a rank that stopped on its own flag would leave the others waiting in that update's
+        all-reduce, for ever."""
+        return self._stop_agreed if self._world.distributed else self._stop.requested
 
     def check_start(self, resumed: bool) -> None:
         """Before a fit: a Trainer whose last update was cut short goes on only ``resumed`` from a checkpoint."""
@@ -143,6 +147,7 @@ class RunLifecycle:
         self._mp.zero_grad()  # nothing of an interrupted fit's window is carried in
         self._commit()  # the state a stop at once in the first update goes back to (buffers, random state)
         self._stop, self._saved_at = StopRequest(self._options.stop_signals), time.monotonic()
+        self._stop_agreed = False  # under torchrun: the stop request as the ranks last agreed on it
         self._total, self._bar = total, bar
         with self._stop.handlers():  # until fit ends: no stop signal ends it without a checkpoint
             try:
@@ -180,6 +185,7 @@ class RunLifecycle:
         due = minutes is not None and time.monotonic() - self._saved_at >= minutes * 60
         if self._world.distributed:
             due = self._stop.agree(self._mp.device, due)  # the same stop and checkpoint on every rank
+            self._stop_agreed = self._stop.requested
         every = self._options.checkpoint_every
         return due or bool(every and self._loop.updates_done % every == 0)
 
