@@ -118,3 +118,43 @@ def test_a_registered_guard_is_called_at_its_points_and_can_refuse_before_anythi
         mp.step()
     assert calls == ["before_forward", "after_backward", "before_update"]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_value_prepared_before_the_model_changed_is_refused():
+    model = _model()
+    prepared = mixprec.prepare(model, "o2_bf16")
+    model[2] = nn.Linear(8, 2)  # its parameters would train in bf16 with no FP32 master, silently
+    with pytest.raises(ValueError, match=r"parameters changed after mixprec.prepare .*prepare it again"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), prepared)
+    unbound = mixprec.prepare(None, "mixed_bf16", device="cpu")
+    with pytest.raises(ValueError, match="prepared without a model, not for this Sequential"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), unbound)
+
+
+def test_a_step_refused_for_its_order_leaves_the_guards_as_they_were():
+    # the call order is checked before the guards run: a refused step() must not use up the one-time check that
+    # o2's weights still hold their masters' rounding
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16")
+    with pytest.raises(RuntimeError, match=r"step\(\) without backward\(\)"):
+        mp.step()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # e.g. a load_state_dict after MixedPrecision was built
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    with pytest.raises(RuntimeError, match="no longer hold their FP32 masters' rounding"):
+        mp.step()
+
+
+def test_an_unscale_refused_for_its_order_still_watches_the_scaled_gradients():
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16", accumulation_steps=2)
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    with pytest.raises(RuntimeError, match="in the middle of an accumulation window"):
+        mp.unscale_()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clips gradients still multiplied by 2^16
+    with pytest.raises(RuntimeError, match=r"was changed after mp\.backward"):
+        mp.step()

@@ -47,7 +47,9 @@ class CallOrder:
     def on_forward(self) -> None:
         self.forward_since_step = True
 
-    def on_backward(self) -> None:
+    # Each call is checked (check_*: raises, changes nothing) before the step's guards run, and recorded (on_*)
+    # after them: a call refused for its order leaves every guard as it was.
+    def check_backward(self) -> None:
         if self.unscaled:
             raise RuntimeError(
                 "backward() after unscale_()/clip_grad_norm_(): this step's gradients are already unscaled, so "
@@ -58,9 +60,11 @@ class CallOrder:
                 "backward() after step() without a new forward pass: compute a new loss under "
                 "mp.autocast() first (the previous loss belongs to weights that step() has changed)."
             )
+
+    def on_backward(self) -> None:
         self.backward_since_step = True
 
-    def on_unscale(self, caller: str) -> None:
+    def check_unscale(self, caller: str) -> None:
         if not self.backward_since_step:
             raise RuntimeError(f"{caller} before backward(): there are no gradients for this step to unscale.")
         if self.unscaled:
@@ -73,10 +77,11 @@ class CallOrder:
                 f"{caller} in the middle of an accumulation window (micro-batch {self.micro_step + 1} of "
                 f"{self.accumulation_steps}): call it only when mp.at_update_boundary is True."
             )
+
+    def on_unscale(self) -> None:
         self.unscaled = True
 
-    def on_step(self) -> bool:
-        """Record a step() call; returns True when it completes an update window."""
+    def check_step(self) -> None:
         if not self.backward_since_step:
             raise RuntimeError(
                 "step() without backward() since the last step(): each step() needs the gradients of a new "
@@ -85,6 +90,9 @@ class CallOrder:
                 "Call mp.backward(loss) instead, with the framework's own precision off (Fabric: "
                 "precision='32-true'; Accelerate: mixed_precision='no')."
             )
+
+    def on_step(self) -> bool:
+        """Record a step() call (checked already); returns True when it completes an update window."""
         self.micro_step += 1
         self.backward_since_step = False
         self.forward_since_step = False

@@ -8,12 +8,14 @@
     mp.unscale_(), mp.clip_grad_norm_():  guards.before_gradients()
     mp.step():            guards.before_update()      before anything is unscaled, applied or skipped
 
-A guard is an object with any of these four methods (each takes the MixedPrecision); the list keeps, per
-point, only the guards that define it, so a point nobody watches costs one empty loop. The engine's own guards
+A call refused for its order (``engine/call_order.py``) is refused before the guards run. A guard is an object
+with any of these four methods (each takes the MixedPrecision); the list keeps, per point, only the guards that
+define it, so a point nobody watches costs one empty loop. The engine's own guards
 are made with each MixedPrecision (:mod:`~mixprec.engine.parameter_guard`, :mod:`~mixprec.engine.scaled_grads`,
 :mod:`~mixprec.engine.master_drift`); a framework's (``mixprec.integrations``) register a factory with
-:func:`register_guard`, so the core never reads another framework's state itself. Guards add no device work
-(the master drift check reads one flag, once) and raise before anything changes: a refused step leaves the
+:func:`register_guard`, so the core never reads another framework's state itself. Guards add no host sync (the
+master drift check reads one flag, once) and no device work (the scaled-gradient guard compares a replaced
+gradient with the one it replaced), and they raise before the step changes anything: a refused step leaves the
 weights, masters, optimizer state and scale untouched.
 """
 

@@ -137,7 +137,7 @@ class MixedPrecision:
         self._guards = self._make_guards()
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
-        self.grads_carry_scale = False  # the last backward's gradients are multiplied by a loss scale
+        self._grads_carry_scale = False  # the last backward's gradients are multiplied by a loss scale
         self._new_window()
 
     def _make_guards(self) -> GuardList:
@@ -178,6 +178,7 @@ class MixedPrecision:
         window's end, where they are unscaled once, in place.
         """
         check_loss(loss, loss_id, self.num_losses)
+        self._order.check_backward()
         self._guards.before_gradients(self)
         self._order.on_backward()
         if self._scaled_by is not None and self.num_losses > 1:
@@ -191,7 +192,7 @@ class MixedPrecision:
             self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
         if self.accumulate_in_fp32:
             self.masters.grads_to_masters()
-        self.grads_carry_scale = not isinstance(self.scalers[loss_id], NoOpLossScaler)
+        self._grads_carry_scale = not isinstance(self.scalers[loss_id], NoOpLossScaler)
         self._guards.after_backward(self)
 
     def _optimizer_params(self) -> list[torch.Tensor]:
@@ -203,8 +204,9 @@ class MixedPrecision:
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
+        self._order.check_unscale("unscale_()")
         self._guards.before_gradients(self)
-        self._order.on_unscale("unscale_()")
+        self._order.on_unscale()
         self._unscale()
 
     def _unscale(self, classify_later: bool = False) -> None:
@@ -222,7 +224,7 @@ class MixedPrecision:
         The statistics tell an overflow's inf from NaN right after, before clipping or summing can turn one into
         the other; ``classify_later``: step()'s own unscale, whose flags step() reads next (free then)."""
         loss_id, self._scaled_by = self._scaled_by, None
-        self.grads_carry_scale = False
+        self._grads_carry_scale = False
         if self.masters is not None:
             self.masters.grads_to_masters()
         params = [p for p in self._optimizer_params() if p.grad is not None]
@@ -260,8 +262,9 @@ class MixedPrecision:
                 f"without clipping); received {max_norm!r}."
             )
         if not self._order.unscaled:
+            self._order.check_unscale("clip_grad_norm_()")
             self._guards.before_gradients(self)
-            self._order.on_unscale("clip_grad_norm_()")
+            self._order.on_unscale()
             self._unscale()
         grads = self._optimizer_grads()
         if not grads:
@@ -285,6 +288,7 @@ class MixedPrecision:
         Inside an accumulation window only counts the micro-batch. Returns a StepResult, truthy when the
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
         """
+        self._order.check_step()
         self._guards.before_update(self)  # before anything changes
         already_unscaled = self._order.unscaled
         if not self._order.on_step():
@@ -356,7 +360,7 @@ class MixedPrecision:
         self._found: list[torch.Tensor | None] = [None] * self.num_losses  # each loss's found-inf flag
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unscaled FP32 sums, by id(param)
         self._unclassified: tuple[list[torch.Tensor], torch.Tensor] | None = None  # step()'s, until its flag is read
-        self.grads_carry_scale = False
+        self._grads_carry_scale = False
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""

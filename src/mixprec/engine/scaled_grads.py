@@ -9,8 +9,9 @@ instead of 0.23). Autograd bumps a tensor's version counter at every in-place ch
 at the end of each backward tell whether anything wrote to the gradients since, or replaced them.
 
 A guard (:mod:`mixprec.engine.guards`): it records after each backward that left scaled gradients, and refuses
-before anything else touches them (the next backward, an unscale, a clip, the update). Cost: a Python loop over
-the parameters at each backward and each unscale; no device work, no host sync.
+before anything else touches them (the next backward, an unscale, a clip, the update) while they still carry the
+scale. Cost: a Python loop over the parameters at each of those points; no host sync, and device work only for a
+replaced gradient (compared with the one it replaced).
 """
 
 from __future__ import annotations
@@ -30,21 +31,25 @@ class ScaledGradsGuard:
         self._params = params  # the model's and the optimizer's now (o2's masters hold the unscaled ones)
         self._seen: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(param) -> (param, grad, version)
 
+    def before_forward(self, mp: Any) -> None:
+        if not mp._grads_carry_scale:  # unscaled or dropped: hold no reference to them while the forward allocates
+            self.forget()
+
     def after_backward(self, mp: Any) -> None:
-        if mp.grads_carry_scale:  # unscaled gradients are the caller's to edit
+        if mp._grads_carry_scale:  # unscaled gradients are the caller's to edit
             self.record(self._params())
 
     def before_gradients(self, mp: Any) -> None:
         """Before a backward adds to the gradients or an unscale divides them: nothing may have edited them."""
         self._refuse_changed(mp)
-        self.forget()  # what comes next changes them itself; the next backward records them again
 
     def before_update(self, mp: Any) -> None:
         self._refuse_changed(mp)
-        if mp.at_update_boundary:  # unscaled and dropped next: keep no reference to them
-            self.forget()
 
     def _refuse_changed(self, mp: Any) -> None:
+        if not mp._grads_carry_scale:  # unscaled (by mixprec) or dropped since the record: nothing to watch
+            self.forget()
+            return
         param = self.changed()
         if param is None:
             return

@@ -15,6 +15,7 @@ parameters it stores below FP32 (taken before the cast, while they are still the
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,8 @@ class Prepared:
     """A policy resolved on a model and device, checked: what regions, MixedPrecision and the doctor take.
 
     ``fp32_modules``: (name, module) of each module the policy keeps in FP32; ``lowered``: the parameters the
-    policy stores in ``policy.param_dtype`` (none when that is FP32), each once.
+    policy stores in ``policy.param_dtype`` (none when that is FP32), each once; ``parameters``: the model's
+    parameters when it was prepared (a value handed on is refused for a model changed since).
     """
 
     policy: Policy
@@ -43,6 +45,7 @@ class Prepared:
     model: nn.Module | None = None
     fp32_modules: tuple[tuple[str, nn.Module], ...] = ()
     lowered: tuple[nn.Parameter, ...] = ()
+    parameters: tuple[nn.Parameter, ...] = ()
 
 
 def prepare(
@@ -86,21 +89,46 @@ def prepare(
         model,
         tuple(fp32_modules(model, resolved)),
         tuple(lowered),
+        tuple(model.parameters()),
     )
 
 
 def _same_target(prepared: Prepared, model: nn.Module | None, device: str | torch.device | None) -> Prepared:
-    """A Prepared handed on: refused where it was made for another model or device."""
+    """A Prepared handed on: refused where it was made for another model or device, or the model changed since
+    (parameters added, replaced or moved: its lists of FP32 modules and lowered parameters would be stale)."""
     if model is not None and prepared.model is not model:
-        raise ValueError(
-            f"the policy was prepared for another model ({type(prepared.model).__name__}, not this "
-            f"{type(model).__name__}): call mixprec.prepare(model, policy) with the model it will run."
+        made_for = (
+            "without a model" if prepared.model is None else f"for another model ({type(prepared.model).__name__})"
         )
-    if device is not None and torch.device(device_type_of(device)).type != prepared.device.type:
+        raise ValueError(
+            f"the policy was prepared {made_for}, not for this {type(model).__name__}: call "
+            "mixprec.prepare(model, policy) with the model it will run."
+        )
+    if device is not None and not _same_device(torch.device(device), prepared.device):
         raise ValueError(
             f"the policy was prepared for device {prepared.device}, not {device}: prepare it on the device it runs on."
         )
+    if prepared.model is not None:
+        now = tuple(prepared.model.parameters())
+        same = len(now) == len(prepared.parameters) and all(map(operator.is_, now, prepared.parameters))
+        if not same:
+            raise ValueError(
+                "the model's parameters changed after mixprec.prepare (a layer added or replaced, weights loaded "
+                "with assign=True): prepare it again, after the change."
+            )
+        if now and not _same_device(now[0].device, prepared.device):
+            raise ValueError(
+                f"the model was moved to {now[0].device} after mixprec.prepare (for {prepared.device}): prepare it "
+                "again on the device it runs on."
+            )
     return prepared
+
+
+def _same_device(given: torch.device, prepared: torch.device) -> bool:
+    """The same device; an index left out ("cuda") matches any of its type."""
+    if given.type != prepared.type:
+        return False
+    return given.index is None or prepared.index is None or given.index == prepared.index
 
 
 def refuse_foreign_autocast(model: nn.Module) -> None:
