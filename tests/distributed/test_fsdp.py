@@ -137,7 +137,12 @@ def _scenarios(rank: int, out: str) -> None:
     late_mp = mixprec.MixedPrecision(late, torch.optim.AdamW(late.parameters()), "o2_bf16")
     torch.distributed.fsdp.fully_shard(late)
     summary["sharded_after"] = []
-    for attempt in (late_mp.autocast().__enter__, late_mp.step):
+
+    def step_after_a_backward() -> None:  # a step in order (after a backward), so that only the guard refuses it
+        late_mp.backward(torch.ones((), requires_grad=True) * 2.0)  # the model's own forward is refused (above)
+        late_mp.step()
+
+    for attempt in (late_mp.autocast().__enter__, step_after_a_backward):
         try:
             attempt()
         except ValueError as exc:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_public_api import LIBRARY
 
 SOURCE = Path(__file__).resolve().parents[2] / "src" / "mixprec"
 
@@ -133,21 +134,7 @@ def test_no_function_is_longer_than_sixty_lines(path):
 
 
 # The library's public packages (docs/api.md): the application and the adapters import only their __all__ names.
-PUBLIC_PACKAGES = {
-    "mixprec",
-    "mixprec.numerics",
-    "mixprec.compute",
-    "mixprec.policy",
-    "mixprec.scaling",
-    "mixprec.master",
-    "mixprec.distributed",
-    "mixprec.regions",
-    "mixprec.regions.fp8",
-    "mixprec.parallel",
-    "mixprec.persist",
-    "mixprec.engine",
-    "mixprec.doctor",
-}
+PUBLIC_PACKAGES = set(LIBRARY)
 
 
 # The internal API the application may use besides (docs/design.md names it): the argument checks' one wording and

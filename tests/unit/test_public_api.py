@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
-PACKAGES = [
+# The library's public packages; the application and the adapters are built on them (tests/unit/test_layers.py).
+LIBRARY = [
     "mixprec",
     "mixprec.numerics",
     "mixprec.compute",
@@ -21,9 +22,8 @@ PACKAGES = [
     "mixprec.persist",
     "mixprec.engine",
     "mixprec.doctor",
-    "mixprec.app",
-    "mixprec.integrations.gated_scheduler",
 ]
+PACKAGES = [*LIBRARY, "mixprec.app", "mixprec.integrations.gated_scheduler"]
 # Adapters, each checked where its framework is installed (importing one imports the framework).
 ADAPTERS = {"mixprec.integrations.lightning": "lightning", "mixprec.integrations.transformers": "transformers"}
 
