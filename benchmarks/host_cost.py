@@ -10,9 +10,11 @@ GPU decides whether a launch-bound step waits on the host. Pairs, interleaved ro
 - torch.autocast fp16 + GradScaler against mixprec ``mixed_fp16`` with native kernels (``kernels=native``:
   the same kernels as the loop, not the CPU's emulation).
 
-Each round times ``--steps`` steps per mode after 10 warm-up steps and keeps the median CPU time per step.
+Each round times ``--steps`` steps per mode, the modes interleaved step by step after 10 warm-up steps each,
+and keeps each mode's median CPU time per step; the figure is the median over rounds.
 ``--src DIR`` (repeatable) times mixprec from other source trees too (e.g. a worktree of an older commit), each
-in its own process, interleaved with the first: the figures then compare versions on one machine in one run.
+in its own process, interleaved with the first, each against its own process's torch loops: the ratios then
+compare versions on one machine in one run.
 """
 
 import argparse
@@ -31,17 +33,6 @@ def _model(layers: int):
 
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
-
-
-def _median_step_ms(step, steps: int) -> float:
-    for _ in range(WARMUP):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.process_time()
-        step()
-        times.append(time.process_time() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _torch_loop(dtype_name: str, layers: int):
@@ -92,10 +83,22 @@ MODES = {
 
 
 def _one_round(modes: list[str], layers: int, steps: int) -> dict[str, float]:
+    """Each mode's median CPU time per step, the modes interleaved step by step (a shared machine's drift
+    reaches them all alike)."""
     import torch
 
     torch.set_num_threads(1)
-    return {mode: _median_step_ms(MODES[mode](layers), steps) for mode in modes}
+    loops = {mode: MODES[mode](layers) for mode in modes}
+    for step in loops.values():
+        for _ in range(WARMUP):
+            step()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(steps):
+        for mode, step in loops.items():
+            start = time.process_time()
+            step()
+            times[mode].append(time.process_time() - start)
+    return {mode: 1e3 * statistics.median(values) for mode, values in times.items()}
 
 
 def _round_in(src: str | None, modes: list[str], layers: int, steps: int) -> dict[str, float]:
@@ -118,21 +121,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--src", action="append", default=[], help="another source tree of mixprec to time too")
     args = parser.parse_args()
-    mixprec_modes = [m for m in MODES if m.startswith("mixprec")]
     sources: list[str | None] = [None, *args.src]
-    results: dict[str, list[float]] = {}
+    results: dict[tuple[str, str], list[float]] = {}  # (source, mode) -> ms per round
+    ratios: dict[tuple[str, str], list[float]] = {}  # (source, mixprec mode) -> x its own process's torch loop
     for round_index in range(args.rounds):
         for src in sources:
-            modes = list(MODES) if src is None else mixprec_modes
-            for mode, ms in _round_in(src, modes, args.layers, args.steps).items():
-                key = mode if src is None else f"{mode} [{src}]"
-                results.setdefault(key, []).append(ms)
+            figures = _round_in(src, list(MODES), args.layers, args.steps)
+            for mode, ms in figures.items():
+                results.setdefault((src or "this tree", mode), []).append(ms)
+                if mode.startswith("mixprec"):
+                    reference = "torch autocast bf16" if "bf16" in mode else "torch fp16 + GradScaler"
+                    ratios.setdefault((src or "this tree", mode), []).append(ms / figures[reference])
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
-    medians = {key: statistics.median(values) for key, values in results.items()}
     print(f"{2 * args.layers} parameters, batch 4, one thread; median CPU ms per step over {args.rounds} rounds")
-    for key, ms in medians.items():
-        reference = "torch autocast bf16" if "bf16" in key else "torch fp16 + GradScaler"
-        print(f"  {key:<60} {ms:6.3f} ms  ({ms / medians[reference]:.3f}x the torch loop)")
+    for (src, mode), values in results.items():
+        ratio = ratios.get((src, mode))
+        against = f"  ({statistics.median(ratio):.3f}x the torch loop)" if ratio else ""
+        print(f"  {src:<12} {mode:<28} {statistics.median(values):7.3f} ms{against}")
 
 
 if __name__ == "__main__":
