@@ -25,18 +25,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mixprec.compute import device_caps, device_type_of
     from mixprec.policy import DTYPE_NAMES, PRESETS, get_policy
-    from mixprec.regions import check_device_supports, compute_plan
+    from mixprec.regions import prepare
 
     device_type = device_type_of(args.device)
     if args.spec is None:
         rows = [[name, str(policy), policy.reason] for name, policy in PRESETS.items()]
-        rows.append(
-            ["auto", str(get_policy("auto", device=device_type)), get_policy("auto", device=device_type).reason]
-        )
+        auto = get_policy("auto", device=device_type)
+        rows.append(["auto", str(auto), auto.reason])
         print(render_table(["preset", "policy", "meaning"], rows, align="lll"))
         return 0
-    policy = get_policy(args.spec, device=device_type)
-    check_device_supports(policy, device_type)
+    prepared = prepare(None, args.spec, device=device_type)  # parsed and checked once, with its compute plan
+    policy, plan = prepared.policy, prepared.plan
     record = {
         "policy": str(policy),
         "params": DTYPE_NAMES[policy.param_dtype],
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         "fp32_ops": list(policy.fp32_ops),
         "reason": policy.reason,
         "device": device_caps(device_type).description,
-        "compute_plan": f"{compute_plan(policy, device_type).mode}: {compute_plan(policy, device_type).reason}",
+        "compute_plan": f"{plan.mode}: {plan.reason}",
     }
     if args.json:
         print(json.dumps(record, indent=2))
