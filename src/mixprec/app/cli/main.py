@@ -25,6 +25,7 @@ from mixprec.app.cli import (
     serve_cmd,
     train_cmd,
 )
+from mixprec.app.cli.output import surviving_output
 from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS
 
 USAGE_ERROR = 2
@@ -106,9 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The ``mixprec`` console script: :func:`main`, then the exit. A stop signal in the interpreter's teardown
-    would only garble the exit status (a run's checkpoint and report are written by then), so it is ignored."""
-    code = main()
+    """The ``mixprec`` console script: :func:`main`, then the exit. Output that can no longer be written (a closed
+    pipe, a closed descriptor, a full device) is dropped rather than ending the run (:mod:`.output`). A stop
+    signal in the interpreter's teardown would only garble the exit status (a run's checkpoint and report are
+    written by then), so it is ignored."""
+    with surviving_output():
+        code = main()
     if threading.current_thread() is threading.main_thread():
         for name in DEFAULT_STOP_SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
