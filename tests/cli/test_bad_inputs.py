@@ -306,6 +306,12 @@ CLI_CASES = [
     ),
     ("train batch size -5", ["train", "digits", "--batch-size", "-5", "--out", "{tmp}/run"], ["received -5"]),
     ("train lr nan", ["train", "digits", "--lr", "nan", "--out", "{tmp}/run"], ["--lr: received nan"]),
+    # a seed past 64 bits said "Overflow when unpacking long long"
+    (
+        "train seed past 2^32",
+        ["train", "digits", "--seed", "99999999999999999999", "--out", "{tmp}/run"],
+        ["--seed: received 99999999999999999999", "from 0 to 4294967295"],
+    ),
     ("doctor keep", ["doctor", "digits", "--keep", "2", "--out", "{tmp}/run"], ["--keep: received 2", "(0, 1]"]),
     ("serve seq", ["serve-bench", "{tmp}/none", "--seq", "0"], ["--seq: received 0"]),
 ]

@@ -403,6 +403,8 @@ _LOSS = torch.nn.functional.mse_loss
         (lambda: UpdateOptions(reduce_in_fp32="yes"), TypeError, ["UpdateOptions(reduce_in_fp32=...)", "'yes'"]),
         (lambda: RunOptions(out_dir=3), TypeError, ["RunOptions(out_dir=...)", "3 (of type int)"]),
         (lambda: RunOptions(seed=1.5), TypeError, ["RunOptions(seed=...)", "1.5 (of type float)"]),
+        (lambda: RunOptions(seed=2**64), ValueError, ["RunOptions(seed=...)", "0 to 2**32 - 1", str(2**64)]),
+        (lambda: RunOptions(seed=-1), ValueError, ["RunOptions(seed=...)", "received -1"]),
         (lambda: RunOptions(eval_every=0), ValueError, ["RunOptions(eval_every=...)", "0", "Pass None to evaluate"]),
         (lambda: RunOptions(log_every=0), ValueError, ["RunOptions(log_every=...)", "0 (of type int)"]),
         (lambda: RunOptions(checkpoint_every=2.5), ValueError, ["RunOptions(checkpoint_every=...)", "2.5"]),

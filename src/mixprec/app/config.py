@@ -19,7 +19,11 @@ from typing import Any
 
 from mixprec.app.stop_signals import check_stop_signals
 
-__all__ = ["CONFIG_FILE", "TrainConfig"]
+# A run's seed is below 2^32: its epochs' data-order seeds (seed * 1_000_003 + epoch) then fit torch's 64 bits, and
+# NumPy's legacy seed takes it as it is.
+SEED_LIMIT = 2**32
+
+__all__ = ["CONFIG_FILE", "SEED_LIMIT", "TrainConfig"]
 
 CONFIG_FILE = "config.json"
 SIZES = ("default", "tiny")

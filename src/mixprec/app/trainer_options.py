@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mixprec.app.config import SEED_LIMIT
 from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS, check_stop_signals
 from mixprec.app.task import Metric
 from mixprec.checks import positive_number, whole_number
@@ -125,6 +126,8 @@ class RunOptions:
             raise TypeError(_expected("RunOptions(out_dir=...)", self.out_dir, "a folder path (str or Path) or None"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(_expected("RunOptions(seed=...)", self.seed, "an integer"))
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"RunOptions(seed=...) must be from 0 to 2**32 - 1; received {self.seed}.")
         for name, end in (("eval_every", "evaluate"), ("checkpoint_every", "checkpoint")):
             value = getattr(self, name)
             if value is not None:

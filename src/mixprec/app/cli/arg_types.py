@@ -11,16 +11,17 @@ from collections.abc import Callable
 __all__ = ["fraction", "loss_scale", "non_negative_number", "positive_number", "whole_number"]
 
 
-def whole_number(minimum: int = 1) -> Callable[[str], int]:
-    """A whole number of at least ``minimum``."""
+def whole_number(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """A whole number of at least ``minimum`` (and at most ``maximum``)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"received {text}; use a whole number of at least {minimum}")
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            wanted = f"at least {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"received {text}; use a whole number {wanted}")
         return value
 
     return parse
