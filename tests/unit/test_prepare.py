@@ -158,3 +158,26 @@ def test_an_unscale_refused_for_its_order_still_watches_the_scaled_gradients():
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clips gradients still multiplied by 2^16
     with pytest.raises(RuntimeError, match=r"was changed after mp\.backward"):
         mp.step()
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "mixed_bf16", "pure_bf16"])
+def test_an_optimizer_stepped_directly_after_backward_is_refused_before_a_second_update(policy):
+    model = _model()
+    optimizer = mixprec.AdamW(model.parameters()) if policy == "pure_bf16" else torch.optim.SGD(model.parameters())
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    optimizer.step()  # the user's: the loss-scaled gradients (x 2^16 under fp16) applied as they are
+    stepped = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        RuntimeError, match=r"was written after mp\.backward\(\): .*optimizer\.step\(\) called directly"
+    ):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(stepped, model.parameters(), strict=True))  # no second update
+
+
+def test_an_optimizer_without_parameters_is_refused():
+    model = _model()
+    with pytest.raises(ValueError, match=r"the SGD holds no parameters .*model\.parameters\(\)"):
+        mixprec.MixedPrecision(model, torch.optim.SGD([{"params": []}], lr=0.1), "mixed_bf16")

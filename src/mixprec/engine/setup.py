@@ -132,7 +132,12 @@ def check_model_and_optimizer(
     for sharded models too, whose shards :func:`mixprec.fully_shard` left in the policy's dtypes.
     """
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    if held and not {id(p) for p in held} & {id(p) for p in model.parameters()}:
+    if not held:
+        raise ValueError(
+            f"MixedPrecision(optimizer=...): the {type(optimizer).__name__} holds no parameters (its param groups "
+            "are empty), so no step would change the model. Build the optimizer from model.parameters()."
+        )
+    if not {id(p) for p in held} & {id(p) for p in model.parameters()}:
         raise ValueError(
             f"MixedPrecision(optimizer=...): the {type(optimizer).__name__} holds none of the model's parameters "
             f"({len(held)} tensors of its own), so no step would change the model. Build the optimizer from "
