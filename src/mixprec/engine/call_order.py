@@ -9,11 +9,12 @@ needs a new forward pass under autocast() first.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["CallOrder", "check_loss"]
+__all__ = ["CallOrder", "check_loss", "refuse_direct_steps"]
 
 
 def check_loss(loss: Any, loss_id: Any, num_losses: int) -> None:
@@ -64,6 +65,16 @@ class CallOrder:
     def on_backward(self) -> None:
         self.backward_since_step = True
 
+    def check_optimizer_step(self) -> None:
+        """The optimizer stepped by someone else than step() (a hook on the optimizer runs this first)."""
+        if self.backward_since_step:
+            raise RuntimeError(
+                "optimizer.step() called directly after mp.backward(): it would apply the gradients as they are "
+                "(multiplied by the loss scale, 2^16 at first, under fp16), and mp.step() would then apply a "
+                "second update. Nothing was applied. Call mp.step() alone: it unscales, checks and steps the "
+                "optimizer itself."
+            )
+
     def check_unscale(self, caller: str) -> None:
         if not self.backward_since_step:
             raise RuntimeError(f"{caller} before backward(): there are no gradients for this step to unscale.")
@@ -107,3 +118,17 @@ class CallOrder:
         self.micro_step = 0
         self.backward_since_step = False
         self.unscaled = False
+
+
+def refuse_direct_steps(optimizer: torch.optim.Optimizer, order: CallOrder) -> None:
+    """An ``optimizer.step()`` of the user's between ``mp.backward()`` and ``mp.step()`` is refused before it
+    applies anything (torch's step pre-hook; step() itself steps the optimizer once the window is recorded). The
+    hook holds the call order weakly: a MixedPrecision dropped for a new one on the same optimizer says nothing."""
+    order_ref = weakref.ref(order)
+
+    def before_optimizer_step(*_: Any) -> None:
+        order = order_ref()
+        if order is not None:
+            order.check_optimizer_step()
+
+    optimizer.register_step_pre_hook(before_optimizer_step)

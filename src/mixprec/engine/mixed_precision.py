@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed.ranks import agree_max, local
-from mixprec.engine.call_order import CallOrder, check_loss
+from mixprec.engine.call_order import CallOrder, check_loss, refuse_direct_steps
 from mixprec.engine.grad_norm import total_norm
 from mixprec.engine.guards import GuardList, registered_guards
 from mixprec.engine.master_drift import MasterDriftGuard
@@ -133,6 +133,7 @@ class MixedPrecision:
         self._region = Region(prepared)  # prepared once: entering it only enters contexts
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
+        refuse_direct_steps(optimizer, self._order)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
         self._guards = self._make_guards()
         self._last_loss: torch.Tensor | None = None
@@ -204,7 +205,11 @@ class MixedPrecision:
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
-        self._order.check_unscale("unscale_()")
+        self._unscale_now("unscale_()")
+
+    def _unscale_now(self, caller: str) -> None:
+        """unscale_() and clip_grad_norm_()'s unscale: the call order, the guards, then the unscale."""
+        self._order.check_unscale(caller)
         self._guards.before_gradients(self)
         self._order.on_unscale()
         self._unscale()
@@ -262,10 +267,7 @@ class MixedPrecision:
                 f"without clipping); received {max_norm!r}."
             )
         if not self._order.unscaled:
-            self._order.check_unscale("clip_grad_norm_()")
-            self._guards.before_gradients(self)
-            self._order.on_unscale()
-            self._unscale()
+            self._unscale_now("clip_grad_norm_()")
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)

@@ -1,6 +1,6 @@
 """A guard: the parameters as MixedPrecision prepared them, checked at every region entry and update.
 
-Four things done to the model behind the policy's back would otherwise train silently wrong:
+Three things done to the model behind the policy's back would otherwise train silently wrong:
 
 - a cast (Lightning Fabric's ``precision="bf16-true"``, ``model.half()``, a full-bf16 evaluation): bf16
   weights updated without FP32 masters under ``mixed_bf16``, other numerics than the policy names;
@@ -9,10 +9,7 @@ Four things done to the model behind the policy's back would otherwise train sil
   update the old tensors, and the model the forward runs never changes;
 - a move to another device (Accelerate's ``prepare`` and Fabric's ``setup`` place the model on their device):
   the region autocasts for the device MixedPrecision was built on, so a model moved from the CPU to a GPU
-  would compute in FP32 there, and the FP32 masters would stay behind on the CPU;
-- weights written between a backward and the update (``optimizer.step()`` called directly after
-  ``mp.backward()``): an update with the loss-scaled gradients, then a second one by ``mp.step()``. Seen from the
-  parameters' version counters, recorded after each backward (a loop in C, no device work).
+  would compute in FP32 there, and the FP32 masters would stay behind on the CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import operator
 import torch
 from torch import nn
 
-_DTYPE, _DEVICE, _VERSION = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("_version")
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 __all__ = ["ParameterGuard"]
 
@@ -38,12 +35,6 @@ _FIX_REPLACED = (
     "optimizer and the FP32 masters would update tensors the model no longer uses, and the model would never "
     "train. Nothing was applied. Shard with mixprec.fully_shard(model, policy) before building MixedPrecision "
     "(FSDP2 then carries out the policy), and load weights in place (without assign=True) or before it."
-)
-
-_FIX_WRITTEN = (
-    "something updated the weights between mp.backward() and mp.step(), most likely optimizer.step() called "
-    "directly (with the loss-scaled gradients, 2^16 times too large under fp16; and mp.step() would apply a second "
-    "update). Nothing more was applied. Call mp.step() alone: it unscales, checks and steps the optimizer itself."
 )
 
 _FIX_MOVED = (
@@ -71,7 +62,6 @@ class ParameterGuard:
             for name, param in module.named_parameters(recurse=False)
         ]
         self._identity = not sharded
-        self._versions: list[int] | None = None  # each parameter's version counter after the last backward
         # the same, as columns for the check's loops in C (map) rather than Python
         self._tables = [entry[1]._parameters for entry in self._expected]
         self._names = [entry[2] for entry in self._expected]
@@ -84,18 +74,8 @@ class ParameterGuard:
     def before_forward(self, mp: object) -> None:
         self.refuse_changes()
 
-    def after_backward(self, mp: object) -> None:
-        if self._identity:  # FSDP2 swaps a sharded model's parameters itself
-            self._versions = list(map(_VERSION, self._params))
-
     def before_update(self, mp: object) -> None:
         self.refuse_changes()
-        versions, self._versions = self._versions, None
-        if versions is not None and list(map(_VERSION, self._params)) != versions:
-            written = next(e[0] for e, v in zip(self._expected, versions, strict=True) if e[3]._version != v)
-            raise RuntimeError(
-                f"MixedPrecision.step(): parameter {written!r} was written after mp.backward(): {_FIX_WRITTEN}"
-            )
 
     def refuse_changes(self) -> None:
         """Raise ValueError naming the first parameter cast, replaced or moved since the snapshot."""

@@ -43,8 +43,7 @@ class ScaledGradsGuard:
         """Before a backward adds to the gradients or an unscale divides them: nothing may have edited them."""
         self._refuse_changed(mp)
 
-    def before_update(self, mp: Any) -> None:
-        self._refuse_changed(mp)
+    before_update = before_gradients  # before an update the same: nothing may have edited them
 
     def _refuse_changed(self, mp: Any) -> None:
         if not mp._grads_carry_scale:  # unscaled (by mixprec) or dropped since the record: nothing to watch
