@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["positive_number", "shown", "whole_number"]
+__all__ = ["positive_number", "shown", "unique_keys", "whole_number"]
 
 SHOWN_CHARACTERS = 120  # an input echoed in an error is cut here: a 90 KB string would bury the message
 
@@ -46,3 +46,22 @@ def positive_number(value: Any, what: str) -> float:
             f"{what} must be a positive finite number; received {value!r} (of type {type(value).__name__})."
         )
     return float(value)
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` for files a person may edit: a key given twice is refused (JSON
+    would keep the last without a word, and train with a setting its reader did not see).
+
+    Example:
+        >>> import json
+        >>> json.loads('{"policy": "fp32", "policy": "mixed_fp16"}', object_pairs_hook=unique_keys)
+        Traceback (most recent call last):
+        ...
+        ValueError: the key 'policy' is given twice; keep one.
+    """
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"the key {shown(key)} is given twice; keep one.")
+        data[key] = value
+    return data

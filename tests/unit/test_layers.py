@@ -139,7 +139,10 @@ PUBLIC_PACKAGES = set(LIBRARY)
 
 # The internal API the application may use besides (docs/design.md names it): the argument checks' one wording and
 # the lazy public names; nothing a user of the library needs.
-INTERNAL_FOR_APP = {"mixprec.checks": {"whole_number", "positive_number"}, "mixprec.lazy": {"lazy_names"}}
+INTERNAL_FOR_APP = {
+    "mixprec.checks": {"whole_number", "positive_number", "shown", "unique_keys"},
+    "mixprec.lazy": {"lazy_names"},
+}
 
 
 def _private_imports(path: Path, tree: ast.AST) -> list[str]:

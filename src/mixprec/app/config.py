@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.stop_signals import check_stop_signals
+from mixprec.checks import unique_keys
 
 # A run's seed is below 2^32: its epochs' data-order seeds (seed * 1_000_003 + epoch) then fit torch's 64 bits, and
 # NumPy's legacy seed takes it as it is.
@@ -156,8 +157,8 @@ class TrainConfig:
         if not path.is_file():
             raise ValueError(f"{run_dir} is not a mixprec run folder: it has no {CONFIG_FILE}.")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+        except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice
             raise ValueError(f"{path}: not readable JSON ({exc}).") from None
         return cls.from_dict(data, source=str(path))
 

@@ -31,16 +31,30 @@ def _earlier(number: int) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run, oldest first; a torn last line (a killed process) is ignored."""
+    """The records of a run, oldest first; a torn last line (a killed process) is ignored.
+
+    Raises:
+        ValueError: a line before the last that is not a JSON record (an edit, a binary write), naming the
+            file and the line: the records after it would be lost without a word.
+    """
     path = Path(run_dir) / FILE
     if not path.is_file():
         return []
+    lines = path.read_bytes().splitlines()
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+            record = json.loads(line.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not a record")
+        except ValueError as error:  # UnicodeDecodeError, JSONDecodeError, not an object
+            if number == len(lines):
+                break  # torn by a killed process
+            raise ValueError(
+                f"{path}: line {number} is not a metrics record ({' '.join(str(error).split())[:120]}); "
+                f"the file was damaged or edited: move it away to resume without the run's history."
+            ) from None
+        records.append(record)
     return records
 
 

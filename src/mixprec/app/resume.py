@@ -28,7 +28,7 @@ from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.distributed import agree_max
 
 if TYPE_CHECKING:
-    from mixprec.app.trainer_options import RunOptions
+    from mixprec.app.trainer_options import RunOptions, TrainData
     from mixprec.distributed import World
     from mixprec.engine import MixedPrecision
 
@@ -43,12 +43,13 @@ class ForeignCheckpointError(ValueError):
 
 class RunParts(Protocol):
     """What identifies a run (a :class:`~mixprec.app.trainer.Trainer` has it): the model, the optimizer, the
-    engine's policy and the run's seed."""
+    engine's policy, the run's seed and its data (their batch size)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     mp: MixedPrecision
     run_options: RunOptions
+    data: TrainData
 
 
 class Resumable(RunParts, Protocol):
@@ -66,7 +67,8 @@ class Resumable(RunParts, Protocol):
 
 
 def run_identity(trainer: RunParts) -> dict[str, Any]:
-    """What makes a run this run: policy, seed, model architecture, optimizer and its settings."""
+    """What makes a run this run: policy, seed, model architecture, optimizer and its settings, and the batch
+    size of its training data (a resume indexes the same samples only with the same batches)."""
     shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in trainer.model.named_parameters())
     settings = {
         k: v
@@ -79,7 +81,12 @@ def run_identity(trainer: RunParts) -> dict[str, Any]:
         "model": f"{_model_class(trainer.model)} {hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
         "optimizer": type(trainer.optimizer).__name__,
         **{f"optimizer {key}": value for key, value in sorted(settings.items())},
+        "batch size": getattr(trainer.data.train_data, "batch_size", None),  # a DataLoader's, or the task's
     }
+
+
+# identity keys newer than some checkpoints: compared only where the checkpoint records them
+_ADDED_LATER = frozenset({"batch size"})
 
 
 def _model_class(model: torch.nn.Module) -> str:
@@ -156,7 +163,9 @@ def check_run_identity(trainer: RunParts, path: Path, state: dict, *, allow_fore
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path}: records no run identity")
     differences = [
-        f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in here.items() if saved.get(key) != value
+        f"{key} {saved.get(key)!r} there, {value!r} here"
+        for key, value in here.items()
+        if saved.get(key) != value and (key in saved or key not in _ADDED_LATER)
     ]
     if not differences:
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from mixprec.distributed import world
 from mixprec.doctor import NonFiniteEvent
 from mixprec.engine import saved_activation_bytes
 from mixprec.parallel import fully_shard
+from mixprec.persist import RUN, claim_folder
 from mixprec.policy import Policy, get_policy
 from mixprec.regions import ComputePlan
 from mixprec.scaling import DynamicLossScaler
@@ -172,10 +174,11 @@ def run_training(
 
     A run that fails before it starts (a bad policy, device or task) leaves no folder behind.
     """
-    created = claimed or not run_dir.exists()
-    if not created and not run_dir.is_dir():
-        raise ValueError(f"run folder (--out): {run_dir} is a file, not a folder; name a folder for the run.")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun rank 0 claims it (and locks it) for every rank
+        created = claim_folder(run_dir, RUN, "--out") or claimed  # refused: a folder of files mixprec did not write
+    else:
+        created = claimed or not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir):  # RunFolderBusy: the folder is another run's, left as it is
         return _train_in(run_dir, created, config, resume, progress, allow_foreign_checkpoint, policy)
 
@@ -194,11 +197,13 @@ def _train_in(  # long: the run's steps in order, each one or two lines
         length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
         step = newest_step(trainer.checkpoint_dir) if resume else None
         if resume and step is None:  # a requeued job whose run died before its first checkpoint
+            _refuse_finished(run_dir)
             logger.warning("%s holds no checkpoint (its run ended before the first): starting the run over from its "
                            "config.json", run_dir)  # fmt: skip
             resume = False
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
+            _refuse_finished(run_dir)
         else:  # a length the run is past: refused before anything is written
             trainer.check_resume_length(trainer.total_steps(**length), step, next(iter(length)))
     except BaseException:
@@ -213,6 +218,19 @@ def _train_in(  # long: the run's steps in order, each one or two lines
         return _report(run_dir, config, trainer, parts, settings, result)
 
 
+def _refuse_finished(run_dir: Path) -> None:
+    """A finished run (its report.md) whose checkpoints are gone: nothing to resume, and starting over would
+    write over its report, config and plots."""
+    if (run_dir / REPORT).exists():
+        raise ValueError(
+            f"--out {run_dir}: this folder holds a finished run (its {REPORT}) with no checkpoint left to resume; "
+            "a new run there would write over its report, config and plots: name a new folder."
+        )
+
+
+REPORT = "report.md"
+
+
 def _report(
     run_dir: Path, config: TrainConfig, trainer: Trainer, parts: TaskParts, settings: dict, result: FitResult
 ) -> RunOutcome:
@@ -224,7 +242,7 @@ def _report(
         activations = saved_activation_bytes(lambda: trainer.model(inputs), trainer.model)
     metric = parts.metric.name if parts.metric is not None else None
     parallel = "FSDP2" if trainer.mp.sharded else "DDP" if trainer.world.distributed else None
-    report = run_dir / "report.md"
+    report = run_dir / REPORT
     if main:
         plots = plot_run(result.history, run_dir, f"{config.task} under {config.policy}", metric)
         results = _results(result, activations, trainer.world.size, parallel)

@@ -29,15 +29,22 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from mixprec.checks import shown
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_STOP_SIGNALS", "StopRequest", "check_stop_signals", "held"]
+__all__ = ["DEFAULT_STOP_SIGNALS", "STOPPABLE", "StopRequest", "check_stop_signals", "held"]
 
 logger = logging.getLogger("mixprec")
 
 DEFAULT_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
-_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+# The signals a run may stop on: those that ask a process to end, or that schedulers send for it (SIGXCPU: a CPU
+# time limit; SIGUSR1/2, SIGHUP: Slurm, nohup). Every other is refused: SIGKILL and SIGSTOP cannot be caught;
+# a Python handler for a fault (SIGSEGV, SIGBUS, SIGFPE, SIGILL) returns into the faulting instruction, which
+# faults again, forever, deaf to SIGTERM; and the rest arrive in the normal course of a run (SIGCHLD from data
+# workers, SIGPIPE from a closed pipe, SIGWINCH from a resized terminal, SIGCONT, SIGPROF from a profiler).
+STOPPABLE = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGALRM")
 
 
 def check_stop_signals(names: Sequence[str], what: str) -> tuple[str, ...]:
@@ -45,11 +52,12 @@ def check_stop_signals(names: Sequence[str], what: str) -> tuple[str, ...]:
     if isinstance(names, str) or not all(isinstance(name, str) for name in names):
         raise TypeError(f"{what} needs a sequence of signal names such as ('SIGTERM',); received {names!r}.")
     for name in names:
-        if name in _UNCATCHABLE or not isinstance(getattr(signal, name, None), signal.Signals):
+        if name not in STOPPABLE or not isinstance(getattr(signal, name, None), signal.Signals):
             raise ValueError(
-                f"{what}: {name!r} is not a signal a run can catch; use names such as SIGINT, SIGTERM, SIGUSR1."
+                f"{what}: {shown(name)} is not a signal a run can stop on (a fault, job-control or child signal "
+                f"cannot be served, or arrives in the normal course of a run); use some of {', '.join(STOPPABLE)}."
             )
-    return tuple(names)
+    return tuple(dict.fromkeys(names))  # a name given twice, once
 
 
 class StopRequest:

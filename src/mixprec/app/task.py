@@ -141,7 +141,16 @@ def build_task(spec: str, config: TaskConfig) -> TaskParts:
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"task {spec!r}: {module_name!r} has no callable {attribute!r}.")
-    parts = factory(config)
+    try:
+        parts = factory(config)
+    except Exception as error:  # the user's factory: its failure said as its own (a built-in's is a bug: raised)
+        if spec in BUILTIN_TASKS:
+            raise
+        said = " ".join(f"{type(error).__name__}: {error}".split())
+        raise ValueError(
+            f"task {spec!r}: the factory {attribute}(config) failed ({said[:200]}); a factory takes one "
+            "mixprec.app.TaskConfig and returns mixprec.app.TaskParts (see examples/). MIXPREC_DEBUG=1 shows where."
+        ) from error
     if not isinstance(parts, TaskParts):
         raise ValueError(
             f"task {spec!r}: the factory returned {type(parts).__name__}; it must return "

@@ -50,6 +50,7 @@ from mixprec.distributed import agree_max, copy_from_main, reduce_across_ranks, 
 from mixprec.doctor import NonFiniteTracer
 from mixprec.engine import MixedPrecision, Stats, StepResult
 from mixprec.parallel import is_sharded, wrap_ddp
+from mixprec.persist import RUN, claim_folder
 from mixprec.policy import Policy
 
 __all__ = ["FitResult", "Trainer", "TrainingInterrupted"]
@@ -152,7 +153,10 @@ class Trainer:
         # stop signals (Ctrl-C, SIGTERM, SIGUSR1), the position committed after each update, checkpoints due
         self._lifecycle = RunLifecycle(self, run, self.mp, self.world)
         if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if self.world.is_main:  # refused: a folder of files mixprec did not write
+                claim_folder(self.out_dir, RUN, "RunOptions(out_dir=...)")
+            else:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out_dir if self.world.is_main else None)
 
     @property

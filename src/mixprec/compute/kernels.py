@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -232,10 +233,20 @@ def _taken_while_busy(entry: dict, timer: Timer) -> bool:
 
 
 def _valid_entry(entry: object) -> bool:
+    """An entry as :func:`_write_cache` writes it, to its last figure: anything else (hand-edited, another
+    version's) is measured again, never read half-way."""
     if not isinstance(entry, dict) or not isinstance(entry.get("choices"), dict):
         return False
-    choices = entry["choices"]
-    return set(choices) == set(FAMILIES) and all(choices[f] in ("native", "emulated", "gemm") for f in FAMILIES)
+    choices, timings = entry["choices"], entry.get("timings_ms", {})
+    if set(choices) != set(FAMILIES) or not all(choices[f] in ("native", "emulated", "gemm") for f in FAMILIES):
+        return False
+    return isinstance(timings, dict) and all(
+        isinstance(figures, dict) and all(_milliseconds(ms) for ms in figures.values()) for figures in timings.values()
+    )
+
+
+def _milliseconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _read_cache(path: Path) -> dict:

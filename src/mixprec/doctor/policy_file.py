@@ -10,23 +10,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mixprec.checks import positive_number
+from mixprec.checks import positive_number, unique_keys
 from mixprec.doctor.advice import Diagnosis
-from mixprec.persist import write_atomically
+from mixprec.persist import WRITTEN_BY, check_overwrite, stamped, write_atomically
 from mixprec.policy.parse import get_policy
 
 __all__ = ["read_policy_file", "write_policy_file"]
 
 
 def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") -> Path:
-    """Write the recommended policy and loss scale to ``path`` (atomically)."""
-    path = Path(path)
-    payload = {
-        "policy": diagnosis.policy,
-        "loss_scale": diagnosis.loss_scale,
-        "reasons": list(diagnosis.reasons),
-        "source": source,
-    }
+    """Write the recommended policy and loss scale to ``path`` (atomically); a file there that mixprec did not
+    write is refused, never written over."""
+    path = check_overwrite(path, "--apply")
+    payload = stamped(
+        {
+            "policy": diagnosis.policy,
+            "loss_scale": diagnosis.loss_scale,
+            "reasons": list(diagnosis.reasons),
+            "source": source,
+        }
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(payload, indent=1).encode())
     return path
@@ -40,17 +43,17 @@ def read_policy_file(path: str | Path) -> tuple[str, float | None]:
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, a key given twice
         raise ValueError(f"--policy {path}: not a readable policy file ({exc}).") from None
     if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
         raise ValueError(
             f"--policy {path}: expected a JSON object with a 'policy' string, as `mixprec doctor --apply` writes."
         )
-    unknown = set(data) - {"policy", "loss_scale", "reasons", "source"}
+    unknown = set(data) - {"policy", "loss_scale", "reasons", "source", *WRITTEN_BY}
     if unknown:
         raise ValueError(
-            f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source."
+            f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source, written_by."
         )
     try:
         get_policy(data["policy"])

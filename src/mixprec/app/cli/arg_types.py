@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["fraction", "loss_scale", "non_negative_number", "positive_number", "whole_number"]
+from mixprec.checks import shown
+
+__all__ = ["file_path", "fraction", "loss_scale", "non_negative_number", "positive_number", "whole_number"]
 
 
 def whole_number(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
@@ -56,3 +59,20 @@ def loss_scale(text: str) -> float:
     """An initial dynamic loss scale that FP32 stores as a normal number (beyond it the scaler could not hold
     it: 1e39 crashed, 1e-50 became 0). Above the growth ceiling (2^24) is allowed: it backs off as usual."""
     return _number(text, lambda v: 2.0**-126 <= v <= 2.0**127, "a number from 2^-126 to 2^127")
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits, in bytes: one name in a path, the whole path
+
+
+def file_path(text: str) -> Path:
+    """A file or folder name: not empty (an empty --out would be the current folder), within the system's
+    length limits (past them the system's own error echoed all of it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("received an empty path; name a file or folder")
+    encoded = text.encode(errors="surrogateescape")
+    if len(encoded) >= PATH_MAX or max(len(name) for name in encoded.split(b"/")) > NAME_MAX:
+        raise argparse.ArgumentTypeError(
+            f"received {shown(text)}: longer than this system allows ({PATH_MAX} bytes in all, {NAME_MAX} per "
+            "name); use a shorter path"
+        )
+    return Path(text)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mixprec.app.cli.arg_types import whole_number
+from mixprec.app.cli.arg_types import file_path, whole_number
 from mixprec.app.cli.table import render_table
 
 SUITES = ("step", "memory", "accuracy", "gemm")
@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", default="0,1,2", help="seeds for the accuracy suite (default 0,1,2)")
     parser.add_argument("--repeats", type=whole_number(), default=7, help="timed repeats per mode (default 7)")
     parser.add_argument("--quick", action="store_true", help="small models, one seed, 3 repeats, no RSS: a smoke run")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON results")
+    parser.add_argument("--out", type=file_path, default=Path("benchmarks/results"), help="folder for the JSON results")
     parser.set_defaults(run=run)
 
 
@@ -40,6 +40,7 @@ def _list(text: str, name: str, valid: tuple[str, ...] | None = None) -> list[st
 def run(args: argparse.Namespace) -> int:
     from mixprec.app.bench import suites  # imports the tasks' models
     from mixprec.app.machine import machine_info
+    from mixprec.persist import check_overwrite, stamped, write_atomically
     from mixprec.policy import parse_policy_list
 
     chosen = _list(args.suite, "suite", SUITES)
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         models, seeds = [m for m in models if m in ("mlp", "cnn")] or ["mlp"], seeds[:1]
     args.out.mkdir(parents=True, exist_ok=True)
+    for suite in chosen:  # before the first bench's minutes: a result file mixprec did not write is refused
+        check_overwrite(args.out / f"bench_{suite}.json", "--out")
     machine = machine_info()
     print(f"{machine['cpu']}, {machine['torch_threads']} threads, ISA: {machine['isa']}; torch {machine['torch']}")
     for suite in chosen:
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             records = suites.gemm_suite((256, 512) if args.quick else (512, 1024, 2048), repeats)
             print(_gemm_table(records))
         path = args.out / f"bench_{suite}.json"
-        path.write_text(json.dumps({"machine": machine, "quick": args.quick, "records": records}, indent=2))
+        payload = stamped({"machine": machine, "quick": args.quick, "records": records})
+        write_atomically(path, json.dumps(payload, indent=2).encode())
         print(f"wrote {path}\n", flush=True)
     return 0
 

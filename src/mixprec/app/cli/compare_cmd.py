@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mixprec.app.cli.arg_types import file_path
 from mixprec.app.cli.table import render_table
 from mixprec.app.cli.train_cmd import FEW_TIMED_STEPS, add_run_arguments, config_from, slug
 
@@ -26,7 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policies", default=DEFAULT_POLICIES, help=f"policies to compare (default: {DEFAULT_POLICIES})"
     )
-    parser.add_argument("--out", type=Path, help="folder for the runs and the report (default: runs/compare-TASK-TIME)")
+    parser.add_argument(
+        "--out", type=file_path, help="folder for the runs and the report (default: runs/compare-TASK-TIME)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.machine import machine_info
     from mixprec.app.report import plot_compare, write_compare_report  # the 'train' extra
     from mixprec.app.run import run_training
+    from mixprec.persist import COMPARISON, claim_folder
     from mixprec.policy import parse_policy_list
 
     policies = parse_policy_list(args.policies, device=None if args.device == "auto" else args.device)
@@ -43,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--policies: received {twice!r} twice ({args.policies!r}); name each policy once.")
     base = config_from(args, policies[0][0])
     out = args.out or Path("runs") / slug(f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
+    claim_folder(out, COMPARISON, "--out")  # refused: a folder of files mixprec did not write
     outcomes: list[RunOutcome] = []
     for spec, policy in policies:  # each parsed once, above
         if not args.quiet:

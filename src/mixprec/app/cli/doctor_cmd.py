@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from mixprec.app.cli.arg_types import fraction, whole_number
+from mixprec.app.cli.arg_types import file_path, fraction, whole_number
 from mixprec.app.cli.table import render_table
 from mixprec.app.cli.train_cmd import task_spec
 
@@ -31,12 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
     parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
-    parser.add_argument("--out", type=Path, help="folder for report.json and histograms.png (default runs/doctor-TASK)")
+    parser.add_argument(
+        "--out", type=file_path, help="folder for report.json and histograms.png (default runs/doctor-TASK)"
+    )
     parser.add_argument(
         "--apply",
         nargs="?",
         const=Path("mixprec-policy.json"),
-        type=Path,
+        type=file_path,
         metavar="FILE",
         help="write the advice to FILE (default mixprec-policy.json) for `mixprec train --policy FILE`",
     )
@@ -56,8 +58,14 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.task import TaskConfig, build_task
     from mixprec.compute import device_caps, device_type_of
     from mixprec.doctor import diagnose, write_policy_file
+    from mixprec.persist import DOCTOR_REPORT, check_folder, check_overwrite, claim_folder
 
     device = resolve_device(args.device)
+    # where the results go, before the diagnosis's minutes: a folder or file mixprec did not write is refused
+    if args.apply is not None:
+        check_overwrite(args.apply, "--apply")
+    out = args.out or Path("runs") / f"doctor-{spec.replace(':', '-').replace('.', '-')}"
+    check_folder(out, DOCTOR_REPORT, "--out")  # claimed once the diagnosis is done: a failed one leaves nothing
     torch.manual_seed(args.seed)
     parts = build_task(spec, TaskConfig(args.batch_size, args.seed, device, args.size))
     batches = ((to_device(x, device), to_device(y, device)) for x, y in parts.train_data)
@@ -71,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
         bf16_supported=device_caps(device_type_of(device)).supports_bf16,
     )
-    out = args.out or Path("runs") / f"doctor-{spec.replace(':', '-').replace('.', '-')}"
-    out.mkdir(parents=True, exist_ok=True)
+    claim_folder(out, DOCTOR_REPORT, "--out")
     (out / "report.json").write_text(diagnosis.to_json(), encoding="utf-8")
     plot = plot_histograms(diagnosis.report, out / "histograms.png")
     print(_table(diagnosis))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from mixprec.app.cli.arg_types import whole_number
+from mixprec.app.cli.arg_types import file_path, whole_number
 from mixprec.app.cli.table import render_table
 
 EXPORT_DTYPES = ("fp16", "bf16")
@@ -17,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="save a run's weights in fp16/bf16 and compare them with FP32 on the test set",
         description="Export a trained run's weights as safetensors in half precision; evaluate and time both.",
     )
-    parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
+    parser.add_argument("run_dir", type=file_path, metavar="RUN", help="a run folder written by mixprec train")
     parser.add_argument("--dtype", choices=list(EXPORT_DTYPES), default="bf16", help="export dtype (default bf16)")
     parser.add_argument("--repeats", type=whole_number(), default=5, help="timed passes over the test set (default 5)")
     parser.add_argument(

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from mixprec.app.cli.arg_types import whole_number
+from mixprec.app.cli.arg_types import file_path, whole_number
 from mixprec.app.cli.table import render_table
 
 
@@ -21,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "batches, the task's metric on its held-out test split (else its validation split), the weights' size."
         ),
     )
-    parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run folder written by mixprec train")
+    parser.add_argument("run_dir", type=file_path, metavar="RUN", help="a run folder written by mixprec train")
     parser.add_argument("--batches", default="1,8,64", help="batch sizes; 1 measures latency (default 1,8,64)")
     parser.add_argument(
         "--seq", type=whole_number(), default=128, help="tokens per sequence for token inputs (default 128)"
@@ -31,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--latency-samples", type=whole_number(), default=30, help="timed batch-1 forwards (default 30)"
     )
     parser.add_argument(
-        "--json", type=Path, default=None, help="also write the results here (default RUN/serve_bench.json)"
+        "--json", type=file_path, default=None, help="also write the results here (default RUN/serve_bench.json)"
     )
     parser.set_defaults(run=run)
 
@@ -53,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}.")
     from mixprec.app.machine import machine_info
     from mixprec.app.serve_bench import as_records, serve_bench  # the 'train' extra
+    from mixprec.persist import check_overwrite, stamped, write_atomically
 
+    # before the measurements: a file mixprec did not write is refused, not written over
+    target = check_overwrite(args.json or args.run_dir / "serve_bench.json", "--json")
     results = serve_bench(
         args.run_dir,
         batches,
@@ -78,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     print(f"{metric or 'loss'} on the {base.split} split; latency of one sequence, throughput in sequences/s")
     print(render_table(headers, rows))
-    target = args.json or args.run_dir / "serve_bench.json"
-    payload = {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}
-    target.write_text(json.dumps(payload, indent=1) + "\n")
+    payload = stamped(
+        {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}
+    )
+    write_atomically(target, (json.dumps(payload, indent=1) + "\n").encode())
     print(f"wrote {target}")
     return 0

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mixprec.app.cli.arg_types import loss_scale, non_negative_number, positive_number, whole_number
+from mixprec.app.cli.arg_types import file_path, loss_scale, non_negative_number, positive_number, whole_number
 from mixprec.app.config import SEED_LIMIT
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="preset, policy string, or a FILE.json from `mixprec doctor --apply` (default: auto)",
     )
-    parser.add_argument("--out", type=Path, help="run folder (default: runs/TASK-POLICY-TIME)")
+    parser.add_argument("--out", type=file_path, help="run folder (default: runs/TASK-POLICY-TIME)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     parser.add_argument(
         "--allow-foreign-checkpoint",

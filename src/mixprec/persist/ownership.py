@@ -1,0 +1,139 @@
+"""What mixprec wrote, told by what it wrote: a marker in each folder it owns, a stamp in each JSON file.
+
+mixprec never overwrites, moves or deletes a file it did not write. A folder named for its output (a
+training run, a comparison, a doctor report) is mixprec's when it holds the marker ``.mixprec``
+(``{"written_by": "mixprec", "holds": "a training run"}``), written when mixprec created the folder or
+found it empty; a folder that holds anything else is refused with one line, whatever it holds. A JSON
+file mixprec writes on its own (``doctor --apply``, ``serve-bench --json``, ``bench``'s results) carries
+``"written_by": "mixprec"`` and is written over only when the file there carries it too.
+
+A run folder from before the marker (its ``checkpoints/`` holds mixprec's checkpoint files) is taken
+for one: it is mixprec's by the names of its checkpoints, which nothing else writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mixprec.checks import shown
+from mixprec.persist.state_file import write_atomically
+
+__all__ = [
+    "COMPARISON",
+    "DOCTOR_REPORT",
+    "MARKER",
+    "RUN",
+    "WRITTEN_BY",
+    "check_folder",
+    "check_overwrite",
+    "claim_folder",
+    "folder_holds",
+    "stamped",
+]
+
+MARKER = ".mixprec"
+WRITTEN_BY = {"written_by": "mixprec"}
+# what a folder holds, as its marker says and messages read
+RUN = "a training run"
+COMPARISON = "a comparison of policies"
+DOCTOR_REPORT = "a doctor report"
+_LEGACY_CHECKPOINT = re.compile(r"step-\d{8}\.(safetensors|sharded)")
+
+
+def folder_holds(folder: Path) -> str | None:
+    """What mixprec's marker in ``folder`` says it holds, or None without a marker.
+
+    Raises:
+        ValueError: a marker that is not mixprec's (unreadable, or not the object mixprec writes).
+    """
+    marker = folder / MARKER
+    if not marker.exists():
+        return None
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{marker}: not mixprec's folder marker ({error}); choose another folder.") from None
+    if not isinstance(data, dict) or data.get("written_by") != "mixprec" or not isinstance(data.get("holds"), str):
+        raise ValueError(f"{marker}: not mixprec's folder marker (received {shown(data)}); choose another folder.")
+    return data["holds"]
+
+
+def check_folder(folder: str | Path, holds: str, argument: str) -> Path:
+    """``folder``, once it is clear that mixprec may write ``holds`` there (it does not exist, is empty, or is
+    mixprec's for ``holds``); nothing is created or written (for a check before long work).
+
+    Raises:
+        ValueError: ``folder`` is a file, holds files mixprec did not write (no marker), or holds something
+            else of mixprec's; the message names ``argument`` (e.g. "--out").
+    """
+    folder = Path(folder)
+    if not folder.exists():
+        return folder
+    if not folder.is_dir():
+        raise ValueError(f"{argument} {folder}: is a file, not a folder; name a new folder for {holds}.")
+    found = folder_holds(folder)
+    if found is None and any(folder.iterdir()) and not (holds == RUN and _legacy_run(folder)):
+        raise ValueError(
+            f"{argument} {folder}: this folder holds files mixprec did not write (it has no {MARKER} marker); "
+            f"mixprec never writes over them: name a new or empty folder for {holds}."
+        )
+    if found is not None and found != holds:
+        raise ValueError(f"{argument} {folder}: this folder holds {found}, not {holds}; name another folder.")
+    return folder
+
+
+def claim_folder(folder: str | Path, holds: str, argument: str) -> bool:
+    """:func:`check_folder`, then make ``folder`` mixprec's: created (with parents) and marked, or an empty one
+    marked. True when it was created here (so a start that fails may remove it). A run folder from before
+    the marker is left unmarked: its checkpoints tell it, and a resume that fails leaves it as it was.
+
+    Raises:
+        ValueError: as :func:`check_folder`.
+    """
+    folder = check_folder(folder, holds, argument)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    if created or not any(folder.iterdir()):
+        _mark(folder, holds)
+    return created
+
+
+def _legacy_run(folder: Path) -> bool:
+    checkpoints = folder / "checkpoints"
+    return checkpoints.is_dir() and any(_LEGACY_CHECKPOINT.fullmatch(p.name) for p in checkpoints.iterdir())
+
+
+def _mark(folder: Path, holds: str) -> None:
+    write_atomically(folder / MARKER, json.dumps({**WRITTEN_BY, "holds": holds}).encode())
+
+
+def stamped(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` with mixprec's stamp first: what :func:`check_overwrite` recognises later."""
+    return {**WRITTEN_BY, **payload}
+
+
+def check_overwrite(path: str | Path, argument: str) -> Path:
+    """``path``, once it is clear that writing it loses nothing: it does not exist, or it is a JSON file
+    mixprec wrote (:func:`stamped`).
+
+    Raises:
+        ValueError: ``path`` is a folder, or a file mixprec did not write; the message names ``argument``.
+    """
+    path = Path(path)
+    if not path.exists():
+        return path
+    if path.is_dir():
+        raise ValueError(f"{argument} {path}: is a folder; name a file to write.")
+    try:
+        ours = json.loads(path.read_text(encoding="utf-8")).get("written_by") == "mixprec"
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise ValueError(
+            f"{argument} {path}: this file exists and mixprec did not write it; mixprec never writes over a file "
+            "it did not write: name a new file, or move this one away."
+        )
+    return path

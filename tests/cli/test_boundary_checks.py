@@ -1,0 +1,105 @@
+"""Every argument and file checked at the boundary (issue 34, class 3): paths, signal sets, seeds, cache and config
+entries, metrics, factories; a malformed one is measured again or refused naming the file and the key."""
+
+import json
+
+import pytest
+import torch
+
+import mixprec.app
+from mixprec.compute import kernel_plan
+from mixprec.compute.kernels import CACHE_VERSION, FAMILIES, machine_key
+
+TINY = ("--size", "tiny", "--steps", "2", "--quiet")
+
+
+def _one_line_error(finished, *needles):
+    assert finished.returncode == 2, (finished.stdout, finished.stderr)
+    lines = finished.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in finished.stderr, finished.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "value, needles",
+    [
+        ("", ("--out", "empty path")),
+        ("a" * 300, ("--out", "longer than this system allows", "(300 characters)")),
+        ("/".join(["d"] * 2100), ("--out", "4096 bytes")),
+    ],
+    ids=["empty", "a name past 255 bytes", "a path past 4096 bytes"],
+)
+def test_a_path_is_checked_before_anything_runs(mixprec_cli, tmp_path, value, needles):
+    line = _one_line_error(mixprec_cli("train", "digits", "--out", value, *TINY, cwd=tmp_path), *needles)
+    assert len(line) < 400  # the echo is cut
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["SIGSEGV", "SIGCHLD", "SIGPIPE", "SIGWINCH", "SIGKILL", "SIGRTMIN", "NOPE"])
+def test_only_signals_a_run_can_stop_on_are_accepted(mixprec_cli, tmp_path, name):
+    # SIGSEGV was accepted: its handler returned into the faulting instruction, a loop at 100% CPU, deaf to SIGTERM
+    finished = mixprec_cli("train", "digits", "--stop-signals", f"SIGTERM,{name}", *TINY, cwd=tmp_path)
+    _one_line_error(finished, "stop_signals", name, "SIGTERM, SIGHUP")
+    with pytest.raises(ValueError, match="not a signal a run can stop on"):
+        mixprec.app.RunOptions(stop_signals=("SIGTERM", name))
+
+
+def test_a_factory_that_fails_is_named_as_the_failure(mixprec_cli, tmp_path):
+    finished = mixprec_cli("train", "--model", "os:getcwd", *TINY, cwd=tmp_path)
+    _one_line_error(finished, "task 'os:getcwd': the factory getcwd(config) failed (TypeError:", "TaskParts")
+
+
+def test_a_policy_or_config_file_with_a_key_given_twice_is_refused(mixprec_cli, tmp_path):
+    policy = tmp_path / "advice.json"
+    policy.write_text('{"policy": "fp32", "loss_scale": 1024, "policy": "mixed_fp16"}')
+    finished = mixprec_cli("train", "digits", "--policy", policy, *TINY, cwd=tmp_path)
+    _one_line_error(finished, str(policy), "the key 'policy' is given twice")
+
+    run = tmp_path / "run"
+    assert mixprec_cli("train", "digits", "--out", run, *TINY, cwd=tmp_path).returncode == 0
+    text = (run / "config.json").read_text()
+    (run / "config.json").write_text(text.replace('"seed": 0,', '"seed": 0,\n  "seed": 7,'))
+    finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "3", "--quiet", cwd=tmp_path)
+    _one_line_error(finished, "config.json", "the key 'seed' is given twice")
+
+
+def test_a_batch_size_edited_into_config_json_is_not_resumed_silently(mixprec_cli, tmp_path):
+    run = tmp_path / "run"
+    assert mixprec_cli("train", "digits", "--out", run, "--batch-size", "32", *TINY, cwd=tmp_path).returncode == 0
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "batch_size": 16}))
+    finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "4", "--quiet", cwd=tmp_path)
+    _one_line_error(finished, "belongs to another run", "batch size 32 there, 16 here")
+
+
+def test_metrics_with_binary_bytes_are_refused_naming_the_file_and_line(mixprec_cli, tmp_path):
+    run = tmp_path / "run"
+    assert mixprec_cli("train", "digits", "--out", run, *TINY, cwd=tmp_path).returncode == 0
+    lines = (run / "metrics.jsonl").read_bytes().splitlines()
+    (run / "metrics.jsonl").write_bytes(b"\n".join([lines[0], b"\xff\xfe\x00garbage", *lines[1:]]) + b"\n")
+    finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "3", "--quiet", cwd=tmp_path)
+    _one_line_error(finished, "metrics.jsonl: line 2 is not a metrics record", "move it away")
+
+
+class _Timer:
+    def __call__(self, family, candidate):
+        return {"native": 5.0, "emulated": 1.0}.get(candidate, 1.0)
+
+
+@pytest.mark.parametrize(
+    "timings",
+    [{"matmul": {"native": "fast"}}, {"matmul": ["x"]}, "slow", {"matmul": {"native": float("nan")}}],
+    ids=["a string for a figure", "a list for a family", "a string for the table", "NaN"],
+)
+def test_a_malformed_kernel_cache_entry_is_measured_again(tmp_path, timings):
+    # a string for a figure crashed the compute plan's reason: "Unknown format code 'f' for object of type 'str'"
+    entry = {"choices": dict.fromkeys(FAMILIES, "native"), "timings_ms": timings}
+    cache = {"version": CACHE_VERSION, "entries": {machine_key(torch.float16): entry}}
+    (tmp_path / "kernels.json").write_text(json.dumps(cache))
+    plan = kernel_plan(torch.float16, timer=_Timer(), cache_dir=tmp_path)
+    assert plan.source == "measured"
+    assert "native 5.00 ms" in plan.describe()  # formats every figure (the malformed one crashed here)
+    saved = json.loads((tmp_path / "kernels.json").read_text())["entries"][machine_key(torch.float16)]
+    assert all(isinstance(ms, float) for figures in saved["timings_ms"].values() for ms in figures.values())
