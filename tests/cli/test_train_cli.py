@@ -254,10 +254,6 @@ def nan_factory_file(tmp_path):
         (("train", "--model", "no_such_module:build"), ("cannot import 'no_such_module'",)),
         (("train", "--model", "nanfactory:missing"), ("has no callable 'missing'",)),
         (("train", "--model", "nanfactory:wrong"), ("returned int", "TaskParts")),
-        (
-            ("train", "--model", "nanfactory:build", "--policy", "fp32"),
-            ("NaN or inf in its inputs", "--skip-bad-batches"),
-        ),
         (("train", "digits", "--batch-size", "0"), ("--batch-size: received 0",)),
         (("train", "--resume"), ("--resume needs --out",)),
         (("train", "--out", "{tmp}", "--resume"), ("is not a mixprec run folder",)),

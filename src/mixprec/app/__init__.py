@@ -12,6 +12,7 @@ from mixprec.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
+    from mixprec.app.failures import BadBatchError
     from mixprec.app.resume import ForeignCheckpointError
     from mixprec.app.task import Metric, TaskConfig, TaskParts, accuracy, bits_per_char, build_task, warmup_linear
     from mixprec.app.trainer import FitResult, Trainer, TrainingInterrupted
@@ -30,6 +31,7 @@ _SOURCES = {
     "FitResult": "mixprec.app.trainer",
     "Trainer": "mixprec.app.trainer",
     "TrainingInterrupted": "mixprec.app.trainer",
+    "BadBatchError": "mixprec.app.failures",
     "BatchChecks": "mixprec.app.trainer_options",
     "RunOptions": "mixprec.app.trainer_options",
     "TrainData": "mixprec.app.trainer_options",
@@ -39,6 +41,7 @@ _SOURCES = {
 __getattr__, __dir__ = lazy_names(__name__, globals(), _SOURCES)
 
 __all__ = [
+    "BadBatchError",
     "BatchChecks",
     "FitResult",
     "ForeignCheckpointError",

@@ -37,6 +37,7 @@ from torch import nn
 
 from mixprec.app.checkpoint import list_checkpoints
 from mixprec.app.evaluate import batch_size, evaluate, to_device
+from mixprec.app.failures import BadBatchError
 from mixprec.app.lifecycle import RunLifecycle, TrainingInterrupted
 from mixprec.app.metrics_log import LogInterval, MetricsLog
 from mixprec.app.progress import ProgressBar
@@ -177,7 +178,8 @@ class Trainer:
 
         Raises:
             TrainingInterrupted: on a stop signal, after saving a checkpoint.
-            ValueError: bad arguments, or a batch with non-finite inputs under ``on_bad_batch="stop"``.
+            ValueError: bad arguments.
+            BadBatchError: a batch with non-finite inputs or loss under ``on_bad_batch="stop"`` (a ValueError).
         """
         total = self.total_steps(epochs, steps)
         self._start(total, resume, "steps" if steps is not None else "epochs")
@@ -368,7 +370,7 @@ class Trainer:
             return True
         where = f"batch {self.batch_in_epoch} of epoch {self.epoch}"
         if self.checks.on_bad_batch == "stop":
-            raise ValueError(
+            raise BadBatchError(
                 f"{where} has NaN or inf in its inputs; refusing to train on it. Clean the data, or pass "
                 "checks=BatchChecks(on_bad_batch='skip') (CLI: --skip-bad-batches) to drop such batches."
             )
@@ -397,7 +399,7 @@ class Trainer:
                 if self.mp.policy.compute_dtype == torch.float16
                 else ""
             )
-            raise ValueError(
+            raise BadBatchError(
                 f"{where}: {origin}; refusing to train on it. Fix the model or the data, or pass "
                 f"checks=BatchChecks(on_bad_batch='skip') (CLI: --skip-bad-batches) to drop such batches.{fp16}"
             )

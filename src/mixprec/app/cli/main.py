@@ -1,7 +1,16 @@
 """The ``mixprec`` command: one argparse parser, one subcommand module each.
 
-Errors in user input (``ValueError``, ``TypeError``, unreadable files) become one line on stderr and
-exit status 2; no traceback. Set ``MIXPREC_DEBUG=1`` to see the traceback of such an error.
+Its exit status means one thing each (docs/training.md, "Exit statuses"):
+
+    0        success
+    2        a usage error: an argument, a file or a folder given is wrong (``ValueError``, ``TypeError``,
+             a missing extra); nothing ran, or what ran is refused before it trained wrong
+    1        a runtime failure: the machine refused (``OSError``: a checkpoint that cannot be written), the
+             data stopped the run (``BadBatchError``), a peer of a distributed run was lost, a finding
+             (``doctor``: FP32 itself makes inf/NaN), or an error of mixprec's own (with its traceback)
+    128 + N  stopped by signal N, after its checkpoint (130 Ctrl-C, 143 SIGTERM)
+
+Usage errors and runtime failures print one line on stderr, no traceback; ``MIXPREC_DEBUG=1`` shows it.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from mixprec.app.cli import (
     train_cmd,
 )
 from mixprec.app.cli.output import surviving_output
+from mixprec.app.failures import BadBatchError
 from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS
 
 USAGE_ERROR = 2
+RUNTIME_FAILURE = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,10 +111,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         message = " ".join(str(exc).split())  # one line, whatever the exception's own layout
         print(f"mixprec {args.command}: error: {message}", file=sys.stderr)
-        return USAGE_ERROR
+        return RUNTIME_FAILURE if _at_run_time(exc) else USAGE_ERROR
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return 130
+
+
+def _at_run_time(error: BaseException) -> bool:
+    """Whether ``error`` is a runtime failure (exit 1), not a usage error (exit 2): the machine refused (an
+    OSError: a disk, a permission, a file system) or the data stopped the run (BadBatchError)."""
+    return isinstance(error, (OSError, BadBatchError))
 
 
 def console_main() -> None:
