@@ -1,10 +1,19 @@
-"""A guard: the model's weights must still hold their FP32 masters' rounding at the first update.
+"""A guard: the model's weights must still hold their FP32 masters' rounding at every update.
 
 MixedPrecision makes the FP32 masters (o2 policies) from the exact weights, then rounds them into the model;
 each update writes the masters back over the model. Weights changed in between would be overwritten, silently:
-DistributedDataParallel broadcasting rank 0's weights to ranks that built different ones, or a
-``model.load_state_dict`` after MixedPrecision was built. Checked once, before the first update: one host sync
-(one flag read), agreed across ranks so that every rank raises together.
+DistributedDataParallel broadcasting rank 0's weights to ranks that built different ones, a
+``model.load_state_dict`` after MixedPrecision was built, or one mid-training (a "best checkpoint" restored
+after N updates: the next update brought the masters' weights back).
+
+Before the first update every weight is compared with its master: one host sync (one flag read), agreed
+across ranks so that every rank raises together (DDP's broadcast writes no version counter). At every later
+update the weights' version counters are compared with those recorded (a list compare on the host: no device
+work, no sync): an in-place write (``load_state_dict``, ``p.copy_``, ``p.mul_`` under no_grad) moves the
+counter, and only the moved weights are compared with their masters (a host sync only then). mixprec's own
+copies from the masters write through ``.data``, which moves no counter. A later drift is found by the ranks
+that wrote their weights (all of them, when every rank runs the same code); a rank that alone did raises
+alone, and its peers end at the next collective with the lost-peer error.
 """
 
 from __future__ import annotations
@@ -20,32 +29,53 @@ __all__ = ["MasterDriftGuard"]
 
 
 class MasterDriftGuard:
-    """Refuses the first update where the model's 16-bit weights are no longer the masters' roundings."""
+    """Refuses an update where the model's 16-bit weights are no longer the masters' roundings."""
 
     def __init__(self, masters: MasterWeights) -> None:
         self._masters = masters
-        self._checked = False  # once: after the first update the masters are the weights' source
+        self._versions: list[int] | None = None  # after the first update: the weights' counters, as checked
 
     def before_update(self, mp: Any) -> None:
-        if self._checked or not mp.at_update_boundary:
+        if not mp.at_update_boundary:
             return
-        masters = self._masters
-        drifted = masters.drifted()
-        (anywhere,) = agree_max([torch.tensor([float(len(drifted))], device=mp.device)])
-        if anywhere.item():  # host sync, once
-            names = {id(p): name for name, p in mp.model.named_parameters()}
-            where = (
-                f"{len(drifted)} of the model's {len(masters)} {mp.policy.param_dtype} parameters (first: "
-                f"{names.get(id(masters.model_params[drifted[0]]), '?')!r})"
-                if drifted
-                else f"another rank's {mp.policy.param_dtype} parameters"
-            )
-            raise RuntimeError(
-                f"MixedPrecision.step(): {where} no longer hold their FP32 masters' rounding: the weights were changed "
-                "after MixedPrecision made the masters from them, and this update would write the masters back over "
-                "them. Typical causes: DistributedDataParallel broadcast rank 0's weights to ranks that built "
-                "different ones (seed the model's initialization, or call mixprec.distributed.copy_from_main("
-                "list(model.parameters())) before MixedPrecision), or a load_state_dict on the model (load the "
-                "weights before building MixedPrecision, or use mp.load_state_dict)."
-            )
-        self._checked = True
+        params = self._masters.model_params
+        if self._versions is None:
+            drifted = self._masters.drifted()
+            (anywhere,) = agree_max([torch.tensor([float(len(drifted))], device=mp.device)])
+            if anywhere.item():  # host sync, once
+                raise RuntimeError(_message(mp, self._masters, drifted, later=False))
+        else:
+            versions = [p._version for p in params]
+            if versions == self._versions:
+                return
+            moved = [i for i, (now, then) in enumerate(zip(versions, self._versions, strict=True)) if now != then]
+            drifted = [moved[i] for i in self._masters.drifted(moved)]  # host sync, only when a weight was written
+            if drifted:
+                raise RuntimeError(_message(mp, self._masters, drifted, later=True))
+        self._versions = [p._version for p in params]
+
+
+def _message(mp: Any, masters: MasterWeights, drifted: list[int], later: bool) -> str:
+    names = {id(p): name for name, p in mp.model.named_parameters()}
+    where = (
+        f"{len(drifted)} of the model's {len(masters)} {mp.policy.param_dtype} parameters (first: "
+        f"{names.get(id(masters.model_params[drifted[0]]), '?')!r})"
+        if drifted
+        else f"another rank's {mp.policy.param_dtype} parameters"
+    )
+    said = (
+        f"MixedPrecision.step(): {where} no longer hold their FP32 masters' rounding: the weights were changed "
+        "after MixedPrecision made the masters from them, and this update would write the masters back over them."
+    )
+    if later:
+        return (
+            f"{said} They were written in place since the last update (a model.load_state_dict, a copy_ into a "
+            "weight): to restore weights mid-training, load them with mp.load_state_dict (a state saved by "
+            "mp.state_dict), or build a new MixedPrecision after loading them into the model."
+        )
+    return (
+        f"{said} Typical causes: DistributedDataParallel broadcast rank 0's weights to ranks that built different "
+        "ones (seed the model's initialization, or call mixprec.distributed.copy_from_main(list(model.parameters()))"
+        " before MixedPrecision), or a load_state_dict on the model (load the weights before building "
+        "MixedPrecision, or use mp.load_state_dict)."
+    )

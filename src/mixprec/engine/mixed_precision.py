@@ -52,6 +52,7 @@ from mixprec.engine.setup import (
     check_arguments,
     check_model_and_optimizer,
     check_sharding,
+    record_cast,
     rounding_residuals,
     scalers_for,
 )
@@ -128,6 +129,8 @@ class MixedPrecision:
         residuals = rounding_residuals(optimizer, model, self.policy, prepared.lowered, trained, self.sharded)
         if not self.sharded:
             cast_module(model, self.policy)
+            if self.masters is not None:  # a second MixedPrecision on this model is refused by name
+                record_cast(model, self.policy)
         if residuals:  # pure_bf16: p + compensation starts at the exact FP32 weight, not at its rounding
             optimizer.start_from(residuals)
         self._region = Region(prepared)  # prepared once: entering it only enters contexts

@@ -5,6 +5,7 @@ a compensated optimizer. Each refusal names the argument and the fix."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "check_sharding",
     "default_scaler",
     "needs_compensated_optimizer",
+    "record_cast",
     "rounding_residuals",
     "scalers_for",
 ]
@@ -45,6 +47,30 @@ def check_arguments(
         whole_number(value, f"MixedPrecision({name}=...)")
     if not isinstance(accumulate_in_fp32, bool):
         raise TypeError(f"MixedPrecision(accumulate_in_fp32=...) needs True or False; received {accumulate_in_fp32!r}.")
+    _check_not_cast_by_another(model)
+
+
+# the models a MixedPrecision cast and gave FP32 masters (o2) -> its policy: a second MixedPrecision on one is told
+# so, not that the model's weights are not FP32 or that its optimizer holds none of them (the first one's masters).
+# pure_bf16 keeps no masters: a model it left in bf16 may be trained again as it is.
+_CAST_BY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def record_cast(model: nn.Module, policy: Policy) -> None:
+    """Remember that a MixedPrecision under ``policy`` cast ``model``'s parameters."""
+    _CAST_BY[model] = str(policy)
+
+
+def _check_not_cast_by_another(model: nn.Module) -> None:
+    policy = _CAST_BY.get(model)
+    if policy is None or all(p.dtype == torch.float32 for p in model.parameters()):  # cast back to FP32: free
+        return
+    raise ValueError(
+        f"MixedPrecision(model=...): this model is already trained by a MixedPrecision under {policy}, which cast "
+        "its parameters to 16 bits (and gave its optimizer FP32 masters in their place, where the policy keeps "
+        "them): one MixedPrecision per model. Keep using the first one, or build a fresh FP32 model and optimizer "
+        "for another MixedPrecision."
+    )
 
 
 def default_scaler(policy: Policy) -> LossScaler:

@@ -67,16 +67,17 @@ class MasterWeights:
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in self.model_params], [m.data for m in self.masters])
 
-    def drifted(self) -> list[int]:
-        """Indices of the model's parameters that no longer hold their master's rounding: something wrote
-        them since the masters were made or last copied in (DDP's broadcast of rank 0's weights, a
-        ``load_state_dict`` on the model), and the next update would write the masters back over them.
-        One host sync for all of them."""
-        if not self.masters:
+    def drifted(self, among: list[int] | None = None) -> list[int]:
+        """Indices (into ``among``, default every parameter) of the model's parameters that no longer hold
+        their master's rounding: something wrote them since the masters were made or last copied in (DDP's
+        broadcast of rank 0's weights, a ``load_state_dict`` on the model), and the next update would write
+        the masters back over them. One host sync for all of them."""
+        indices = range(len(self.masters)) if among is None else among
+        if not indices:
             return []
         with torch.no_grad():
-            differs = [_differs(p, m.to(p.dtype)) for p, m in zip(self.model_params, self.masters, strict=True)]
-            return [i for i, flag in enumerate(torch.stack(differs).tolist()) if flag]
+            differs = [_differs(self.model_params[i], self.masters[i].to(self.model_params[i].dtype)) for i in indices]
+            return [n for n, flag in enumerate(torch.stack(differs).tolist()) if flag]
 
     def zero_grad(self) -> None:
         for master in self.masters:
