@@ -80,6 +80,9 @@ def test_a_json_file_is_written_over_only_when_mixprec_wrote_it(mixprec_cli, tmp
     for _ in range(2):  # the second time over the file the first wrote
         assert mixprec_cli("doctor", "digits", "--steps", "2", "--apply", ours, cwd=tmp_path).returncode == 0
     assert json.loads(ours.read_text())["written_by"] == "mixprec"
+    older = tmp_path / "older.json"  # an earlier doctor's, from before the stamp: its keys and source say so
+    older.write_text('{"policy": "fp32", "loss_scale": null, "reasons": [], "source": "mixprec doctor digits"}')
+    assert mixprec_cli("doctor", "digits", "--steps", "2", "--apply", older, cwd=tmp_path).returncode == 0
 
     results = tmp_path / "results"
     results.mkdir()

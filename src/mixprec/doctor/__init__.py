@@ -9,7 +9,7 @@ The histograms as a PNG are drawn by the application: :func:`mixprec.app.histogr
 """
 
 from mixprec.doctor.advice import Diagnosis, FormatAdvice, diagnose, recommend_scale
-from mixprec.doctor.policy_file import read_policy_file, write_policy_file
+from mixprec.doctor.policy_file import check_policy_target, read_policy_file, write_policy_file
 from mixprec.doctor.report import PHASES, DoctorReport, FormatRange, Histogram, ModuleStats
 from mixprec.doctor.trace import NonFiniteEvent, NonFiniteTracer
 from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
@@ -26,6 +26,7 @@ __all__ = [
     "NonFiniteEvent",
     "NonFiniteTracer",
     "RangeWatch",
+    "check_policy_target",
     "diagnose",
     "read_policy_file",
     "recommend_scale",

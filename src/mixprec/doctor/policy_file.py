@@ -15,13 +15,13 @@ from mixprec.doctor.advice import Diagnosis
 from mixprec.persist import WRITTEN_BY, check_overwrite, stamped, write_atomically
 from mixprec.policy.parse import get_policy
 
-__all__ = ["read_policy_file", "write_policy_file"]
+__all__ = ["check_policy_target", "read_policy_file", "write_policy_file"]
 
 
 def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") -> Path:
     """Write the recommended policy and loss scale to ``path`` (atomically); a file there that mixprec did not
     write is refused, never written over."""
-    path = check_overwrite(path, "--apply")
+    path = check_policy_target(path)
     payload = stamped(
         {
             "policy": diagnosis.policy,
@@ -33,6 +33,29 @@ def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(payload, indent=1).encode())
     return path
+
+
+def check_policy_target(path: str | Path) -> Path:
+    """``path``, once writing the advice there loses nothing: no file, or one a mixprec doctor wrote.
+
+    Raises:
+        ValueError: a folder, or a file mixprec did not write (named as ``--apply``).
+    """
+    path = Path(path)
+    return path if _advice_from_before_the_stamp(path) else check_overwrite(path, "--apply")
+
+
+def _advice_from_before_the_stamp(path: Path) -> bool:
+    """A file an earlier mixprec doctor wrote (no ``written_by`` yet): its keys and its source say so."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(data, dict)
+        and set(data) == {"policy", "loss_scale", "reasons", "source"}
+        and str(data["source"]).startswith("mixprec doctor ")
+    )
 
 
 def read_policy_file(path: str | Path) -> tuple[str, float | None]:

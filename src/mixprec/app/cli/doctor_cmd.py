@@ -57,13 +57,13 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.run import resolve_device
     from mixprec.app.task import TaskConfig, build_task
     from mixprec.compute import device_caps, device_type_of
-    from mixprec.doctor import diagnose, write_policy_file
-    from mixprec.persist import DOCTOR_REPORT, check_folder, check_overwrite, claim_folder
+    from mixprec.doctor import check_policy_target, diagnose, write_policy_file
+    from mixprec.persist import DOCTOR_REPORT, check_folder, claim_folder
 
     device = resolve_device(args.device)
     # where the results go, before the diagnosis's minutes: a folder or file mixprec did not write is refused
     if args.apply is not None:
-        check_overwrite(args.apply, "--apply")
+        check_policy_target(args.apply)
     out = args.out or Path("runs") / f"doctor-{spec.replace(':', '-').replace('.', '-')}"
     check_folder(out, DOCTOR_REPORT, "--out")  # claimed once the diagnosis is done: a failed one leaves nothing
     torch.manual_seed(args.seed)

@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.serve_bench import as_records, serve_bench  # the 'train' extra
     from mixprec.persist import check_overwrite, stamped, write_atomically
 
-    # before the measurements: a file mixprec did not write is refused, not written over
-    target = check_overwrite(args.json or args.run_dir / "serve_bench.json", "--json")
+    # before the measurements: a --json file mixprec did not write is refused (the run folder's own name is its)
+    target = check_overwrite(args.json, "--json") if args.json else args.run_dir / "serve_bench.json"
     results = serve_bench(
         args.run_dir,
         batches,
