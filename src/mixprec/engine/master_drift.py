@@ -8,10 +8,10 @@ after N updates: the next update brought the masters' weights back).
 
 Before the first update every weight is compared with its master: one host sync (one flag read), agreed
 across ranks so that every rank raises together (DDP's broadcast writes no version counter). At every later
-update the weights' version counters are compared with those recorded (a list compare on the host: no device
-work, no sync): an in-place write (``load_state_dict``, ``p.copy_``, ``p.mul_`` under no_grad) moves the
-counter, and only the moved weights are compared with their masters (a host sync only then). mixprec's own
-copies from the masters write through ``.data``, which moves no counter. A later drift is found by the ranks
+update the weights' version counters are compared with those recorded after the last copy from the masters
+(a list compare on the host: no device work, no sync): an in-place write (``load_state_dict``, ``p.copy_``,
+``p.mul_`` under no_grad) moves a counter, and only the moved weights are compared with their masters (a host
+sync only then). A later drift is found by the ranks
 that wrote their weights (all of them, when every rank runs the same code); a rank that alone did raises
 alone, and its peers end at the next collective with the lost-peer error.
 """
@@ -33,26 +33,27 @@ class MasterDriftGuard:
 
     def __init__(self, masters: MasterWeights) -> None:
         self._masters = masters
-        self._versions: list[int] | None = None  # after the first update: the weights' counters, as checked
+        self._checked = False  # every weight compared with its master, once, before the first update
 
     def before_update(self, mp: Any) -> None:
         if not mp.at_update_boundary:
             return
-        params = self._masters.model_params
-        if self._versions is None:
-            drifted = self._masters.drifted()
+        masters = self._masters
+        if not self._checked:
+            drifted = masters.drifted()
             (anywhere,) = agree_max([torch.tensor([float(len(drifted))], device=mp.device)])
             if anywhere.item():  # host sync, once
-                raise RuntimeError(_message(mp, self._masters, drifted, later=False))
-        else:
-            versions = [p._version for p in params]
-            if versions == self._versions:
-                return
-            moved = [i for i, (now, then) in enumerate(zip(versions, self._versions, strict=True)) if now != then]
-            drifted = [moved[i] for i in self._masters.drifted(moved)]  # host sync, only when a weight was written
-            if drifted:
-                raise RuntimeError(_message(mp, self._masters, drifted, later=True))
-        self._versions = [p._version for p in params]
+                raise RuntimeError(_message(mp, masters, drifted, later=False))
+            self._checked = True
+            return
+        versions = [p._version for p in masters.model_params]
+        if masters.versions is None or versions == masters.versions:  # None: no update applied yet
+            return
+        moved = [i for i, (now, then) in enumerate(zip(versions, masters.versions, strict=True)) if now != then]
+        drifted = [moved[i] for i in masters.drifted(moved)]  # host sync, only when a weight was written
+        if drifted:
+            raise RuntimeError(_message(mp, masters, drifted, later=True))
+        masters.versions = versions  # written with the values the masters round to: nothing is lost
 
 
 def _message(mp: Any, masters: MasterWeights, drifted: list[int], later: bool) -> str:

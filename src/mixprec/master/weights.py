@@ -47,6 +47,8 @@ class MasterWeights:
                     for k, v in optimizer.state.pop(param).items()
                 }
 
+        self.versions: list[int] | None = None  # the parameters' version counters after the last copy_to_model
+
     def __len__(self) -> int:
         return len(self.masters)
 
@@ -63,9 +65,15 @@ class MasterWeights:
             param.grad = None
 
     def copy_to_model(self) -> None:
-        """Round the masters into the model's parameters (one fused copy per dtype)."""
+        """Round the masters into the model's parameters (one fused copy per dtype), and record the parameters'
+        version counters after it: a write since (a ``load_state_dict`` on the model) moves them.
+
+        Into the parameters themselves under no_grad, not through ``.data``: an alias made per parameter per
+        update cost as much host time as the copy (two ops a parameter: 320 against 140 us at 200 parameters).
+        """
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.model_params], [m.data for m in self.masters])
+            torch._foreach_copy_(self.model_params, self.masters)
+        self.versions = [p._version for p in self.model_params]
 
     def drifted(self, among: list[int] | None = None) -> list[int]:
         """Indices (into ``among``, default every parameter) of the model's parameters that no longer hold
