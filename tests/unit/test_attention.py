@@ -135,3 +135,39 @@ def test_the_causal_mask_is_built_once_and_survives_inference_mode():
     assert leaf.grad is not None
     expected = F.scaled_dot_product_attention(leaf.double(), leaf.double(), leaf.double(), is_causal=True)
     torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)
+
+
+class _AttendLater(_Attend):
+    """Calls attention from its second forward on: a forward that changes what it calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.proj(x)[..., :8] if self.calls == 1 else super().forward(x)
+
+
+def test_a_model_whose_first_forward_calls_no_attention_is_not_watched_again(kernel_cache):
+    # GEMM attention watches every torch call (a TorchFunctionMode, a few us each): 5% of a small model's step
+    # on the CPU proxy (benchmarks/host_cost.py) when it has no attention at all
+    kernel_cache(torch.bfloat16, attention="gemm")
+    torch.manual_seed(0)
+    model, x = _AttendLater(), torch.randn(2, 12, 16)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    for _ in range(2):
+        with mp.autocast():
+            out = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _Attend.forward(model, x)  # PyTorch's kernel: the region no longer routes it
+    assert torch.equal(out, expected.float())
+    # a model that calls attention in its first forward keeps the GEMM path
+    attends = _Attend()
+    mp = mixprec.MixedPrecision(attends, torch.optim.SGD(attends.parameters(), lr=0.1), "mixed_bf16")
+    for _ in range(2):
+        with mp.autocast():
+            routed = attends(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = attends.proj(x).view(2, 12, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    assert torch.equal(routed, gemm_attention(q, k, v, is_causal=True).float())

@@ -137,11 +137,13 @@ class GemmAttention(TorchFunctionMode):
     def __init__(self, refuse: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self._refuse = refuse
+        self.attention_calls = 0  # the attention calls seen: a region whose forward makes none stops watching
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Compiled, the compiler picks its own attention kernel (the probe timed eager kernels).
         if func is F.scaled_dot_product_attention and not torch.compiler.is_compiling():
+            self.attention_calls += 1
             call = _eligible(args, kwargs)
             if call is not None:
                 if self._refuse is not None:

@@ -96,6 +96,7 @@ class Region:
     ) -> None:
         prepared = prepare(model, policy, device)
         self.prepared = prepared
+        self._calls_attention: bool | None = None  # whether the model's forward calls attention: known after one
         self.policy, self.plan, self.model = prepared.policy, prepared.plan, prepared.model
         self.device_type = prepared.device.type
         model = self.model
@@ -150,15 +151,18 @@ class Region:
             wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
             frame = Frame(self, fp32_region)
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
+        attention = None
+        # GEMM attention watches every torch call of the forward (a TorchFunctionMode: a few us each); a model
+        # whose first watched forward called no attention is not watched again
+        if native and not traced and torch.is_grad_enabled() and self._calls_attention is not False:
+            attention = GemmAttention(refuse) if uses_gemm_attention(policy, plan) else None
         with (
             _no_graph_breaks() if traced else null,  # first: it covers everything entered after it
             entered(frame),
             # Not native: the region still owns the precision, so an outer autocast is switched off inside.
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
             # compiled, GEMM attention steps aside (the compiler picks its attention kernel): not entered at all
-            GemmAttention(refuse)
-            if native and not traced and torch.is_grad_enabled() and uses_gemm_attention(policy, plan)
-            else null,
+            attention if attention is not None else null,
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
@@ -168,6 +172,8 @@ class Region:
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
             yield policy
+        if attention is not None and self._calls_attention is None:
+            self._calls_attention = attention.attention_calls > 0
 
     def close(self) -> None:
         """Remove the output-cast hook and the FP8 routing this region installed (none if the model had them)."""
