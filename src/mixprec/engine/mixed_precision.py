@@ -142,6 +142,9 @@ class MixedPrecision:
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
         self._grads_carry_scale = False  # the last backward's gradients are multiplied by a loss scale
+        self._grad_group: tuple[int, Any] = (-1, None)  # (how many optimizer parameters, their one device and dtype)
+        optimized = {id(p) for p in self._optimizer_params()}
+        self._outside_optimizer = [p for p in self._parameters if id(p) not in optimized]
         self._new_window()
 
     def _make_guards(self) -> GuardList:
@@ -235,10 +238,11 @@ class MixedPrecision:
         self._grads_carry_scale = False
         if self.masters is not None:
             self.masters.grads_to_masters()
-        params = [p for p in self._optimizer_params() if p.grad is not None]
+        optimized = self._optimizer_params()
+        params = [p for p in optimized if p.grad is not None]
         grads = [p.grad.float() if into_sums else p.grad for p in params]  # float(): a copy of 16-bit ones only
-        unscaled = [local(g) for g in grads]
-        found = self.scalers[loss_id].unscale_(unscaled)
+        unscaled = [local(g) for g in grads] if self.sharded else grads
+        found = self.scalers[loss_id].unscale_(self._grouped(optimized, unscaled, into_sums))
         before = self._found[loss_id]
         self._found[loss_id] = found if before is None else torch.maximum(before, found)  # 0 or 1, as fused steps need
         if classify_later:
@@ -252,6 +256,17 @@ class MixedPrecision:
                 else:
                     self._sums[id(param)] = (param, grad)
                 param.grad = None
+
+    def _grouped(self, optimized: list[torch.Tensor], grads: list[torch.Tensor], fp32: bool) -> Any:
+        """``grads`` keyed by their one (device, dtype) where the optimizer's parameters share one (a gradient has
+        its parameter's): grouping them tensor by tensor cost 0.4 us each per step. ``fp32``: FP32 copies."""
+        if len(optimized) != self._grad_group[0]:  # parameters added to the optimizer: looked at again
+            kinds = {(p.device, p.dtype) for p in optimized}
+            self._grad_group = (len(optimized), kinds.pop() if len(kinds) == 1 else None)
+        key = self._grad_group[1]
+        if key is None or self.sharded:  # several groups, or DTensor shards: grouped one by one
+            return grads
+        return {(key[0], torch.float32 if fp32 else key[1]): grads}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
@@ -354,8 +369,8 @@ class MixedPrecision:
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        # one registered after MixedPrecision was built is in no optimizer, trains not, and keeps its gradient
-        for param in self._parameters:
+        # the model's parameters no optimizer holds (o2's 16-bit ones, frozen ones): theirs too
+        for param in self._outside_optimizer:
             param.grad = None
         self._new_window()
 

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -30,17 +30,23 @@ def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.d
     return groups
 
 
-def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+Grouped = Mapping[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+
+
+def unscale_and_check_(tensors: Sequence[torch.Tensor] | Grouped, inv_scale: torch.Tensor) -> torch.Tensor:
     """Multiply ``tensors`` by ``inv_scale`` in place; return a 1-element float tensor, 1.0 if any is non-finite.
 
     Args:
-        tensors: dense floating tensors (fp32, fp16 or bf16) on any devices.
+        tensors: dense floating tensors (fp32, fp16 or bf16) on any devices; or already grouped by (device,
+            dtype), by a caller that knows the groups (reading every tensor's device and dtype to group them
+            costs about 0.4 us a tensor of host time, per step).
         inv_scale: a 1-element fp32 tensor; the result lives on its device.
 
     No host sync: the flag is combined on ``inv_scale``'s device with non-blocking copies.
     """
     found = torch.zeros(1, dtype=torch.float32, device=inv_scale.device)
-    for (device, _), group in _groups(tensors).items():
+    groups = tensors if isinstance(tensors, Mapping) else _groups(tensors)
+    for (device, _), group in groups.items():
         found_here = found if device == found.device else torch.zeros(1, dtype=torch.float32, device=device)
         inv_here = inv_scale if device == inv_scale.device else inv_scale.to(device, non_blocking=True)
         _unscale_and_check_group_(group, found_here, inv_here)

@@ -13,12 +13,12 @@ device as a 1-element fp32 tensor; only ``get_scale()`` and ``state_dict()`` rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from mixprec.numerics.finite import unscale_and_check_
+from mixprec.numerics.finite import Grouped, unscale_and_check_
 
 __all__ = ["LossScaler", "check_state_type"]
 
@@ -58,13 +58,17 @@ class LossScaler(ABC):
             )
         return loss * self._scale_on(loss.device).to(loss.dtype)
 
-    def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Divide ``grads`` by the scale in place, in one fused pass per device and dtype.
+    def unscale_(self, grads: Sequence[torch.Tensor] | Grouped) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place, in one fused pass per device and dtype (``grads`` may come
+        grouped by (device, dtype) already: :func:`mixprec.numerics.unscale_and_check_`).
 
         Returns a 1-element fp32 tensor on the scale's device: 1.0 when any gradient is inf or NaN.
         The reciprocal is computed in fp64, as GradScaler does: fp32 division can be inexact.
         """
-        device = grads[0].device if grads else torch.device("cpu")
+        if isinstance(grads, Mapping):  # keyed by (device, dtype)
+            device = next(iter(grads), (torch.device("cpu"),))[0]
+        else:
+            device = grads[0].device if grads else torch.device("cpu")
         scale = self._scale_on(device)
         inv_scale = scale.double().reciprocal().float()
         return unscale_and_check_(grads, inv_scale)
