@@ -138,6 +138,7 @@ class MixedPrecision:
         self._order = CallOrder(accumulation_steps)
         refuse_direct_steps(optimizer, self._order)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
+        self._watched: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())  # (optimizer parameters, what has gradients)
         self._guards = self._make_guards()
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
@@ -153,8 +154,15 @@ class MixedPrecision:
         # the model's parameters without walking its modules each step (280 us a step on BERT)
         self._parameters = parameters.parameters
         drift = [MasterDriftGuard(self.masters)] if self.masters is not None else []
-        watched = lambda: [*self._parameters, *self._optimizer_params()]  # noqa: E731
-        return GuardList([parameters, ScaledGradsGuard(watched), *registered_guards(), *drift])
+        return GuardList([parameters, ScaledGradsGuard(self._with_gradients), *registered_guards(), *drift])
+
+    def _with_gradients(self) -> tuple[torch.Tensor, ...]:
+        """The tensors gradients land on: the model's parameters and the optimizer's (o2's masters), each once;
+        looked at again only when the optimizer's change (a parameter group added)."""
+        optimized = self._optimizer_params()
+        if len(optimized) != self._watched[0]:
+            self._watched = (len(optimized), tuple(dict.fromkeys([*self._parameters, *optimized])))
+        return self._watched[1]
 
     # -- the training step -----------------------------------------------------------------------
     @contextlib.contextmanager

@@ -10,16 +10,21 @@ at the end of each backward tell whether anything wrote to the gradients since, 
 
 A guard (:mod:`mixprec.engine.guards`): it records after each backward that left scaled gradients, and refuses
 before anything else touches them (the next backward, an unscale, a clip, the update) while they still carry the
-scale. Cost: a Python loop over the parameters at each of those points; no host sync, and device work only for a
-replaced gradient (compared with the one it replaced).
+scale. Cost: at each of those points, two loops over the parameters in C (map: the gradient each holds, and its
+version counter), about 0.2 us a parameter; no host sync, and device work only for a replaced gradient (compared
+with the one it replaced).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+_GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
 
 __all__ = ["ScaledGradsGuard"]
 
@@ -29,7 +34,8 @@ class ScaledGradsGuard:
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
         self._params = params  # the model's and the optimizer's now (o2's masters hold the unscaled ones)
-        self._seen: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(param) -> (param, grad, version)
+        # as the last backward left them, column by column: the parameters with a gradient, it, its version
+        self._seen: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
     def before_forward(self, mp: Any) -> None:
         if not mp._grads_carry_scale:  # unscaled or dropped: hold no reference to them while the forward allocates
@@ -66,23 +72,31 @@ class ScaledGradsGuard:
 
     def record(self, params: Iterable[torch.Tensor]) -> None:
         """Remember the gradients of ``params`` now (the end of a backward)."""
-        self._seen = {id(p): (p, p.grad, p.grad._version) for p in params if p.grad is not None}
+        params = list(params)
+        grads = list(map(_GRAD, params))
+        if not all(map(operator.is_not, grads, itertools.repeat(None))):  # (`None in grads` would compare tensors)
+            params = [p for p, g in zip(params, grads, strict=True) if g is not None]
+            grads = [g for g in grads if g is not None]
+        self._seen = (params, grads, list(map(_VERSION, grads)))
 
     def forget(self) -> None:
         """The gradients are unscaled now: changing them is the caller's business."""
-        self._seen = {}
+        self._seen = ([], [], [])
 
     def changed(self) -> torch.Tensor | None:
         """The first parameter whose gradient was written to or replaced since :meth:`record` (a gradient set
         to None is not counted: nothing of it reaches the update), or None. A replacement by an equal copy,
         the old tensor untouched, is not a change: DDP with ``gradient_as_bucket_view`` moves gradients into
         its rebuilt buckets that way (a comparison on the device, only then)."""
-        for key, (param, grad, version) in self._seen.items():
-            now = param.grad
-            if now is None or (now is grad and now._version == version):
+        params, grads, versions = self._seen
+        now = list(map(_GRAD, params))
+        if all(map(operator.is_, now, grads)) and list(map(_VERSION, now)) == versions:
+            return None  # every gradient the one recorded, unchanged: two loops in C
+        for index, (param, grad, version, held) in enumerate(zip(params, grads, versions, now, strict=True)):
+            if held is None or (held is grad and held._version == version):
                 continue
-            if now is not grad and grad._version == version and torch.equal(now, grad):
-                self._seen[key] = (param, now, now._version)
+            if held is not grad and grad._version == version and torch.equal(held, grad):
+                grads[index], versions[index] = held, held._version
                 continue
             return param
         return None
