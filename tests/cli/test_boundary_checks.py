@@ -103,3 +103,21 @@ def test_a_malformed_kernel_cache_entry_is_measured_again(tmp_path, timings):
     assert "native 5.00 ms" in plan.describe()  # formats every figure (the malformed one crashed here)
     saved = json.loads((tmp_path / "kernels.json").read_text())["entries"][machine_key(torch.float16)]
     assert all(isinstance(ms, float) for figures in saved["timings_ms"].values() for ms in figures.values())
+
+
+def test_a_run_under_auto_resumes_under_the_policy_it_trained_with(mixprec_cli, tmp_path, monkeypatch):
+    # 'auto' was decided again at each resume, by the kernel probe: timing noise, another cache or another machine
+    # made the run's own checkpoint "another run's" (and the message said to remove it)
+    run = tmp_path / "run"
+    assert mixprec_cli("train", "digits", "--policy", "auto", "--out", run, *TINY, cwd=tmp_path).returncode == 0
+    trained = json.loads((run / "config.json").read_text())["policy"]
+    assert trained != "auto" and "compute=" in trained
+    slow = tmp_path / "slow-bf16"  # a cache where bf16 GEMMs are 9x slower than FP32: 'auto' would pick fp32 now
+    slow.mkdir()
+    entry = {"choices": dict.fromkeys(FAMILIES, "native"), "timings_ms": {"matmul": {"native": 9.0, "fp32": 1.0}}}
+    cache = {"version": CACHE_VERSION, "entries": {machine_key(torch.bfloat16): entry}}
+    (slow / "kernels.json").write_text(json.dumps(cache))
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(slow))
+    finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "4", "--quiet", cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads((run / "config.json").read_text())["policy"] == trained

@@ -101,3 +101,47 @@ def test_the_trainer_api_refuses_a_folder_of_the_users_files(tmp_path):
             model, torch.optim.SGD(model.parameters(), lr=0.1), data, "fp32", run=mixprec.app.RunOptions(out_dir=folder)
         )
     assert _contents(folder) == {"config.json": b'{"my": 1}', "report.md": b"notes\n"}
+
+
+def test_files_of_another_kind_markers_and_folders_inside_a_run_are_refused(mixprec_cli, tmp_path):
+    run = tmp_path / "run"
+    assert mixprec_cli("train", "digits", "--out", run, *STEPS, cwd=tmp_path).returncode == 0
+    advice = tmp_path / "advice.json"
+    assert mixprec_cli("doctor", "digits", "--steps", "2", "--apply", advice, cwd=tmp_path).returncode == 0
+    serve = ("serve-bench", run, "--batches", "1", "--latency-samples", "2", "--repeats", "1")
+    cases = [
+        ((*serve, "--json", advice), "mixprec wrote it as policy advice"),  # a policy file taken for results
+        ((*serve, "--json", run / ".mixprec"), "marker"),  # the run's marker: the run could not be resumed
+        (("doctor", "digits", "--steps", "2", "--apply", run / ".mixprec"), "marker"),
+        (("train", "digits", "--out", run / "checkpoints" / "sub", *STEPS), "which holds a training run"),
+    ]
+    (run / "serve_bench.json").write_text('{"mine": 1}')  # the default path, the user's file
+    cases.append((serve, "serve_bench.json: this file exists and mixprec did not write it"))
+    before = _contents(tmp_path)
+    for command, needle in cases:
+        finished = mixprec_cli(*command, cwd=tmp_path)
+        assert finished.returncode == 2 and needle in finished.stderr, (command, finished.stderr)
+    assert _contents(tmp_path) == before
+
+    (run / "export").mkdir()
+    (run / "export" / "model-bf16.safetensors").write_text("mine")
+    finished = mixprec_cli("export", run, cwd=tmp_path)
+    assert finished.returncode == 2 and "mixprec did not write" in finished.stderr
+    assert (run / "export" / "model-bf16.safetensors").read_text() == "mine"
+
+    compared = tmp_path / "cmp"
+    finished = mixprec_cli("compare", "digits", "--policies", "fp32", "--out", compared, *STEPS, cwd=tmp_path)
+    assert finished.returncode == 0
+    report = (compared / "report.md").read_bytes()
+    finished = mixprec_cli("compare", "digits", "--policies", "mixed_bf16", "--out", compared, *STEPS, cwd=tmp_path)
+    assert finished.returncode == 2 and "finished comparison" in finished.stderr
+    assert (compared / "report.md").read_bytes() == report
+
+
+def test_a_kernel_cache_folder_holding_the_users_file_is_left_alone(tmp_path):
+    from mixprec.compute import kernel_plan
+
+    (tmp_path / "kernels.json").write_text('{"my": "important data"}')
+    plan = kernel_plan(torch.float16, timer=lambda family, candidate: 1.0, cache_dir=tmp_path)
+    assert plan.source == "measured"
+    assert (tmp_path / "kernels.json").read_text() == '{"my": "important data"}'

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from mixprec.app.checkpoint import load_latest
@@ -25,7 +26,7 @@ from mixprec.app.resume import check_run_identity
 from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
 from mixprec.parallel import with_tied_names
-from mixprec.persist import write_atomically
+from mixprec.persist import EXPORT, claim_folder, folder_holds, write_atomically
 from mixprec.policy import NORM, Policy, get_policy
 from mixprec.regions import autocast, cast_module
 
@@ -70,7 +71,8 @@ def export_run(
     half_model = cast_module(copy.deepcopy(fp32_model), half_policy)
 
     out = run_dir / "export"
-    out.mkdir(exist_ok=True)
+    if not _earlier_export(out):  # a file of the user's there is refused, not written over
+        claim_folder(out, EXPORT, "the export folder")
     metadata = {"task": config.task, "policy": config.policy, "source": str(source)}
     fp32_path, half_path = out / "model-fp32.safetensors", out / f"model-{dtype}.safetensors"
     fp32_tensors = {k: v.contiguous().clone() for k, v in weights.items()}
@@ -122,6 +124,25 @@ def export_policy(policy: Policy, dtype: str) -> Policy:
         fp32_ops=policy.fp32_ops,
         reason=f"{dtype} export, with the trained policy's FP32 modules kept",
     )
+
+
+def _earlier_export(folder: Path) -> bool:
+    """An export folder an earlier mixprec wrote, before the folder marker: only model-*.safetensors files whose
+    metadata names the checkpoint they came from."""
+    if not folder.is_dir() or folder_holds(folder) is not None:
+        return False
+    files = list(folder.iterdir())
+    return bool(files) and all(_exported(path) for path in files)
+
+
+def _exported(path: Path) -> bool:
+    if not (path.is_file() and path.name.startswith("model-") and path.suffix == ".safetensors"):
+        return False
+    try:
+        with safe_open(path, framework="pt") as handle:
+            return "source" in (handle.metadata() or {})
+    except Exception:  # not a safetensors file at all (safetensors raises its own kinds): not an export
+        return False
 
 
 def fp32_weights(run_dir: Path, trainer, allow_foreign: bool) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -37,6 +37,7 @@ import functools
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -249,6 +250,9 @@ def _milliseconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_OURS = re.compile(rb'\s*\{\s*"version"\s*:')  # how every cache mixprec writes begins, damaged or not
+
+
 def _read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -260,8 +264,11 @@ def _read_cache(path: Path) -> dict:
 
 
 def _write_cache(path: Path, entries: dict) -> None:
-    """Atomic replace; a cache that cannot be written (read-only home) only costs a re-measure."""
+    """Atomic replace; a cache that cannot be written (read-only home) only costs a re-measure. A file there that
+    is not a cache mixprec wrote (``$MIXPREC_CACHE_DIR`` pointed at a folder of the user's) is left alone."""
     with contextlib.suppress(OSError):
+        if path.exists() and not _OURS.match(path.read_bytes()[:64]):
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1).encode())
 

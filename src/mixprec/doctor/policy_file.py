@@ -28,34 +28,25 @@ def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") 
             "loss_scale": diagnosis.loss_scale,
             "reasons": list(diagnosis.reasons),
             "source": source,
-        }
+        },
+        KIND,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(payload, indent=1).encode())
     return path
 
 
+KIND = "policy advice"
+
+
 def check_policy_target(path: str | Path) -> Path:
-    """``path``, once writing the advice there loses nothing: no file, or one a mixprec doctor wrote.
+    """``path``, once writing the advice there loses nothing: no file, or one a mixprec doctor wrote (an
+    earlier one, before the ``written_by`` stamp, told by its four keys).
 
     Raises:
-        ValueError: a folder, or a file mixprec did not write (named as ``--apply``).
+        ValueError: a folder, or a file mixprec did not write as advice (named as ``--apply``).
     """
-    path = Path(path)
-    return path if _advice_from_before_the_stamp(path) else check_overwrite(path, "--apply")
-
-
-def _advice_from_before_the_stamp(path: Path) -> bool:
-    """A file an earlier mixprec doctor wrote (no ``written_by`` yet): its keys and its source say so."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(data, dict)
-        and set(data) == {"policy", "loss_scale", "reasons", "source"}
-        and str(data["source"]).startswith("mixprec doctor ")
-    )
+    return check_overwrite(path, "--apply", KIND, earlier_keys=frozenset({"policy", "loss_scale", "reasons", "source"}))
 
 
 def read_policy_file(path: str | Path) -> tuple[str, float | None]:
@@ -73,10 +64,11 @@ def read_policy_file(path: str | Path) -> tuple[str, float | None]:
         raise ValueError(
             f"--policy {path}: expected a JSON object with a 'policy' string, as `mixprec doctor --apply` writes."
         )
-    unknown = set(data) - {"policy", "loss_scale", "reasons", "source", *WRITTEN_BY}
+    unknown = set(data) - {"policy", "loss_scale", "reasons", "source", "kind", *WRITTEN_BY}
     if unknown:
         raise ValueError(
-            f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source, written_by."
+            f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source, "
+            "written_by, kind."
         )
     try:
         get_policy(data["policy"])

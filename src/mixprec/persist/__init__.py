@@ -9,6 +9,7 @@ Used by mixprec's own checkpoints (:mod:`mixprec.app.checkpoint`) and by the int
 from mixprec.persist.ownership import (
     COMPARISON,
     DOCTOR_REPORT,
+    EXPORT,
     RUN,
     WRITTEN_BY,
     check_folder,
@@ -29,6 +30,7 @@ from mixprec.persist.state_file import (
 __all__ = [
     "COMPARISON",
     "DOCTOR_REPORT",
+    "EXPORT",
     "RUN",
     "WRITTEN_BY",
     "CheckpointError",

@@ -24,6 +24,7 @@ from mixprec.persist.state_file import write_atomically
 __all__ = [
     "COMPARISON",
     "DOCTOR_REPORT",
+    "EXPORT",
     "MARKER",
     "RUN",
     "WRITTEN_BY",
@@ -40,6 +41,9 @@ WRITTEN_BY = {"written_by": "mixprec"}
 RUN = "a training run"
 COMPARISON = "a comparison of policies"
 DOCTOR_REPORT = "a doctor report"
+EXPORT = "an export of a run's weights"
+# what one of mixprec's folders may hold inside it: a comparison its runs, a run its export; nothing else
+_MAY_HOLD = {COMPARISON: {RUN}, RUN: {EXPORT}}
 _LEGACY_CHECKPOINT = re.compile(r"step-\d{8}\.(safetensors|sharded)")
 
 
@@ -71,6 +75,7 @@ def check_folder(folder: str | Path, holds: str, argument: str) -> Path:
     """
     folder = Path(folder)
     if not folder.exists():
+        _check_not_inside_a_run(folder, holds, argument)
         return folder
     if not folder.is_dir():
         raise ValueError(f"{argument} {folder}: is a file, not a folder; name a new folder for {holds}.")
@@ -101,6 +106,19 @@ def claim_folder(folder: str | Path, holds: str, argument: str) -> bool:
     return created
 
 
+def _check_not_inside_a_run(folder: Path, holds: str, argument: str) -> None:
+    """A new folder inside one of mixprec's (say in a run's checkpoints/, which mixprec prunes) is refused, but
+    for a comparison's runs and a run's export."""
+    folder = folder.absolute()
+    for parent in folder.parents:  # the nearest of mixprec's folders around it decides
+        found = folder_holds(parent)
+        if found is None:
+            continue
+        if parent != folder.parent or holds not in _MAY_HOLD.get(found, ()):
+            raise ValueError(f"{argument} {folder}: is inside {parent}, which holds {found}; name a folder outside it.")
+        return
+
+
 def _legacy_run(folder: Path) -> bool:
     checkpoints = folder / "checkpoints"
     return checkpoints.is_dir() and any(_LEGACY_CHECKPOINT.fullmatch(p.name) for p in checkpoints.iterdir())
@@ -110,30 +128,37 @@ def _mark(folder: Path, holds: str) -> None:
     write_atomically(folder / MARKER, json.dumps({**WRITTEN_BY, "holds": holds}).encode())
 
 
-def stamped(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` with mixprec's stamp first: what :func:`check_overwrite` recognises later."""
-    return {**WRITTEN_BY, **payload}
+def stamped(payload: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``payload`` with mixprec's stamp first, and what kind of file it is: what :func:`check_overwrite` recognises
+    later (a file of one kind is never written over by another: a policy file by benchmark results)."""
+    return {**WRITTEN_BY, "kind": kind, **payload}
 
 
-def check_overwrite(path: str | Path, argument: str) -> Path:
-    """``path``, once it is clear that writing it loses nothing: it does not exist, or it is a JSON file
-    mixprec wrote (:func:`stamped`).
+def check_overwrite(path: str | Path, argument: str, kind: str, earlier_keys: frozenset[str] = frozenset()) -> Path:
+    """``path``, once it is clear that writing a file of ``kind`` there loses nothing: it does not exist, or it
+    is a JSON file mixprec wrote as that kind (:func:`stamped`), or one an earlier mixprec wrote before the
+    stamp, told by its keys being exactly ``earlier_keys``.
 
     Raises:
-        ValueError: ``path`` is a folder, or a file mixprec did not write; the message names ``argument``.
+        ValueError: ``path`` is a folder, a folder marker, or a file mixprec did not write as ``kind``; the
+            message names ``argument``.
     """
     path = Path(path)
+    if path.name == MARKER:
+        raise ValueError(f"{argument} {path}: is the folder's {MARKER} marker; name another file.")
     if not path.exists():
         return path
     if path.is_dir():
         raise ValueError(f"{argument} {path}: is a folder; name a file to write.")
     try:
-        ours = json.loads(path.read_text(encoding="utf-8")).get("written_by") == "mixprec"
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        ours = False
-    if not ours:
-        raise ValueError(
-            f"{argument} {path}: this file exists and mixprec did not write it; mixprec never writes over a file "
-            "it did not write: name a new file, or move this one away."
-        )
-    return path
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError, JSONDecodeError
+        data = None
+    stamp = (data.get("written_by"), data.get("kind")) if isinstance(data, dict) else None
+    if stamp == ("mixprec", kind) or (earlier_keys and isinstance(data, dict) and set(data) == earlier_keys):
+        return path
+    said = f"mixprec wrote it as {data['kind']}" if stamp and stamp[0] == "mixprec" else "mixprec did not write it"
+    raise ValueError(
+        f"{argument} {path}: this file exists and {said}; mixprec never writes over a file it did not write as "
+        f"{kind}: name a new file, or move this one away."
+    )

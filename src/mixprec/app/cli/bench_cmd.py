@@ -37,6 +37,9 @@ def _list(text: str, name: str, valid: tuple[str, ...] | None = None) -> list[st
     return items
 
 
+KIND = "bench results"
+
+
 def run(args: argparse.Namespace) -> int:
     from mixprec.app.bench import suites  # imports the tasks' models
     from mixprec.app.machine import machine_info
@@ -52,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1; received {repeats}.")
     if args.quick:
         models, seeds = [m for m in models if m in ("mlp", "cnn")] or ["mlp"], seeds[:1]
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out}: is a file; name a folder for the results.")
     for suite in chosen:  # before the first bench's minutes: a result file mixprec did not write is refused
-        check_overwrite(args.out / f"bench_{suite}.json", "--out")
+        check_overwrite(args.out / f"bench_{suite}.json", "--out", KIND, frozenset({"machine", "quick", "records"}))
+    args.out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     print(f"{machine['cpu']}, {machine['torch_threads']} threads, ISA: {machine['isa']}; torch {machine['torch']}")
     for suite in chosen:
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             records = suites.gemm_suite((256, 512) if args.quick else (512, 1024, 2048), repeats)
             print(_gemm_table(records))
         path = args.out / f"bench_{suite}.json"
-        payload = stamped({"machine": machine, "quick": args.quick, "records": records})
+        payload = stamped({"machine": machine, "quick": args.quick, "records": records}, KIND)
         write_atomically(path, json.dumps(payload, indent=2).encode())
         print(f"wrote {path}\n", flush=True)
     return 0

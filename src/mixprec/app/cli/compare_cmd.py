@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     base = config_from(args, policies[0][0])
     out = args.out or Path("runs") / slug(f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     claim_folder(out, COMPARISON, "--out")  # refused: a folder of files mixprec did not write
+    if (out / "report.md").exists():  # a finished comparison: its table and plots would be written over
+        raise ValueError(f"--out {out}: this folder holds a finished comparison (its report.md); name a new folder.")
     outcomes: list[RunOutcome] = []
     for spec, policy in policies:  # each parsed once, above
         if not args.quiet:

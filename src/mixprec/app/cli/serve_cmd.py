@@ -45,6 +45,10 @@ def _batches(text: str) -> tuple[int, ...]:
     return batches
 
 
+KIND = "serve-bench results"
+EARLIER_KEYS = frozenset({"machine", "run", "seq", "results"})  # what serve-bench wrote before the stamp
+
+
 def run(args: argparse.Namespace) -> int:
     batches = _batches(args.batches)
     for name in ("seq", "repeats", "latency_samples"):
@@ -55,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.persist import check_overwrite, stamped, write_atomically
 
     # before the measurements: a --json file mixprec did not write is refused (the run folder's own name is its)
-    target = check_overwrite(args.json, "--json") if args.json else args.run_dir / "serve_bench.json"
+    target = check_overwrite(args.json or args.run_dir / "serve_bench.json", "--json", KIND, EARLIER_KEYS)
     results = serve_bench(
         args.run_dir,
         batches,
@@ -81,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{metric or 'loss'} on the {base.split} split; latency of one sequence, throughput in sequences/s")
     print(render_table(headers, rows))
     payload = stamped(
-        {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}
+        {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}, KIND
     )
+    target.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(target, (json.dumps(payload, indent=1) + "\n").encode())
     print(f"wrote {target}")
     return 0
