@@ -41,7 +41,7 @@ def test_a_path_is_checked_before_anything_runs(mixprec_cli, tmp_path, value, ne
 def test_only_signals_a_run_can_stop_on_are_accepted(mixprec_cli, tmp_path, name):
     # SIGSEGV was accepted: its handler returned into the faulting instruction, a loop at 100% CPU, deaf to SIGTERM
     finished = mixprec_cli("train", "digits", "--stop-signals", f"SIGTERM,{name}", *TINY, cwd=tmp_path)
-    _one_line_error(finished, "stop_signals", name, "SIGTERM, SIGHUP")
+    _one_line_error(finished, "--stop-signals", name, "SIGTERM, SIGHUP")
     with pytest.raises(ValueError, match="not a signal a run can stop on"):
         mixprec.app.RunOptions(stop_signals=("SIGTERM", name))
 
@@ -121,3 +121,40 @@ def test_a_run_under_auto_resumes_under_the_policy_it_trained_with(mixprec_cli, 
     finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "4", "--quiet", cwd=tmp_path)
     assert finished.returncode == 0, finished.stderr
     assert json.loads((run / "config.json").read_text())["policy"] == trained
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (("train", "digits", "--out", "bad\udcff", *TINY), ("--out", "not UTF-8")),
+        (("demo", "--seed", "-5", "--steps", "1"), ("--seed", "from 0 to 4294967295")),
+        (("demo", "--seed", "99999999999999999999", "--steps", "1"), ("--seed", "from 0 to 4294967295")),
+        (("doctor", "digits", "--seed", "-3"), ("--seed", "from 0 to 4294967295")),
+        (("train", "digits", "--stop-signals", "", *TINY), ("--stop-signals", "empty signal name", "'none'")),
+        (("train", "digits", "--stop-signals", "SIGINT,,SIGTERM", *TINY), ("--stop-signals", "empty signal name")),
+        (("compare", "digits", "--policies", "fp32,float32", *TINY), ("'fp32' and 'float32' are the same policy",)),
+        (("train", "--model", "syntax_error:build", *TINY), ("importing 'syntax_error' failed (SyntaxError",)),
+        (("train", "--model", "exits:build", *TINY), ("the factory build(config) failed (SystemExit: 0)",)),
+        (("doctor", "digits", "--steps", "1", "--apply", "a" * 245 + ".json"), ("--apply", "longer than")),
+    ],
+)
+def test_more_arguments_checked_before_anything_runs(mixprec_cli, tmp_path, args, needles):
+    (tmp_path / "syntax_error.py").write_text("def build(:\n")
+    (tmp_path / "exits.py").write_text("import sys\n\ndef build(config):\n    sys.exit(0)\n")
+    _one_line_error(mixprec_cli(*args, cwd=tmp_path), *needles)
+    written = [p.name for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert sorted(written) == ["exits.py", "syntax_error.py"]  # nothing written
+
+
+def test_hand_edited_files_are_named_with_the_key(mixprec_cli, tmp_path):
+    run = tmp_path / "run"
+    assert mixprec_cli("train", "digits", "--out", run, *TINY, cwd=tmp_path).returncode == 0
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "seed": -1}))
+    finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "3", "--quiet", cwd=tmp_path)
+    _one_line_error(finished, "config.json", "config 'seed'")
+    (run / "config.json").write_text(json.dumps(config))
+    with (run / "metrics.jsonl").open("a") as log:  # valid JSON, as the last line: not a torn write
+        log.write('{"kind": "eval", "step": 3, "loss": null, "accuracy": [1]}\n')
+    finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "3", "--quiet", cwd=tmp_path)
+    _one_line_error(finished, "metrics.jsonl: line", "'loss' is None, not a number")

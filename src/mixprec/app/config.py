@@ -92,6 +92,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"config '{name}' must be >= 1; received {value}.")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"config 'seed' must be from 0 to {SEED_LIMIT - 1}; received {self.seed}.")
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ValueError(f"config 'loss_scale': received {self.loss_scale!r}; use a positive number such as 1024.")
         for name in ("lr", "weight_decay"):
@@ -142,7 +144,12 @@ class TrainConfig:
             raise ValueError(f"{source}: unknown keys {unknown}; known keys: {', '.join(sorted(known))}.")
         if "task" not in data:
             raise ValueError(f"{source}: the key 'task' is missing.")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as error:  # a value of the wrong type or range: said with the file's name
+            if source == "config":
+                raise
+            raise ValueError(f"{source}: {error}") from None
 
     def save(self, run_dir: Path) -> Path:
         from mixprec.persist import write_atomically  # imports torch: not when the CLI only checks its flags

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixprec.checks import shown
+
 if TYPE_CHECKING:
     import torch
 
@@ -31,11 +33,12 @@ def _earlier(number: int) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run, oldest first; a torn last line (a killed process) is ignored.
+    """The records of a run, oldest first; a torn last line (a killed process: not JSON) is ignored.
 
     Raises:
-        ValueError: a line before the last that is not a JSON record (an edit, a binary write), naming the
-            file and the line: the records after it would be lost without a word.
+        ValueError: a line before the last that is not JSON (an edit, a binary write), or any line that is not
+            a record as the log writes it (a step that is not a whole number, a metric that is not a number),
+            naming the file and the line: the records after it would be lost, or the plots fail after training.
     """
     path = Path(run_dir) / FILE
     if not path.is_file():
@@ -45,17 +48,36 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line.decode("utf-8"))
-            if not isinstance(record, dict):
-                raise ValueError(f"a {type(record).__name__}, not a record")
-        except ValueError as error:  # UnicodeDecodeError, JSONDecodeError, not an object
+        except ValueError as error:  # UnicodeDecodeError, JSONDecodeError
             if number == len(lines):
                 break  # torn by a killed process
+            problem = error
+        else:
+            problem = _record_problem(record)
+        if problem is not None:
             raise ValueError(
-                f"{path}: line {number} is not a metrics record ({' '.join(str(error).split())[:120]}); "
+                f"{path}: line {number} is not a metrics record ({' '.join(str(problem).split())[:120]}); "
                 f"the file was damaged or edited: move it away to resume without the run's history."
             ) from None
         records.append(record)
     return records
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _record_problem(record: Any) -> str | None:
+    """What keeps ``record`` from being one the log writes (a kind, a whole step, numbers where the plots and a
+    resume read them), or None."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not a record"
+    step = record.get("step")
+    if not isinstance(record.get("kind"), str) or isinstance(step, bool) or not isinstance(step, int):
+        return f"a record needs a 'kind' and a whole 'step'; received {shown(record)}"
+    numbers = [k for k in record if k not in ("kind", "step")] if record["kind"] == "eval" else ["loss"]
+    wrong = next((key for key in numbers if key in record and not _number(record[key])), None)
+    return None if wrong is None else f"its {wrong!r} is {shown(record[wrong])}, not a number"
 
 
 class MetricsLog:

@@ -138,12 +138,17 @@ def build_task(spec: str, config: TaskConfig) -> TaskParts:
     except ImportError as exc:
         hint = " (install the extra it needs: pip install 'mixprec[hf]')" if spec == "hf" else ""
         raise ValueError(f"task {spec!r}: cannot import {module_name!r}: {exc}{hint}") from None
+    except (Exception, SystemExit) as exc:  # the user's module failed as it was imported (a SyntaxError, an exit)
+        if spec in BUILTIN_TASKS:
+            raise
+        said = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ValueError(f"task {spec!r}: importing {module_name!r} failed ({said[:200]}).") from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"task {spec!r}: {module_name!r} has no callable {attribute!r}.")
     try:
         parts = factory(config)
-    except Exception as error:  # the user's factory: its failure said as its own (a built-in's is a bug: raised)
+    except (Exception, SystemExit) as error:  # the user's factory: said as its own (a built-in's is a bug: raised)
         if spec in BUILTIN_TASKS:
             raise
         said = " ".join(f"{type(error).__name__}: {error}".split())

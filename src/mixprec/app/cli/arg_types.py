@@ -11,7 +11,15 @@ from pathlib import Path
 
 from mixprec.checks import shown
 
-__all__ = ["file_path", "fraction", "loss_scale", "non_negative_number", "positive_number", "whole_number"]
+__all__ = [
+    "file_path",
+    "fraction",
+    "loss_scale",
+    "non_negative_number",
+    "positive_number",
+    "stop_signals",
+    "whole_number",
+]
 
 
 def whole_number(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
@@ -61,7 +69,9 @@ def loss_scale(text: str) -> float:
     return _number(text, lambda v: 2.0**-126 <= v <= 2.0**127, "a number from 2^-126 to 2^127")
 
 
-NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits, in bytes: one name in a path, the whole path
+# Linux's limits, in bytes: one name in a path (less what mixprec's hidden temporary names add to a file's name:
+# ".NAME.tmp-PID", up to 16 bytes), the whole path
+NAME_MAX, PATH_MAX = 255 - 16, 4096
 
 
 def file_path(text: str) -> Path:
@@ -69,10 +79,33 @@ def file_path(text: str) -> Path:
     length limits (past them the system's own error echoed all of it)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("received an empty path; name a file or folder")
-    encoded = text.encode(errors="surrogateescape")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the system passed on that are not UTF-8: the logs and reports could not name it
+        raise argparse.ArgumentTypeError(f"received {shown(text)}: not UTF-8 text; use a UTF-8 name") from None
+    encoded = text.encode()
     if len(encoded) >= PATH_MAX or max(len(name) for name in encoded.split(b"/")) > NAME_MAX:
         raise argparse.ArgumentTypeError(
             f"received {shown(text)}: longer than this system allows ({PATH_MAX} bytes in all, {NAME_MAX} per "
             "name); use a shorter path"
         )
     return Path(text)
+
+
+def stop_signals(text: str) -> str:
+    """Signal names separated by commas (``SIGINT,SIGTERM``), or ``none`` for no graceful stop; an empty value
+    (an unset shell variable) or an empty name between commas is refused, not read as "no stop signals"."""
+    from mixprec.app.stop_signals import check_stop_signals
+
+    if text.strip().lower() == "none":
+        return ""
+    names = [name.strip().upper() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"received {shown(text)}: an empty signal name; name signals (SIGINT,SIGTERM) or 'none' for no stop "
+            "with a checkpoint"
+        )
+    try:
+        return ",".join(check_stop_signals(names, "--stop-signals"))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--stop-signals: ")) from None

@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     twice = next((spec for (spec, _), folder in zip(policies, folders, strict=True) if folders.count(folder) > 1), None)
     if twice is not None:  # said now, not after the first run has trained
         raise ValueError(f"--policies: received {twice!r} twice ({args.policies!r}); name each policy once.")
+    named: dict[str, str] = {}  # two names of one policy (fp32, float32) would compare it with itself
+    for spec, policy in policies:
+        first = named.setdefault(str(policy), spec)
+        if first != spec:
+            raise ValueError(f"--policies: {first!r} and {spec!r} are the same policy ({policy}); name it once.")
     base = config_from(args, policies[0][0])
     out = args.out or Path("runs") / slug(f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     claim_folder(out, COMPARISON, "--out")  # refused: a folder of files mixprec did not write

@@ -11,7 +11,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mixprec.app.cli.arg_types import file_path, loss_scale, non_negative_number, positive_number, whole_number
+from mixprec.app.cli.arg_types import (
+    file_path,
+    loss_scale,
+    non_negative_number,
+    positive_number,
+    stop_signals,
+    whole_number,
+)
 from mixprec.app.config import SEED_LIMIT
 
 if TYPE_CHECKING:
@@ -59,8 +66,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stop-signals",
+        type=stop_signals,
         default="SIGINT,SIGTERM,SIGUSR1",
-        help="signals that stop after the current update with a checkpoint (default SIGINT,SIGTERM,SIGUSR1)",
+        help="signals that stop after the current update with a checkpoint, or none (default SIGINT,SIGTERM,SIGUSR1)",
     )
     parser.add_argument("--skip-bad-batches", action="store_true", help="drop batches with NaN/inf inputs or loss")
     parser.add_argument("--quiet", action="store_true", help="no progress bar; only the summary")
