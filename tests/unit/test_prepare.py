@@ -220,3 +220,27 @@ def test_a_second_mixed_precision_on_a_model_the_first_cast_is_refused_by_name()
     for again in (optimizer, torch.optim.AdamW(model.parameters())):  # before: "needs FP32 parameters", "holds none"
         with pytest.raises(ValueError, match=r"already trained by a MixedPrecision under .*one MixedPrecision per"):
             mixprec.MixedPrecision(model, again, "o2_bf16")
+
+
+def test_weights_replaced_through_data_mid_training_are_refused_and_a_dropped_window_applies_nothing():
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "o2_bf16")
+    _train(mp, model, 2)
+    weight = next(model.parameters())
+    weight.data = torch.full_like(weight, 0.25)  # new memory: no version counter moves
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    with pytest.raises(RuntimeError, match="no longer hold their FP32 masters' rounding"):
+        mp.step()
+    # optimizer.zero_grad() between backward and step dropped every gradient: it raised an IndexError
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = mixprec.MixedPrecision(model, optimizer, "mixed_fp16")
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.randn(4, 8)).float().square().mean()
+    mp.backward(loss)
+    optimizer.zero_grad()
+    mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -8,12 +8,14 @@ after N updates: the next update brought the masters' weights back).
 
 Before the first update every weight is compared with its master: one host sync (one flag read), agreed
 across ranks so that every rank raises together (DDP's broadcast writes no version counter). At every later
-update the weights' version counters are compared with those recorded after the last copy from the masters
-(a list compare on the host: no device work, no sync): an in-place write (``load_state_dict``, ``p.copy_``,
-``p.mul_`` under no_grad) moves a counter, and only the moved weights are compared with their masters (a host
-sync only then). A later drift is found by the ranks
-that wrote their weights (all of them, when every rank runs the same code); a rank that alone did raises
-alone, and its peers end at the next collective with the lost-peer error.
+update the weights' version counters and data pointers are compared with those recorded after the last copy
+from the masters (list compares on the host: no device work, no sync): an in-place write (``load_state_dict``,
+``p.copy_``, ``p.mul_`` under no_grad) moves a counter, and ``p.data = x`` moves a pointer; only the moved
+weights are compared with their masters (a host sync only then). A write through ``p.data`` in place
+(``p.data.fill_(0)``) moves neither and is not seen: ``.data`` is the escape from autograd's bookkeeping, and
+seeing it would cost a comparison of every weight at every update. A later drift is found by the ranks that
+wrote their weights (all of them, when every rank runs the same code); a rank that alone did raises alone, and
+its peers end at the next collective with the lost-peer error.
 """
 
 from __future__ import annotations
@@ -46,14 +48,18 @@ class MasterDriftGuard:
                 raise RuntimeError(_message(mp, masters, drifted, later=False))
             self._checked = True
             return
-        versions = [p._version for p in masters.model_params]
-        if masters.versions is None or versions == masters.versions:  # None: no update applied yet
+        if masters.versions is None:  # no update applied yet
             return
-        moved = [i for i, (now, then) in enumerate(zip(versions, masters.versions, strict=True)) if now != then]
+        versions = [p._version for p in masters.model_params]
+        pointers = list(map(torch.Tensor.data_ptr, masters.model_params))
+        if versions == masters.versions and pointers == masters.pointers:
+            return
+        now, then = zip(versions, pointers, strict=True), zip(masters.versions, masters.pointers, strict=True)
+        moved = [i for i, (here, before) in enumerate(zip(now, then, strict=True)) if here != before]
         drifted = [moved[i] for i in masters.drifted(moved)]  # host sync, only when a weight was written
         if drifted:
             raise RuntimeError(_message(mp, masters, drifted, later=True))
-        masters.versions = versions  # written with the values the masters round to: nothing is lost
+        masters.versions, masters.pointers = versions, pointers  # the values the masters round to: nothing lost
 
 
 def _message(mp: Any, masters: MasterWeights, drifted: list[int], later: bool) -> str:

@@ -272,7 +272,8 @@ class MixedPrecision:
             kinds = {(p.device, p.dtype) for p in optimized}
             self._grad_group = (len(optimized), kinds.pop() if len(kinds) == 1 else None)
         key = self._grad_group[1]
-        if key is None or self.sharded:  # several groups, or DTensor shards: grouped one by one
+        # several groups, DTensor shards (grouped one by one), or no gradient left (an optimizer.zero_grad())
+        if key is None or self.sharded or not grads:
             return grads
         return {(key[0], torch.float32 if fp32 else key[1]): grads}
 

@@ -48,6 +48,7 @@ class MasterWeights:
                 }
 
         self.versions: list[int] | None = None  # the parameters' version counters after the last copy_to_model
+        self.pointers: list[int] | None = None  # and where their data lived
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -74,6 +75,7 @@ class MasterWeights:
         with torch.no_grad():
             torch._foreach_copy_(self.model_params, self.masters)
         self.versions = [p._version for p in self.model_params]
+        self.pointers = list(map(torch.Tensor.data_ptr, self.model_params))  # `p.data = x` moves no counter
 
     def drifted(self, among: list[int] | None = None) -> list[int]:
         """Indices (into ``among``, default every parameter) of the model's parameters that no longer hold
