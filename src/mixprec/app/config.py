@@ -162,7 +162,10 @@ class TrainConfig:
     def load(cls, run_dir: str | Path) -> TrainConfig:
         path = Path(run_dir) / CONFIG_FILE
         if not path.is_file():
-            raise ValueError(f"{run_dir} is not a mixprec run folder: it has no {CONFIG_FILE}.")
+            raise ValueError(
+                f"{run_dir} is not a mixprec run folder: it has no {CONFIG_FILE} (a run stopped before it started has "
+                "none yet: start it again, without --resume)."
+            )
         try:
             data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
         except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, a key given twice
