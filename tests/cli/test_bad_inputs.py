@@ -237,7 +237,7 @@ CLI_CASES = [
     (
         "train stop signal",
         ["train", "digits", "--stop-signals", "SIGKILL", "--out", "{tmp}/run"],
-        ["'stop_signals'", "'SIGKILL'"],
+        ["--stop-signals", "'SIGKILL'"],
     ),
     (
         "train clip to zero",

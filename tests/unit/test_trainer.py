@@ -353,9 +353,9 @@ def test_nan_inputs_stop_with_a_clear_message_or_are_skipped(tmp_path):
 
 
 def test_refuses_to_start_over_an_existing_run(tmp_path):
-    make_trainer(tmp_path).fit(steps=2)
+    make_trainer(tmp_path / "run").fit(steps=2)
     with pytest.raises(ValueError, match="already holds a run with checkpoints; resume it"):
-        make_trainer(tmp_path).fit(steps=2)
+        make_trainer(tmp_path / "run").fit(steps=2)
     with pytest.raises(ValueError, match="no checkpoint in"):
         make_trainer(tmp_path / "empty").fit(steps=2, resume=True)
 
