@@ -1,6 +1,6 @@
 """What MixedPrecision's step costs the host, beside the hand-written torch loop: a launch-bound proxy.
 
-    python benchmarks/host_cost.py [--rounds 5] [--steps 60] [--layers 100] [--src DIR ...]
+    python benchmarks/host_cost.py [--rounds 5] [--steps 60] [--layers 100] [--src DIR ...] [--json FILE]
 
 The model is ``--layers`` ``Linear(16, 16)`` (200 parameters at 100 layers), batch 4, one thread: the
 arithmetic is tiny, so a step's CPU time is the host work per step (Python, dispatch, guards), which on a
@@ -14,7 +14,8 @@ Each round times ``--steps`` steps per mode, the modes interleaved step by step 
 and keeps each mode's median CPU time per step; the figure is the median over rounds.
 ``--src DIR`` (repeatable) times mixprec from other source trees too (e.g. a worktree of an older commit), each
 in its own process, interleaved with the first, each against its own process's torch loops: the ratios then
-compare versions on one machine in one run.
+compare versions on one machine in one run. ``--json FILE`` writes the figures with the machine (CPU model,
+ISA, torch), e.g. ``benchmarks/results/host_cost.json``. Goal (issue 35): <= 1.03x the torch loop.
 """
 
 import argparse
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--src", action="append", default=[], help="another source tree of mixprec to time too")
+    parser.add_argument("--json", help="also write the figures and the machine to this file")
     args = parser.parse_args()
     sources: list[str | None] = [None, *args.src]
     results: dict[tuple[str, str], list[float]] = {}  # (source, mode) -> ms per round
@@ -138,6 +140,21 @@ def main() -> None:
         ratio = ratios.get((src, mode))
         against = f"  ({statistics.median(ratio):.3f}x the torch loop)" if ratio else ""
         print(f"  {src:<12} {mode:<28} {statistics.median(values):7.3f} ms{against}")
+    if args.json:
+        from mixprec.app.machine import machine_info
+
+        records = [
+            {
+                "source": src,
+                "mode": mode,
+                "cpu_ms_per_step": statistics.median(values),
+                "x_torch_loop": statistics.median(ratios[(src, mode)]) if (src, mode) in ratios else None,
+            }
+            for (src, mode), values in results.items()
+        ]
+        setup = {"parameters": 2 * args.layers, "batch": 4, "threads": 1, "rounds": args.rounds, "steps": args.steps}
+        with open(args.json, "w") as handle:
+            json.dump({"machine": machine_info(), "setup": setup, "records": records}, handle, indent=2)
 
 
 if __name__ == "__main__":
