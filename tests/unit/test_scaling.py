@@ -204,3 +204,35 @@ def test_an_empty_gradient_is_unscaled_like_the_others(device):
                                                                              device=device)]  # fmt: skip
     assert mixprec.StaticLossScaler(4.0).unscale_(grads).item() == 0.0 and grads[1].tolist() == [1.0] * 3
     assert mixprec.StaticLossScaler(4.0).unscale_(grads[:1]).item() == 0.0
+
+
+def _reference(init, interval, min_scale, max_scale, recover_below, pattern):
+    """The documented rules, in Python floats (powers of two: exact): back off by 2 on an overflow to the floor
+    (min_scale, else 2^-24); grow by 2 after `interval` clean steps, or after each below `recover_below`, to the
+    ceiling; an overflow restarts the count."""
+    scale, clean, scales = init, 0, []
+    for bad in pattern:
+        if bad:
+            scale, clean = max(scale / 2, min_scale if min_scale is not None else 2.0**-24), 0
+        else:
+            clean += 1
+            if clean >= interval or (recover_below is not None and scale < recover_below):
+                scale, clean = scale * 2 if max_scale is None else min(scale * 2, max_scale), 0
+        scales.append(scale)
+    return scales
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_scale_follows_its_rules_over_random_overflows(seed):
+    # the update without hysteresis runs GradScaler's own kernel with the floor, ceiling and recovery around it
+    generator = torch.Generator().manual_seed(seed)
+    draw = lambda n: int(torch.randint(n, (1,), generator=generator))  # noqa: E731
+    init, interval = 2.0 ** (draw(30) - 10), 1 + draw(6)
+    min_scale = [None, init / 8, init][draw(3)]
+    max_scale = [None, init, init * 8][draw(3)]
+    recover_below = [None, 1.0, init * 2][draw(3)]
+    pattern = (torch.rand(300, generator=generator) < [0.05, 0.3, 0.7][draw(3)]).tolist()
+    scaler = mixprec.DynamicLossScaler(
+        init_scale=init, growth_interval=interval, min_scale=min_scale, max_scale=max_scale, recover_below=recover_below
+    )
+    assert run(scaler, pattern) == _reference(init, interval, min_scale, max_scale, recover_below, pattern)
