@@ -197,14 +197,14 @@ def _train_in(  # long: the run's steps in order, each one or two lines
         trainer, parts, settings = build_trainer(config, run_dir, progress, allow_foreign, policy)
         length = {"steps": settings["steps"]} if "steps" in settings else {"epochs": settings["epochs"]}
         step = newest_step(trainer.checkpoint_dir) if resume else None
-        if resume and step is None:  # a requeued job whose run died before its first checkpoint
-            _refuse_finished(run_dir)
-            logger.warning("%s holds no checkpoint (its run ended before the first): starting the run over from its "
-                           "config.json", run_dir)  # fmt: skip
-            resume = False
+        requeued = resume and step is None  # a requeued job whose run died before its first checkpoint
+        resume = resume and not requeued
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
             _refuse_finished(run_dir)
+            if requeued:
+                logger.warning("%s holds no checkpoint (its run ended before the first): starting the run over from "
+                               "its config.json", run_dir)  # fmt: skip
         else:  # a length the run is past: refused before anything is written
             trainer.check_resume_length(trainer.total_steps(**length), step, next(iter(length)))
     except BaseException:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -69,6 +69,14 @@ from mixprec.scaling.base import LossScaler
 from mixprec.scaling.static import NoOpLossScaler
 
 __all__ = ["MixedPrecision", "StepResult"]
+
+
+class OptimizerView(NamedTuple):
+    """What MixedPrecision derives from its optimizer's parameters, kept while their number stays."""
+
+    count: int  # how many parameters the optimizer held
+    with_gradients: tuple[torch.Tensor, ...]  # the model's parameters and the optimizer's, each once
+    kind: tuple[torch.device, torch.dtype] | None  # their one device and dtype, if they share one
 
 
 class MixedPrecision:
@@ -138,12 +146,12 @@ class MixedPrecision:
         self._order = CallOrder(accumulation_steps)
         refuse_direct_steps(optimizer, self._order)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
-        self._watched: tuple[int, tuple[torch.Tensor, ...]] = (-1, ())  # (optimizer parameters, what has gradients)
+        # what follows from the optimizer's parameters alone, looked at again when their number changes
+        self._optimizer_view = OptimizerView(-1, (), None)
         self._guards = self._make_guards()
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
         self._grads_carry_scale = False  # the last backward's gradients are multiplied by a loss scale
-        self._grad_group: tuple[int, Any] = (-1, None)  # (how many optimizer parameters, their one device and dtype)
         optimized = {id(p) for p in self._optimizer_params()}
         self._outside_optimizer = [p for p in self._parameters if id(p) not in optimized]
         self._new_window()
@@ -157,12 +165,20 @@ class MixedPrecision:
         return GuardList([parameters, ScaledGradsGuard(self._with_gradients), *registered_guards(), *drift])
 
     def _with_gradients(self) -> tuple[torch.Tensor, ...]:
-        """The tensors gradients land on: the model's parameters and the optimizer's (o2's masters), each once;
-        looked at again only when the optimizer's change (a parameter group added)."""
-        optimized = self._optimizer_params()
-        if len(optimized) != self._watched[0]:
-            self._watched = (len(optimized), tuple(dict.fromkeys([*self._parameters, *optimized])))
-        return self._watched[1]
+        """The tensors gradients land on: the model's parameters and the optimizer's (o2's masters), each once."""
+        return self._view(self._optimizer_params()).with_gradients
+
+    def _view(self, optimized: list[torch.Tensor]) -> OptimizerView:
+        """What follows from the optimizer's parameters alone, made again only when their number changes (a
+        parameter group added), not at every step."""
+        if len(optimized) != self._optimizer_view.count:
+            kinds = {(p.device, p.dtype) for p in optimized}
+            self._optimizer_view = OptimizerView(
+                len(optimized),
+                tuple(dict.fromkeys([*self._parameters, *optimized])),
+                kinds.pop() if len(kinds) == 1 else None,
+            )
+        return self._optimizer_view
 
     # -- the training step -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -268,10 +284,7 @@ class MixedPrecision:
     def _grouped(self, optimized: list[torch.Tensor], grads: list[torch.Tensor], fp32: bool) -> Any:
         """``grads`` keyed by their one (device, dtype) where the optimizer's parameters share one (a gradient has
         its parameter's): grouping them tensor by tensor cost 0.4 us each per step. ``fp32``: FP32 copies."""
-        if len(optimized) != self._grad_group[0]:  # parameters added to the optimizer: looked at again
-            kinds = {(p.device, p.dtype) for p in optimized}
-            self._grad_group = (len(optimized), kinds.pop() if len(kinds) == 1 else None)
-        key = self._grad_group[1]
+        key = self._view(optimized).kind
         # several groups, DTensor shards (grouped one by one), or no gradient left (an optimizer.zero_grad())
         if key is None or self.sharded or not grads:
             return grads

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from mixprec.app.config import SEED_LIMIT
 from mixprec.checks import shown
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "loss_scale",
     "non_negative_number",
     "positive_number",
+    "seed",
     "stop_signals",
     "whole_number",
 ]
@@ -36,6 +38,10 @@ def whole_number(minimum: int = 1, maximum: int | None = None) -> Callable[[str]
         return value
 
     return parse
+
+
+# a run's seed, in every command that takes one (train, compare, doctor, demo): the range config.py explains
+seed = whole_number(0, SEED_LIMIT - 1)
 
 
 def _number(text: str, accept: Callable[[float], bool], wanted: str) -> float:
@@ -80,10 +86,9 @@ def file_path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("received an empty path; name a file or folder")
     try:
-        text.encode("utf-8")
+        encoded = text.encode("utf-8")
     except UnicodeEncodeError:  # bytes the system passed on that are not UTF-8: the logs and reports could not name it
         raise argparse.ArgumentTypeError(f"received {shown(text)}: not UTF-8 text; use a UTF-8 name") from None
-    encoded = text.encode()
     if len(encoded) >= PATH_MAX or max(len(name) for name in encoded.split(b"/")) > NAME_MAX:
         raise argparse.ArgumentTypeError(
             f"received {shown(text)}: longer than this system allows ({PATH_MAX} bytes in all, {NAME_MAX} per "

@@ -10,10 +10,9 @@ import argparse
 import time
 from typing import TYPE_CHECKING
 
-from mixprec.app.cli.arg_types import whole_number
+from mixprec.app.cli.arg_types import seed, whole_number
 from mixprec.app.cli.formats_cmd import formats_table
 from mixprec.app.cli.table import render_table
-from mixprec.app.config import SEED_LIMIT
 
 if TYPE_CHECKING:  # torch is imported when the command runs, so that --help answers at once
     import torch
@@ -36,9 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="policies to compare, comma-separated; separate policy strings with ';' (default: fp32,auto)",
     )
     parser.add_argument("--steps", type=whole_number(), default=200, help="optimizer steps per policy (default: 200)")
-    parser.add_argument(
-        "--seed", type=whole_number(0, SEED_LIMIT - 1), default=0, help="random seed for data and weights (default: 0)"
-    )
+    parser.add_argument("--seed", type=seed, default=0, help="random seed for data and weights (default: 0)")
     parser.set_defaults(run=run)
 
 

@@ -16,10 +16,10 @@ from mixprec.app.cli.arg_types import (
     loss_scale,
     non_negative_number,
     positive_number,
+    seed,
     stop_signals,
     whole_number,
 )
-from mixprec.app.config import SEED_LIMIT
 
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
@@ -48,9 +48,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accumulation-steps", type=whole_number(), default=1, help="micro-batches per update (default 1)"
     )
-    parser.add_argument(
-        "--seed", type=whole_number(0, SEED_LIMIT - 1), default=0, help="seed for weights and data order (default 0)"
-    )
+    parser.add_argument("--seed", type=seed, default=0, help="seed for weights and data order (default 0)")
     parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
     parser.add_argument("--eval-every", type=whole_number(), help="evaluate every N updates (default: at the end)")
