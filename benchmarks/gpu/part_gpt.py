@@ -30,7 +30,15 @@ BATCHES = (64, 32, 16, 8, 4, 2, 1)
 _MEMORY_SHARE = 0.40
 POLICIES = ("fp32", "tf32", "mixed_bf16", "mixed_fp16", "o2_bf16", "pure_bf16", "fp8", "fp8_hybrid")
 TORCH_LOOPS = {"torch fp32": None, "torch autocast bf16": torch.bfloat16, "torch autocast fp16": torch.float16}
-TWINS = {"fp32": "torch fp32", "mixed_bf16": "torch autocast bf16", "mixed_fp16": "torch autocast fp16"}
+BF16_WEIGHTS_LOOP = "torch bf16 weights"  # the model in bf16 with AdamW(fused=True): no FP32 copy, no compensation
+TWINS = {
+    "fp32": "torch fp32",
+    "mixed_bf16": "torch autocast bf16",
+    "mixed_fp16": "torch autocast fp16",
+    "pure_bf16": BF16_WEIGHTS_LOOP,
+}
+# pure_bf16's goal: no slower than o2_bf16 (and no more memory), which it replaces when memory is short
+ALSO_COMPARED = {"pure_bf16": "o2_bf16"}
 # compiled while the budget lasts, most telling first: the loop users write, then mixprec's counterpart
 COMPILED = (
     "torch autocast bf16",
@@ -40,6 +48,7 @@ COMPILED = (
     "fp8",
     "o2_bf16",
     "pure_bf16",
+    BF16_WEIGHTS_LOOP,
     "fp8_hybrid",
 )
 DRY_RUN_POLICIES = ("fp32", "mixed_bf16", "fp8")
@@ -62,6 +71,8 @@ def _mode(name: str, work: Workload, device: torch.device, backend: str | None =
     label = f"{name}, compiled" if backend else name
     if name in TORCH_LOOPS:
         return Mode(label, lambda: torch_step(work, device, TORCH_LOOPS[name], backend), backend is not None)
+    if name == BF16_WEIGHTS_LOOP:
+        return Mode(label, lambda: torch_step(work, device, None, backend, torch.bfloat16), backend is not None)
     optimizer = "mixprec" if name == "pure_bf16" else "fused"
     twin = TWINS.get(name)
     twin = f"{twin}, compiled" if backend and twin else twin
@@ -86,7 +97,7 @@ def _largest_batch(settings: Settings, config: GPTConfig) -> tuple[int, dict]:
 
 
 def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
-    names = list(TORCH_LOOPS) + list(DRY_RUN_POLICIES if settings.dry_run else POLICIES)
+    names = [*TORCH_LOOPS, BF16_WEIGHTS_LOOP, *(DRY_RUN_POLICIES if settings.dry_run else POLICIES)]
     if settings.dry_run:
         names.remove("torch autocast fp16")
         part.leave_out("torch autocast fp16", "dry run: PyTorch's CPU fp16 kernels are 10-100x slower than FP32")
@@ -137,7 +148,7 @@ def _flops(config: GPTConfig, params: int, tokens: int) -> tuple[float, float]:
     return dense, dense + attention
 
 
-def _record(made: Prepared, timing, reference, twin, flops, peak: float | None) -> dict:
+def _record(made: Prepared, timing, reference, twin, flops, peak: float | None, timings: dict) -> dict:
     seconds = timing.median_ms / 1e3
     record = {"mode": made.mode.name, "compiled": made.mode.compiled, **made.figures}
     record.update(median_ms=round(timing.median_ms, 2), spread_ms=round(timing.spread_ms, 2))
@@ -147,6 +158,10 @@ def _record(made: Prepared, timing, reference, twin, flops, peak: float | None) 
     record["vs_torch_fp32"] = round(timing.median_ms / reference.median_ms, 3) if reference else None
     record["twin"] = made.mode.twin
     record["vs_twin"] = round(timing.median_ms / twin.median_ms, 3) if twin else None
+    compiled = ", compiled" if made.mode.compiled else ""
+    for policy, other in ALSO_COMPARED.items():
+        if made.mode.name == policy + compiled and (other + compiled) in timings:
+            record[f"vs_{other}"] = round(timing.median_ms / timings[other + compiled].median_ms, 3)
     if made.mp is not None:
         record["compute_plan"] = made.mp.compute_plan.mode
         record["skipped_steps"] = made.mp.stats().skipped_steps  # a host read, after the timing
@@ -176,7 +191,7 @@ def run(settings: Settings, part: Part) -> None:
             part.records.append({"mode": name, "compiled": made.mode.compiled, "error": failed[name]})
             continue
         twin = timings.get(made.mode.twin or "")
-        part.records.append(_record(made, timings[name], timings.get("torch fp32"), twin, flops, peak))
+        part.records.append(_record(made, timings[name], timings.get("torch fp32"), twin, flops, peak, timings))
 
 
 def _raise_recompile_limit() -> None:

@@ -83,10 +83,16 @@ def mixprec_step(
 
 
 def torch_step(
-    work: Workload, device: torch.device, dtype: torch.dtype | None, compile_backend: str | None = None
+    work: Workload,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    compile_backend: str | None = None,
+    weights: torch.dtype = torch.float32,
 ) -> tuple[Callable[[], None], None]:
-    """The hand-written loop: ``torch.autocast(dtype)`` (None: FP32), a GradScaler for fp16, fused AdamW."""
-    model = _fresh(work, device)
+    """The hand-written loop: ``torch.autocast(dtype)`` (None: FP32), a GradScaler for fp16, fused AdamW;
+    ``weights=torch.bfloat16``: the model cast to bf16 and trained as it is (no autocast, no FP32 copy), the
+    loop pure_bf16 is held to."""
+    model = _fresh(work, device).to(weights)
     inputs, targets = work.batch(device)
     optimizer = make_optimizer("fused", model)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 MIXPREC = str(Path(sys.executable).with_name("mixprec"))
 REPO = Path(__file__).resolve().parents[2]
@@ -68,3 +69,23 @@ def test_serve_bench_measures_a_model_with_tied_weights(tmp_path, mixprec_cli):
     results = {r["mode"]: r for r in json.loads((out / "serve_bench.json").read_text())["results"]}
     assert list(results) == MODES
     assert abs(results["mixprec bf16"]["size_bytes"] / results["mixprec fp32"]["size_bytes"] - 0.5) < 0.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_graphs_are_refused_without_cuda_in_one_line(digits_run, mixprec_cli):
+    done = mixprec_cli("serve-bench", digits_run, "--cuda-graphs")
+    assert done.returncode == 2, done.stderr
+    assert "--cuda-graphs: CUDA graphs need a CUDA device" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_time_each_mixprec_mode_beside_its_eager_twin(digits_run, mixprec_cli):
+    done = mixprec_cli("serve-bench", digits_run, "--batches", "1,4", "--repeats", "1", "--cuda-graphs")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = {r["mode"]: r for r in json.loads((digits_run / "serve_bench.json").read_text())["results"]}
+    for name in ("fp32", "bf16", "fp16"):
+        graphed, eager = results[f"mixprec {name}, CUDA graph"], results[f"mixprec {name}"]
+        assert graphed["latency_p50_ms"] > 0 and graphed["throughput"]["4"] > 0
+        assert graphed["evaluation"] == eager["evaluation"] and graphed["size_bytes"] == eager["size_bytes"]

@@ -177,6 +177,49 @@ def test_the_single_pass_kernel_tracks_the_eager_update_within_its_stated_bound_
             assert (eager_opt.state[a][key] == single_opt.state[b][key]).float().mean() >= 0.99, key
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_cuda_group_step_tracks_the_eager_path_and_skips_and_unscales_on_the_device(compiled):
+    """The graph CUDA parameters take (a whole group in one compiled graph, the skip and the step counts on the
+    device), run on the CPU: as Python and compiled by Inductor (C++ here, Triton on CUDA). Held to the eager
+    path within the single-pass kernel's bound, through a schedule's lr change, loss-scaled gradients and a
+    skipped step."""
+    from mixprec.master import single_pass
+
+    if compiled:
+        _require_single_pass()  # Inductor's C++ backend needs a compiler
+    kernel = single_pass.compile_group_kernel() if compiled else single_pass._kahan_adamw_group_
+    torch.manual_seed(0)
+    starts = [torch.randn(*shape).bfloat16() for shape in ((64, 32), (1000,), (7, 3))]
+    params = [torch.nn.Parameter(start.clone()) for start in starts]
+    eager = mixprec.AdamW(params, lr=1e-3, weight_decay=0.1, single_pass=False)
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    weights = [start.clone() for start in starts]
+    compensations, avgs, avg_sqs = ([torch.zeros_like(w) for w in weights] for _ in range(3))
+    steps = [torch.zeros(()) for _ in weights]
+    gradients = torch.Generator().manual_seed(1)
+    scale = torch.tensor(1024.0)
+    for step in range(60):
+        grads = [(torch.randn(w.shape, generator=gradients) * 0.01).bfloat16() * 1024 for w in weights]
+        found = torch.tensor(1.0 if step == 20 else 0.0)
+        if step == 30:
+            group["lr"] = eager.param_groups[0]["lr"] = 1e-3 / 3
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        eager.grad_scale, eager.found_inf = scale, found.reshape(1)
+        eager.step()
+        tensors = (weights, compensations, grads, avgs, avg_sqs)
+        single_pass.run_kahan_adamw_group(kernel, tensors, steps, group, scale, found)
+    for param, weight, compensation, avg, avg_sq, count in zip(params, *tensors[:2], *tensors[3:], steps, strict=True):
+        state = eager.state[param]
+        wide_eager = param.float() + state["kahan_comp"].float()
+        wide = weight.float() + compensation.float()
+        assert ((wide - wide_eager).abs() <= 1e-4 * wide_eager.abs().clamp(min=1e-2)).all()
+        assert (weight == param).float().mean() >= 0.99
+        assert (avg == state["exp_avg"]).float().mean() >= 0.99
+        assert (avg_sq == state["exp_avg_sq"]).float().mean() >= 0.99
+        assert count.item() == state["step"].item() == 59  # the skipped step not counted
+
+
 def test_single_pass_true_refuses_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv("MIXPREC_SINGLE_PASS", "0")
     param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
@@ -201,7 +244,7 @@ def test_a_compiled_kernel_that_drops_the_compensation_is_caught_and_the_eager_p
         return folded
 
     monkeypatch.setattr(single_pass.torch, "compile", folding_compile)
-    monkeypatch.setattr(single_pass, "_unavailable", [])
+    monkeypatch.setattr(single_pass, "_unavailable", {})
     single_pass._compiled_kernel.cache_clear()
     try:
         param = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))

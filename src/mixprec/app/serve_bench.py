@@ -11,6 +11,10 @@ in one process, interleaved, so that they share the machine's state:
     plain fp32     the same FP32 model in plain torch (``inference_mode``, no mixprec)
     plain bf16     ``model.to(torch.bfloat16)`` in plain torch: what one does without mixprec
 
+and, with ``cuda_graphs`` (CUDA only), each mixprec mode again with its forward captured in a CUDA graph
+per batch size (:mod:`mixprec.app.cuda_graphs`): the same weights and kernels without the launch cost, which
+dominates at small batches. Their accuracy is their eager twin's (the same kernels), not measured again.
+
 For each: the weights' size as safetensors, the task's metric and loss on its held-out test split
 (its validation split for tasks without one), latency of one sequence (p50 and p95 over
 ``latency_samples`` forwards), and throughput at each larger batch (sequences per second, median of
@@ -34,15 +38,17 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from mixprec.app.config import TrainConfig
+from mixprec.app.cuda_graphs import GraphedForward, require_cuda
 from mixprec.app.evaluate import evaluate
 from mixprec.app.export import export_policy, fp32_weights
 from mixprec.app.run import build_trainer
 from mixprec.policy import Policy, get_policy
 from mixprec.regions import Region, cast_module
 
-__all__ = ["MODES", "ServeResult", "as_records", "serve_bench", "timing_batch"]
+__all__ = ["GRAPHED", "MODES", "ServeResult", "as_records", "serve_bench", "timing_batch"]
 
 MODES = ("mixprec fp32", "mixprec bf16", "mixprec fp16", "plain fp32", "plain bf16")
+GRAPHED = ", CUDA graph"  # the suffix of a mode replayed from CUDA graphs
 
 
 @dataclass
@@ -75,7 +81,7 @@ class _Bf16Inputs(nn.Module):
         return self.model(inputs.to(torch.bfloat16) if inputs.is_floating_point() else inputs)
 
 
-def _modes(fp32_model: nn.Module, trained: Policy, device: torch.device) -> dict[str, _Mode]:
+def _modes(fp32_model: nn.Module, trained: Policy, device: torch.device, cuda_graphs: bool) -> dict[str, _Mode]:
     modes = {}
     for name in ("fp32", "bf16", "fp16"):
         policy = get_policy("fp32") if name == "fp32" else export_policy(trained, name)
@@ -86,6 +92,10 @@ def _modes(fp32_model: nn.Module, trained: Policy, device: torch.device) -> dict
     modes["plain bf16"] = _Mode(_Bf16Inputs(copy.deepcopy(fp32_model).to(torch.bfloat16)), contextlib.nullcontext)
     for mode in modes.values():
         mode.model.eval()
+    if cuda_graphs:  # the region is captured with the forward: nothing to enter at replay
+        for name in ("fp32", "bf16", "fp16"):
+            eager = modes[f"mixprec {name}"]
+            modes[f"mixprec {name}{GRAPHED}"] = _Mode(GraphedForward(eager.model, eager.region), contextlib.nullcontext)
     return modes
 
 
@@ -146,21 +156,29 @@ def serve_bench(
     repeats: int = 3,
     latency_samples: int = 30,
     progress: Callable[[str], None] = lambda message: None,
+    cuda_graphs: bool = False,
 ) -> list[ServeResult]:
-    """Measure the run's model in every mode of :data:`MODES` (see the module docstring)."""
+    """Measure the run's model in every mode of :data:`MODES`, and with ``cuda_graphs`` the mixprec modes
+    replayed from CUDA graphs (see the module docstring)."""
     run_dir = Path(run_dir)
     config = TrainConfig.load(run_dir).replace(parallel="ddp")
     trainer, parts, _ = build_trainer(config, None, progress=False)
     _, weights = fp32_weights(run_dir, trainer, allow_foreign=False)
     reference, _, _ = build_trainer(config.replace(policy="fp32"), None, progress=False)  # FP32 parameters
     fp32_model, device = reference.model, reference.device
+    if cuda_graphs:
+        require_cuda(device, "cuda_graphs")
     fp32_model.load_state_dict(weights)
     split, data = ("test", parts.test_data) if parts.test_data is not None else ("validation", parts.eval_data)
     if data is None:
         raise ValueError(f"task {config.task!r} has no evaluation data to measure accuracy on.")
-    modes = _modes(fp32_model, trainer.mp.policy, device)
+    modes = _modes(fp32_model, trainer.mp.policy, device, cuda_graphs)
     results = {}
     for name, mode in modes.items():
+        if name.endswith(GRAPHED):  # the same weights and kernels as its eager twin, evaluated just before
+            twin = results[name.removesuffix(GRAPHED)]
+            results[name] = ServeResult(name, twin.size_bytes, twin.evaluation, split)
+            continue
         progress(f"evaluating {name}")
         evaluation = evaluate(mode.model, data, parts.loss_fn, parts.metric, mode.region, device)
         results[name] = ServeResult(name, _stored_bytes(mode.model), evaluation, split)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from mixprec.distributed.ranks import local
-from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, why_unavailable
+from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, run_kahan_adamw_group, why_unavailable
 from mixprec.numerics.quantize import quantize
 
 __all__ = [
@@ -90,8 +90,9 @@ class AdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults).
         update: ``"kahan"``, ``"stochastic"`` or ``"nearest"``; see the module docstring.
         generator: random source for stochastic updates.
-        single_pass: for ``kahan`` on CPUs, run the step as one compiled kernel per parameter
-            (:mod:`mixprec.master.single_pass`); None (default): where a C++ compiler is present.
+        single_pass: for ``kahan``, run the step as compiled kernels reading and writing each element once
+            (:mod:`mixprec.master.single_pass`: on CPUs one kernel per parameter, on CUDA one compiled graph
+            per group); None (default): where a compiler is present (C++; Triton).
     """
 
     _step_supports_amp_scaling = True  # step() honours found_inf / grad_scale (see the module docstring)
@@ -181,6 +182,20 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
         states = [self.state[p] for p in params]
         steps = [state["step"] for state in states]
+        if kahan and self._group_kernel_runs(params, states):  # CUDA: one compiled graph, the skip on the device
+            arguments = scaling.kernel_arguments(params[0].device)
+            compensations = [local(s["kahan_comp"]) for s in states]
+            tensors = _shards(params, states)
+            tensors = (tensors[0], compensations, *tensors[1:])
+            run_kahan_adamw_group(
+                kahan_adamw_kernel("cuda"),
+                tensors,
+                steps,
+                group,
+                arguments.get("grad_scale"),
+                arguments.get("found_inf"),
+            )
+            return
         torch._foreach_add_(steps, 1.0)  # one launch, not one per parameter
         if not on_device:  # found_inf was read above; unscale here, the kernels below do not
             scaling.unscale([local(p.grad) for p in params])
@@ -258,13 +273,25 @@ class AdamW(torch.optim.Optimizer):
 
     def _single_pass_runs(self, params: list[torch.Tensor]) -> bool:
         """Whether the Kahan step runs as the compiled CPU kernel (one pass per parameter)."""
-        if self._single_pass is False or any(p.device.type != "cpu" for p in params):
+        return params[0].device.type == "cpu" and self._kernel_available("cpu")
+
+    def _group_kernel_runs(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> bool:
+        """Whether the Kahan step runs as the compiled CUDA graph over the whole group (every tensor contiguous:
+        the graph updates 1-D views; a strided one takes the eager path)."""
+        if params[0].device.type != "cuda" or not self._kernel_available("cuda"):
             return False
-        if kahan_adamw_kernel() is None:
+        tensors = [local(t) for p, s in zip(params, states, strict=True) for t in (p, p.grad, *s.values())]
+        return all(t.is_contiguous() for t in tensors)
+
+    def _kernel_available(self, device_type: str) -> bool:
+        """Whether the compiled kernel for ``device_type`` runs; single_pass=True refuses where it cannot."""
+        if self._single_pass is False:
+            return False
+        if kahan_adamw_kernel(device_type) is None:
             if self._single_pass:
                 raise RuntimeError(
-                    f"AdamW(single_pass=True): the compiled kernel is unavailable here ({why_unavailable()}); "
-                    "use single_pass=None to take the eager path where it is."
+                    "AdamW(single_pass=True): the compiled kernel is unavailable here "
+                    f"({why_unavailable(device_type)}); use single_pass=None to take the eager path where it is."
                 )
             return False
         return True

@@ -30,6 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--latency-samples", type=whole_number(), default=30, help="timed batch-1 forwards (default 30)"
     )
     parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time mixprec's modes replayed from CUDA graphs (CUDA only): no launch cost at small batches",
+    )
+    parser.add_argument(
         "--json", type=file_path, default=None, help="also write the results here (default RUN/serve_bench.json)"
     )
     parser.set_defaults(run=run)
@@ -54,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
     for name in ("seq", "repeats", "latency_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}.")
+    if args.cuda_graphs:  # refused before the run is loaded
+        import torch
+
+        from mixprec.app.cuda_graphs import require_cuda
+
+        require_cuda(torch.device("cuda" if torch.cuda.is_available() else "cpu"), "--cuda-graphs")
     from mixprec.app.machine import machine_info
     from mixprec.app.serve_bench import as_records, serve_bench  # the 'train' extra
     from mixprec.persist import check_overwrite, stamped, write_atomically
@@ -67,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         args.repeats,
         args.latency_samples,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
+        cuda_graphs=args.cuda_graphs,
     )
     metric = next((k for k in results[0].evaluation if k != "loss"), None)
     larger = [b for b in batches if b > 1]
