@@ -39,7 +39,7 @@ class Settings:
     dry_run: bool
     out_dir: Path
     repo: Path
-    compile_budget_s: float = 240.0  # the gpt part stops compiling more modes past this
+    compile_budget_s: float = 100.0  # the bert, gpt and gpt2 parts each stop compiling more modes past this
     tests_timeout_s: float = 480.0
     deadline: float | None = None  # time.monotonic() by which the command must be done (None: no limit)
 

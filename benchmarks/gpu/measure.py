@@ -17,7 +17,7 @@ from benchmarks.gpu.steps import Mode
 
 from mixprec.app.bench.timing import Timing, interleaved
 
-__all__ = ["Prepared", "prepare", "time_modes"]
+__all__ = ["Prepared", "prepare", "profile_steps", "time_modes"]
 
 _MB = 2**20
 
@@ -76,3 +76,26 @@ def time_modes(prepared: list[Prepared], repeats: int, warmup: int) -> tuple[dic
     # its repeats, and a mode that failed (its later calls return at once) must not look fastest
     timings = interleaved(steps, repeats=repeats, warmup=warmup, slow_factor=None)
     return {name: t for name, t in timings.items() if name not in failed}, failed
+
+
+def profile_steps(made: Prepared, device: torch.device, steps: int = 3) -> dict:
+    """A short profile of a prepared mode: the host's CPU time per step (the thread's, the GPU left to run
+    behind it: a step whose host time reaches its step time keeps the GPU waiting) and, on CUDA, the kernels
+    (and copies) it launches per step, from torch.profiler."""
+    sync(device)
+    start = time.thread_time()
+    for _ in range(steps):
+        made.step()
+    host_ms = (time.thread_time() - start) * 1e3 / steps
+    sync(device)
+    figures: dict = {"host_ms_per_step": round(host_ms, 3), "kernels_per_step": None}
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                made.step()
+            sync(device)
+        launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        figures["kernels_per_step"] = round(len(launched) / steps, 1)
+    return figures

@@ -3,89 +3,129 @@
 The model is ``transformers.BertForSequenceClassification`` built from ``BertConfig()`` (BERT-base:
 12 layers, width 768, 110M parameters) with random weights, nothing downloaded; sequences of 128
 random tokens, two labels. Per batch size (1, 8, 64) the modes are timed in interleaved rounds:
-    training    mixprec.MixedPrecision under fp32, tf32, mixed_fp16 (dynamic loss scale), mixed_bf16;
-                fused AdamW; forward, backward, step
+    training    mixprec.MixedPrecision under fp32, tf32, mixed_fp16 (dynamic loss scale), mixed_bf16,
+                o2_bf16 and pure_bf16 (mixprec.AdamW); fused AdamW; forward, backward, step; beside the
+                hand-written loops (torch.autocast fp32/fp16 + GradScaler/bf16, and the model in bf16 with
+                AdamW(fused=True), pure_bf16's twin), each with a short profile (host time and kernels per
+                step); at the largest batch also compiled, while the compile budget lasts
     inference   the FP32 model under fp32 and tf32 policies, and the model cast to fp16 / bf16
                 (``cast_module`` with ``p=<dtype>,c=<dtype>,o=f32``, as ``mixprec export`` does), forward
-                only, under ``torch.inference_mode``
-with the speed-up of each against fp32 at the same batch.
+                only, under ``torch.inference_mode``; on CUDA each again replayed from a CUDA graph
+                (``mixprec serve-bench --cuda-graphs``)
+with the speed-up of each against fp32 eager at the same batch.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, free_memory, log
-from benchmarks.gpu.measure import prepare, time_modes
+from benchmarks.gpu.measure import prepare, profile_steps, time_modes
 from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
 
 import mixprec
+from mixprec.app.cuda_graphs import GraphedForward
 
 __all__ = ["run"]
 
-TRAIN_POLICIES = {"fp32": "fp32", "tf32": "tf32", "fp16": "mixed_fp16", "bf16": "mixed_bf16"}
+TRAIN_POLICIES = {
+    "fp32": "fp32",
+    "tf32": "tf32",
+    "fp16": "mixed_fp16",
+    "bf16": "mixed_bf16",
+    "o2_bf16": "o2_bf16",
+    "pure_bf16": "pure_bf16",
+}
 # the hand-written loops (torch.autocast, GradScaler for fp16, fused AdamW) beside mixprec's: its overhead
 TORCH_LOOPS = {"torch fp32": None, "torch autocast fp16": torch.float16, "torch autocast bf16": torch.bfloat16}
-TORCH_TWINS = {"fp32": "torch fp32", "fp16": "torch autocast fp16", "bf16": "torch autocast bf16"}
+BF16_WEIGHTS_LOOP = "torch bf16 weights"
+TORCH_TWINS = {
+    "fp32": "torch fp32",
+    "fp16": "torch autocast fp16",
+    "bf16": "torch autocast bf16",
+    "o2_bf16": "torch autocast bf16",
+    "pure_bf16": BF16_WEIGHTS_LOOP,
+}
+# compiled at the largest batch while the compile budget lasts, the loop users write before mixprec's twin
+COMPILED = ("torch autocast bf16", "bf16", "torch autocast fp16", "fp16", "o2_bf16", "pure_bf16", BF16_WEIGHTS_LOOP)
 INFERENCE_POLICIES = {"fp32": "fp32", "tf32": "tf32", "fp16": "p=f16,c=f16,o=f32", "bf16": "p=bf16,c=bf16,o=f32"}
+GRAPHED = ", CUDA graph"
+_TIMING_RESERVE_S = 60.0  # no compile starts with less left: the timing of the compiled modes must fit
 
 
-def _size(dry_run: bool):
-    from transformers import BertConfig
-
-    if dry_run:
-        tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
-        return BertConfig(vocab_size=512, max_position_embeddings=64, **tiny), 16, (1, 2)
-    return BertConfig(), 128, (1, 8, 64)
-
-
-def _workload(config, seq: int, batch: int) -> Workload:
-    from transformers import BertForSequenceClassification
-
-    def data(device: torch.device):
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-        return tokens.to(device), torch.randint(0, 2, (batch,), generator=gen).to(device)
-
-    def loss(output, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.logits.float(), labels)
-
-    return Workload(lambda: BertForSequenceClassification(config), data, loss)
-
-
-def _inference(work: Workload, device: torch.device, policy: str) -> tuple[Callable[[], None], None]:
+def _inference(work: Workload, device: torch.device, policy: str, graphed: bool) -> tuple[Callable[[], None], None]:
     torch.manual_seed(0)
     model = work.build().to(device).eval()
     if "c=" in policy:  # the model stored in 16 bits, as exported
         mixprec.cast_module(model, mixprec.get_policy(policy))
     tokens, _ = work.batch(device)
+    region = lambda: mixprec.autocast(policy, model)  # noqa: E731
+    if graphed:  # the region is captured with the forward
+        replay = GraphedForward(model, region)
+        return lambda: replay(tokens), None
 
     def forward() -> None:
-        with torch.inference_mode(), mixprec.autocast(policy, model):
+        with torch.inference_mode(), region():
             model(tokens)
 
     return forward, None
 
 
-def _modes(work: Workload, device: torch.device, phase: str) -> list[Mode]:
+def _train_mode(name: str, work: Workload, device: torch.device, backend: str | None = None) -> Mode:
+    label = f"{name}, compiled" if backend else name
+    twin = TORCH_TWINS.get(name)
+    twin = f"{twin}, compiled" if backend and twin else twin
+    if name in TORCH_LOOPS:
+        return Mode(label, lambda: torch_step(work, device, TORCH_LOOPS[name], backend), backend is not None)
+    if name == BF16_WEIGHTS_LOOP:
+        return Mode(label, lambda: torch_step(work, device, None, backend, torch.bfloat16), backend is not None)
+    optimizer = "mixprec" if name == "pure_bf16" else "fused"
+    policy = TRAIN_POLICIES[name]
+    return Mode(label, lambda: mixprec_step(work, device, policy, optimizer, backend), backend is not None, twin)
+
+
+def _modes(settings: Settings, part: Part, work: Workload, phase: str, largest: bool) -> list[Mode]:
+    device = settings.device
     if phase == "training":
-        mixprecs = [
-            Mode(name, lambda p=policy: mixprec_step(work, device, p, "fused"), twin=TORCH_TWINS.get(name))
-            for name, policy in TRAIN_POLICIES.items()
-        ]
-        loops = [Mode(name, lambda d=dtype: torch_step(work, device, d)) for name, dtype in TORCH_LOOPS.items()]
-        return mixprecs + loops
-    return [Mode(name, lambda p=policy: _inference(work, device, p)) for name, policy in INFERENCE_POLICIES.items()]
+        names = [*TRAIN_POLICIES, *TORCH_LOOPS, BF16_WEIGHTS_LOOP]
+        modes = [_train_mode(name, work, device) for name in names]
+        if largest:  # the dry run compiles one with the "eager" backend: dynamo traces the region, no codegen
+            compiled, backend = (("bf16",), "eager") if settings.dry_run else (COMPILED, "inductor")
+            modes += [_train_mode(name, work, device, backend) for name in compiled]
+        return modes
+    modes = [
+        Mode(name, lambda p=policy: _inference(work, device, p, False)) for name, policy in INFERENCE_POLICIES.items()
+    ]
+    if settings.cuda:
+        for name, policy in INFERENCE_POLICIES.items():
+            modes.append(Mode(name + GRAPHED, lambda p=policy: _inference(work, device, p, True)))
+    elif largest:
+        part.leave_out("inference" + GRAPHED, "CUDA graphs need a CUDA device")
+    return modes
 
 
-def _phase(settings: Settings, part: Part, work: Workload, phase: str, batch: int, rounds: tuple[int, int]) -> None:
-    label = {"phase": phase, "batch": batch}
-    ready = []
-    for mode in _modes(work, settings.device, phase):
+def _prepare(settings: Settings, part: Part, modes: list[Mode], label: dict) -> list:
+    ready, compiling = [], 0.0
+    for mode in modes:
+        if mode.compiled and compiling > settings.compile_budget_s:
+            part.leave_out(mode.name, f"compile budget of {settings.compile_budget_s:.0f} s spent ({compiling:.0f} s)")
+            continue
+        if mode.compiled and settings.seconds_left() < _TIMING_RESERVE_S:
+            part.leave_out(mode.name, f"{settings.seconds_left():.0f} s left of the time limit: kept for the timing")
+            continue
+        start = time.perf_counter()
         made = part.attempt({**label, "mode": mode.name}, lambda m=mode: prepare(m, settings.device))
+        compiling += time.perf_counter() - start if mode.compiled else 0.0
         ready += [made] if made is not None else []
+    return ready
+
+
+def _phase(settings: Settings, part: Part, work: Workload, phase: str, batch: int, largest: bool, rounds) -> None:
+    label = {"phase": phase, "batch": batch}
+    ready = _prepare(settings, part, _modes(settings, part, work, phase, largest), label)
     timings, failed = time_modes(ready, *rounds)
     fp32 = timings.get("fp32")
     for made in ready:
@@ -94,12 +134,16 @@ def _phase(settings: Settings, part: Part, work: Workload, phase: str, batch: in
             part.records.append({**label, "mode": name, "error": failed[name]})
             continue
         timing = timings[name]
-        part.records.append({**label, "mode": name, "median_ms": round(timing.median_ms, 3),
-                             "spread_ms": round(timing.spread_ms, 3),
-                             "samples_per_s": round(batch / (timing.median_ms / 1e3), 1),
-                             "speedup_vs_fp32": round(fp32.median_ms / timing.median_ms, 2) if fp32 else None,
-                             "vs_torch_loop": _ratio(timing, timings.get(made.mode.twin or "")),
-                             "peak_memory_mb": made.figures["peak_memory_mb"]})  # fmt: skip
+        record = {**label, "mode": name, "median_ms": round(timing.median_ms, 3),
+                  "spread_ms": round(timing.spread_ms, 3),
+                  "samples_per_s": round(batch / (timing.median_ms / 1e3), 1),
+                  "speedup_vs_fp32": round(fp32.median_ms / timing.median_ms, 2) if fp32 else None,
+                  "vs_torch_loop": _ratio(timing, timings.get(made.mode.twin or "")),
+                  "peak_memory_mb": made.figures["peak_memory_mb"]}  # fmt: skip
+        if phase == "training":
+            profile = part.attempt({**record, "profile": True}, lambda m=made: profile_steps(m, settings.device))
+            record.update(profile or {})
+        part.records.append(record)
     log(f"  {phase} batch {batch}: " + ", ".join(f"{n} {t.median_ms:.1f} ms" for n, t in timings.items()))
     del ready
     free_memory()
@@ -111,11 +155,13 @@ def _ratio(timing, twin) -> float | None:
 
 
 def run(settings: Settings, part: Part) -> None:
-    config, seq, batches = _size(settings.dry_run)
+    config = models.bert_config(settings.dry_run)
+    seq, batches = (16, (1, 2)) if settings.dry_run else (128, (1, 8, 64))
     rounds = (2, 1) if settings.dry_run else (10, 3)  # (repeats, warm-up steps)
     part.meta.update(hidden=config.hidden_size, layers=config.num_hidden_layers, seq=seq, batches=list(batches))
     part.meta.update(repeats=rounds[0], warmup=rounds[1], weights="random (BertConfig, nothing downloaded)")
+    part.meta["compiled_at_batch"] = batches[-1]
     for batch in batches:
-        work = _workload(config, seq, batch)
+        work = models.bert(config, seq, batch)
         for phase in ("training", "inference"):
-            _phase(settings, part, work, phase, batch, rounds)
+            _phase(settings, part, work, phase, batch, batch == batches[-1], rounds)

@@ -15,16 +15,17 @@ per token (PaLM's appendix B), which 6N leaves out.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
+from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, free_memory, log
-from benchmarks.gpu.measure import Prepared, prepare, time_modes
+from benchmarks.gpu.measure import Prepared, prepare, profile_steps, time_modes
 from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
 
-from mixprec.app.tasks.byte_corpus import lm_loss
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
 
-__all__ = ["run"]
+__all__ = ["Table", "run", "run_table"]
 
 BATCHES = (64, 32, 16, 8, 4, 2, 1)
 _MEMORY_SHARE = 0.40
@@ -58,15 +59,6 @@ DRY_RUN_POLICIES = ("fp32", "mixed_bf16", "fp8")
 _TIMING_RESERVE_S = 100.0
 
 
-def _workload(config: GPTConfig, batch: int) -> Workload:
-    def tokens(device: torch.device):
-        gen = torch.Generator().manual_seed(0)
-        x, y = torch.randint(0, 256, (2, batch, config.context), generator=gen)
-        return x.to(device), y.to(device)
-
-    return Workload(lambda: TinyGPT(config), tokens, lm_loss)
-
-
 def _mode(name: str, work: Workload, device: torch.device, backend: str | None = None) -> Mode:
     label = f"{name}, compiled" if backend else name
     if name in TORCH_LOOPS:
@@ -85,7 +77,7 @@ def _largest_batch(settings: Settings, config: GPTConfig) -> tuple[int, dict]:
     tried: dict[int, object] = {}
     for batch in BATCHES:
         try:
-            made = prepare(_mode("torch fp32", _workload(config, batch), settings.device), settings.device)
+            made = prepare(_mode("torch fp32", models.tiny_gpt(config, batch), settings.device), settings.device)
             tried[batch] = made.figures["peak_memory_mb"]
             del made  # its model and optimizer state go before the next size is tried
         except torch.cuda.OutOfMemoryError:
@@ -96,17 +88,17 @@ def _largest_batch(settings: Settings, config: GPTConfig) -> tuple[int, dict]:
     raise RuntimeError(f"no batch in {BATCHES} fits: FP32 peak MB per batch {tried}")
 
 
-def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
-    names = [*TORCH_LOOPS, BF16_WEIGHTS_LOOP, *(DRY_RUN_POLICIES if settings.dry_run else POLICIES)]
+def _modes(settings: Settings, work: Workload, part: Part, table: Table) -> list[Mode]:
+    names = [*TORCH_LOOPS, BF16_WEIGHTS_LOOP, *(DRY_RUN_POLICIES if settings.dry_run else table.policies)]
     if settings.dry_run:
         names.remove("torch autocast fp16")
         part.leave_out("torch autocast fp16", "dry run: PyTorch's CPU fp16 kernels are 10-100x slower than FP32")
-        others = [name for name in POLICIES if name not in DRY_RUN_POLICIES]
+        others = [name for name in table.policies if name not in DRY_RUN_POLICIES]
         part.leave_out(", ".join(others), "dry run: a few policies show that the code runs")
     modes = [_mode(name, work, settings.device) for name in names]
     # the dry run compiles one case with the "eager" backend: dynamo traces mixprec's region (the
     # part that can break), without Inductor's tens of seconds of code generation on a CPU
-    compiled = ("mixed_bf16",) if settings.dry_run else COMPILED
+    compiled = ("mixed_bf16",) if settings.dry_run else table.compiled
     backend = "eager" if settings.dry_run else "inductor"
     part.meta["compile_backend"] = backend
     return modes + [_mode(name, work, settings.device, backend) for name in compiled]
@@ -142,12 +134,6 @@ def _size(settings: Settings, part: Part) -> tuple[GPTConfig, int]:
     return config, batch
 
 
-def _flops(config: GPTConfig, params: int, tokens: int) -> tuple[float, float]:
-    dense = 6 * params * tokens
-    attention = 12 * config.layers * config.width * config.context * tokens
-    return dense, dense + attention
-
-
 def _record(made: Prepared, timing, reference, twin, flops, peak: float | None, timings: dict) -> dict:
     seconds = timing.median_ms / 1e3
     record = {"mode": made.mode.name, "compiled": made.mode.compiled, **made.figures}
@@ -169,20 +155,42 @@ def _record(made: Prepared, timing, reference, twin, flops, peak: float | None, 
 
 
 def run(settings: Settings, part: Part) -> None:
-    _raise_recompile_limit()
     config, batch = _size(settings, part)
-    repeats, warmup = (2, 1) if settings.dry_run else (10, 3)
     params = sum(p.numel() for p in TinyGPT(config).parameters())  # tied embedding counted once
-    tokens = batch * config.context
-    dense, with_attention = _flops(config, params, tokens)
+    part.meta.update(model=f"TinyGPT {config}")
+    work = models.tiny_gpt(config, batch)
+    run_table(settings, part, work, Table(params, batch, config.context, config.layers, config.width))
+
+
+@dataclass(frozen=True)
+class Table:
+    """What a model's table needs to turn step times into tokens/s and MFU."""
+
+    params: int
+    batch: int
+    context: int
+    layers: int
+    width: int
+    policies: tuple[str, ...] = POLICIES
+    compiled: tuple[str, ...] = COMPILED
+
+
+def run_table(settings: Settings, part: Part, work: Workload, table: Table) -> None:
+    """Every mode of ``table`` on ``work``, eager and compiled while the budget lasts, timed interleaved, with
+    a short profile of each (host time and kernels per step)."""
+    _raise_recompile_limit()
+    repeats, warmup = (2, 1) if settings.dry_run else (10, 3)
+    tokens = table.batch * table.context
+    dense = 6 * table.params * tokens
+    with_attention = dense + 12 * table.layers * table.width * table.context * tokens
     flops = {"tokens": tokens, "dense": dense, "attention": with_attention}
     if settings.cuda:
         peak, peak_note = bf16_peak_flops(torch.cuda.get_device_name(settings.device))
     else:
         peak, peak_note = None, "MFU needs a GPU's bf16 peak: omitted on the CPU"
-    part.meta.update(model=f"TinyGPT {config}", params=params, batch=batch, tokens_per_step=tokens,
+    part.meta.update(params=table.params, batch=table.batch, tokens_per_step=tokens,
                      repeats=repeats, warmup=warmup, bf16_peak_flops=peak, mfu_note=peak_note)  # fmt: skip
-    ready = _prepare_all(settings, _modes(settings, _workload(config, batch), part), part)
+    ready = _prepare_all(settings, _modes(settings, work, part, table), part)
     log(f"  timing {len(ready)} modes, {repeats} interleaved rounds after {warmup} warm-up steps")
     timings, failed = time_modes(ready, repeats, warmup)
     for made in ready:
@@ -191,7 +199,11 @@ def run(settings: Settings, part: Part) -> None:
             part.records.append({"mode": name, "compiled": made.mode.compiled, "error": failed[name]})
             continue
         twin = timings.get(made.mode.twin or "")
-        part.records.append(_record(made, timings[name], timings.get("torch fp32"), twin, flops, peak, timings))
+        record = _record(made, timings[name], timings.get("torch fp32"), twin, flops, peak, timings)
+        record.update(
+            part.attempt({"mode": name, "profile": True}, lambda m=made: profile_steps(m, settings.device)) or {}
+        )
+        part.records.append(record)
 
 
 def _raise_recompile_limit() -> None:

@@ -1,9 +1,12 @@
-"""Part ``syncs``: host syncs per steady-state training step, per policy and optimizer.
+"""Part ``syncs``: host syncs per steady-state training step, per model, policy and optimizer.
 
 A host sync (``.item()``, a device-to-host copy, a pageable host-to-device copy, ``synchronize``) stalls
 the CPU until the GPU catches up, so the CPU cannot queue the next kernels while the GPU works. Each step
 runs under ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every synchronizing CUDA call; the
 warnings are counted per step after warm-up, with the source line of each (where to fix it).
+
+Models: every model the GPU check times (a small TinyGPT; transformers' BERT-base and GPT-2 small at 2
+layers: their code and width, whose syncs do not depend on depth), each under every policy family.
 
 Goals (docs/training-step.md, issue 17): 0 with an optimizer that takes ``found_inf`` itself (fused AdamW,
 mixprec.AdamW); at most 1 (the documented read of the found-inf flags) with torch's default AdamW. The
@@ -22,42 +25,49 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, sync
 from benchmarks.gpu.steps import Workload, mixprec_step, torch_step
 
-from mixprec.app.tasks.byte_corpus import lm_loss
-from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
+from mixprec.app.tasks.tiny_gpt import GPTConfig
 
 __all__ = ["run"]
 
 _SYNC_WARNING = "called a synchronizing CUDA operation"
 CASES = (  # (policy, optimizer): torch loops are named by their autocast dtype
+    ("fp32", "fused"),
     ("mixed_bf16", "fused"),
     ("mixed_bf16", "default"),
     ("mixed_fp16", "fused"),
     ("mixed_fp16", "default"),
     ("o2_bf16", "fused"),
     ("o2_bf16", "default"),
+    ("o2_fp16", "fused"),
     ("pure_bf16", "mixprec"),
+    ("fp8", "fused"),
     ("torch autocast bf16", "fused"),
     ("torch autocast fp16 + GradScaler", "fused"),
 )
 GOALS = {"fused": 0, "mixprec": 0, "default": 1}
 
 
-def _workload(settings: Settings) -> tuple[Workload, int, int]:
-    """A small GPT (syncs do not depend on size); returns it, the warm-up steps and the counted steps."""
+def _workloads(settings: Settings) -> dict[str, Workload]:
+    """The models, small where size does not change what syncs (warm-up and counted steps: ``_steps``)."""
     if settings.dry_run:
-        config, batch, warmup, counted = GPTConfig(layers=1, width=32, heads=2, context=16), 2, 1, 2
+        tiny, seq, batch = GPTConfig(layers=1, width=32, heads=2, context=16), 16, 2
     else:
-        config, batch, warmup, counted = GPTConfig(layers=2, width=256, heads=4, context=128), 8, 3, 5
+        tiny, seq, batch = GPTConfig(layers=2, width=256, heads=4, context=128), 128, 8
+    layers = None if settings.dry_run else 2
+    return {
+        "TinyGPT": models.tiny_gpt(tiny, batch),
+        "BERT-base, 2 layers": models.bert(models.bert_config(settings.dry_run, layers), seq, batch),
+        "GPT-2, 2 layers": models.gpt2(models.gpt2_config(settings.dry_run, layers), seq, batch),
+    }
 
-    def tokens(device: torch.device):
-        gen = torch.Generator().manual_seed(0)
-        x, y = torch.randint(0, 256, (2, batch, config.context), generator=gen)
-        return x.to(device), y.to(device)
 
-    return Workload(lambda: TinyGPT(config), tokens, lm_loss), warmup, counted
+def _steps(settings: Settings) -> tuple[int, int]:
+    """Warm-up steps, then counted steps."""
+    return (1, 2) if settings.dry_run else (3, 5)
 
 
 def count_syncs(step: Callable[[], None], steps: int, repo: Path) -> Counter:
@@ -110,8 +120,8 @@ def _count(settings: Settings, step: Callable[[], None], counted: int, goal: int
     return figures
 
 
-def _measure(settings: Settings, policy: str, optimizer: str) -> dict:
-    work, warmup, counted = _workload(settings)
+def _measure(settings: Settings, work: Workload, policy: str, optimizer: str) -> dict:
+    warmup, counted = _steps(settings)
     device = settings.device
     if policy.startswith("torch"):
         step, mp = torch_step(work, device, torch.float16 if "fp16" in policy else torch.bfloat16)
@@ -135,5 +145,7 @@ def _measure(settings: Settings, policy: str, optimizer: str) -> dict:
 def run(settings: Settings, part: Part) -> None:
     if not settings.cuda:
         part.meta["note"] = "sync counting needs CUDA (torch.cuda.set_sync_debug_mode); the steps ran uncounted"
-    for policy, optimizer in CASES:
-        part.case({"policy": policy, "optimizer": optimizer}, lambda p=policy, o=optimizer: _measure(settings, p, o))
+    for model, work in _workloads(settings).items():
+        for policy, optimizer in CASES:
+            label = {"model": model, "policy": policy, "optimizer": optimizer}
+            part.case(label, lambda w=work, p=policy, o=optimizer: _measure(settings, w, p, o))

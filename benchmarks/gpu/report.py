@@ -14,14 +14,16 @@ __all__ = ["load", "save", "summary"]
 COLUMNS = {
     "tests": [("tests", "cases"), ("passed", "passed"), ("failures", "failed"), ("errors", "errors"),
               ("skipped", "skipped"), ("exit_code", "pytest exit")],
-    "syncs": [("policy", "policy"), ("optimizer", "optimizer"), ("syncs_per_step", "syncs/step"), ("goal", "goal"),
+    "syncs": [("model", "model"), ("policy", "policy"), ("optimizer", "optimizer"), ("syncs_per_step", "syncs/step"),
+              ("goal", "goal"),
               ("meets_goal", "meets goal"),
               ("profiled_blocking_calls_per_step", "profiler: blocking calls/step"),
               ("skipped_steps", "skipped steps"), ("sites", "where")],
     "gpt": [("mode", "mode"), ("median_ms", "ms/step"), ("spread_ms", "spread"), ("tokens_per_s", "tokens/s"),
             ("mfu", "MFU"), ("mfu_with_attention", "MFU w/ attention"), ("vs_torch_fp32", "vs torch fp32"),
             ("vs_twin", "vs torch loop"), ("vs_o2_bf16", "vs o2_bf16"), ("peak_memory_mb", "peak MB"),
-            ("first_call_s", "first call s"), ("compute_plan", "compute")],
+            ("first_call_s", "first call s"), ("host_ms_per_step", "host ms/step"),
+            ("kernels_per_step", "kernels/step"), ("compute_plan", "compute")],
     "fp8": [("case", "case"), ("pair", "operands"), ("shape", "MxKxN"), ("kernel_ran", "kernel ran"),
             ("kernel_equals_emulation", "kernel == emulation"), ("kernel_error_over_bound", "kernel error / bound"),
             ("emulation_error_over_bound", "emulation error / bound"),
@@ -29,8 +31,10 @@ COLUMNS = {
             ("n", "n"), ("dtype", "dtype"), ("tflops", "TFLOP/s"), ("vs_bf16", "vs bf16")],
     "bert": [("phase", "phase"), ("batch", "batch"), ("mode", "precision"), ("median_ms", "ms"),
              ("samples_per_s", "samples/s"), ("speedup_vs_fp32", "vs fp32"), ("vs_torch_loop", "vs torch loop"),
-             ("peak_memory_mb", "peak MB")],
+             ("peak_memory_mb", "peak MB"), ("host_ms_per_step", "host ms/step"),
+             ("kernels_per_step", "kernels/step")],
 }  # fmt: skip
+COLUMNS["gpt2"] = COLUMNS["gpt"]
 
 
 def load(path: Path) -> dict:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["tests", "syncs", "gpt", "fp8", "bert"]
+PARTS = ["tests", "syncs", "gpt", "fp8", "bert", "gpt2"]
 
 
 @pytest.fixture
@@ -54,6 +54,7 @@ def test_the_dry_run_runs_every_part_or_says_why_not(tmp_path):
     assert "no CUDA" in parts["tests"]["reason"]
     _check_syncs(parts["syncs"])
     _check_gpt(parts["gpt"])
+    _check_gpt(parts["gpt2"])
     _check_fp8(parts["fp8"])
     _check_bert(parts["bert"])
     summary = (folder / "summary.md").read_text()
@@ -61,8 +62,10 @@ def test_the_dry_run_runs_every_part_or_says_why_not(tmp_path):
 
 
 def _check_syncs(part: dict) -> None:
-    cases = {(r["policy"], r["optimizer"]) for r in part["records"]}
-    assert {("mixed_bf16", "fused"), ("mixed_fp16", "default"), ("o2_bf16", "fused"), ("pure_bf16", "mixprec")} <= cases
+    cases = {(r["model"], r["policy"], r["optimizer"]) for r in part["records"]}
+    for model in ("TinyGPT", "BERT-base, 2 layers", "GPT-2, 2 layers"):  # every model the check times
+        wanted = [("mixed_bf16", "fused"), ("mixed_fp16", "default"), ("o2_bf16", "fused"), ("pure_bf16", "mixprec")]
+        assert {(model, *case) for case in wanted} <= cases, model
     assert "needs CUDA" in part["meta"]["note"]
     for record in part["records"]:  # the steps ran; counting is CUDA's
         assert record["syncs_per_step"] is None and record["steps_counted"] > 0 and record["goal"] in (0, 1)
@@ -75,6 +78,8 @@ def _check_gpt(part: dict) -> None:
         assert record["median_ms"] > 0 and record["tokens_per_s"] > 0 and record["first_call_s"] > 0
         assert record["mfu"] is None  # no peak on a CPU, and the meta says so
     assert modes["mixed_bf16"]["twin"] == "torch autocast bf16" and modes["mixed_bf16"]["vs_twin"] > 0
+    assert "torch bf16 weights" in modes  # pure_bf16's twin, timed beside it on a GPU
+    assert all(r["host_ms_per_step"] > 0 and r["kernels_per_step"] is None for r in modes.values())  # no CUDA
     assert modes["mixed_bf16, compiled"]["compiled"] is True
     assert part["meta"]["params"] > 0 and "omitted" in part["meta"]["mfu_note"]
 
@@ -92,11 +97,16 @@ def _check_bert(part: dict) -> None:
     for phase in ("training", "inference"):
         records = [r for r in part["records"] if r["phase"] == phase]
         assert {r["batch"] for r in records} == {1, 2}
-        loops = {"torch fp32", "torch autocast fp16", "torch autocast bf16"} if phase == "training" else set()
-        assert {r["mode"] for r in records} == {"fp32", "tf32", "fp16", "bf16"} | loops
+        training = {"o2_bf16", "pure_bf16", "torch fp32", "torch autocast fp16", "torch autocast bf16"}
+        training |= {"torch bf16 weights", "bf16, compiled"}
+        modes = {"fp32", "tf32", "fp16", "bf16"} | (training if phase == "training" else set())
+        assert {r["mode"] for r in records} == modes
         assert all(r["samples_per_s"] > 0 and r["speedup_vs_fp32"] > 0 for r in records)
-    twinned = [r for r in part["records"] if r["phase"] == "training" and r["mode"] in ("fp32", "fp16", "bf16")]
-    assert len(twinned) == 6 and all(r["vs_torch_loop"] > 0 for r in twinned)  # 3 modes x 2 batches
+    twins = ("fp32", "fp16", "bf16", "o2_bf16", "pure_bf16")
+    twinned = [r for r in part["records"] if r["phase"] == "training" and r["mode"] in twins]
+    assert len(twinned) == 10 and all(r["vs_torch_loop"] > 0 for r in twinned)  # 5 modes x 2 batches
+    assert all(r["host_ms_per_step"] > 0 for r in part["records"] if r["phase"] == "training")
+    assert [n["case"] for n in part["not_run"]] == ["inference, CUDA graph"]
 
 
 def test_a_failing_part_is_recorded_and_the_next_part_still_runs(gpu_check, monkeypatch, tmp_path, capsys):
