@@ -219,7 +219,7 @@ def test_the_reentrant_checkpoint_and_fp8_are_refused():
         model(torch.randn(4, 6, 16))
     model = Net(True, via=torch_checkpoint, use_reentrant=False)
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "base=mixed_bf16,fp8=hybrid")
-    with pytest.raises(ValueError, match=r"without the policy's FP8 Linear layers"), mp.autocast():
+    with pytest.raises(ValueError, match=r"without the policy's FP8 GEMM layers"), mp.autocast():
         model(torch.randn(4, 6, 16))
 
 

@@ -33,6 +33,7 @@ rank's statistics describe the step as a whole.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -63,12 +64,14 @@ from mixprec.parallel.fsdp import is_sharded
 from mixprec.policy.policy import Policy
 from mixprec.regions.autocast import Region
 from mixprec.regions.casting import cast_module
-from mixprec.regions.plan import ComputePlan, tf32_matmuls
+from mixprec.regions.plan import ComputePlan, tf32_matmuls, with_gemm_layers
 from mixprec.regions.prepare import Prepared, prepare
 from mixprec.scaling.base import LossScaler
 from mixprec.scaling.static import NoOpLossScaler
 
 __all__ = ["MixedPrecision", "StepResult"]
+
+_GRAD = operator.attrgetter("grad")
 
 
 class OptimizerView(NamedTuple):
@@ -142,6 +145,8 @@ class MixedPrecision:
         if residuals:  # pure_bf16: p + compensation starts at the exact FP32 weight, not at its rounding
             optimizer.start_from(residuals)
         self._region = Region(prepared)  # prepared once: entering it only enters contexts
+        if self._region.fp8 is not None:  # which GEMM layers run FP8 and which were kept, with the reasons
+            self.compute_plan = with_gemm_layers(self.compute_plan, self._region.fp8.selection)
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
         refuse_direct_steps(optimizer, self._order)
@@ -263,8 +268,11 @@ class MixedPrecision:
         if self.masters is not None:
             self.masters.grads_to_masters()
         optimized = self._optimizer_params()
-        params = [p for p in optimized if p.grad is not None]
-        grads = [p.grad.float() if into_sums else p.grad for p in params]  # float(): a copy of 16-bit ones only
+        if into_sums:
+            params = [p for p in optimized if p.grad is not None]
+            grads = [p.grad.float() for p in params]  # float(): a copy of 16-bit ones only
+        else:
+            grads = [grad for grad in map(_GRAD, optimized) if grad is not None]  # read in C
         unscaled = [local(g) for g in grads] if self.sharded else grads
         found = self.scalers[loss_id].unscale_(self._grouped(optimized, unscaled, into_sums))
         before = self._found[loss_id]
@@ -360,7 +368,8 @@ class MixedPrecision:
         host = None
         if not self._skips_on_device:
             # host sync, once: every loss's flag in one read, which decides the skip (free on the CPU)
-            host = [flag != 0 for flag in torch.cat(per_loss).tolist()]
+            flags = per_loss[0] if len(per_loss) == 1 else torch.cat(per_loss)  # one loss: no concatenation
+            host = [flag != 0 for flag in flags.tolist()]
         if self._unclassified is not None:
             self._log.classify(*self._unclassified, None if host is None else any(host))
             self._unclassified = None

@@ -52,7 +52,8 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor] | Grouped, inv_scale: tor
         _unscale_and_check_group_(group, found_here, inv_here)
         if found_here is not found:
             found += found_here.to(found.device, non_blocking=True)
-    return found.clamp_(max=1.0)
+    # one group's kernel writes 1.0 itself; flags added over several groups are brought back to 1
+    return found.clamp_(max=1.0) if len(groups) > 1 else found
 
 
 def _unscale_and_check_group_(group: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:

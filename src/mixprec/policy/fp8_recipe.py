@@ -7,8 +7,10 @@
                 ``amax`` = "max" or "recent"), as Transformer Engine does; the first call, with no
                 history yet, uses the current amax
     margin      extra powers of two of headroom below the format's largest value
-    keep        Linear layers left in the policy's compute dtype: name globs, plus "first" and "last"
-                for the first and last Linear layers the model's forward pass calls
+    keep        GEMM layers left in the policy's compute dtype: name globs, plus "first" and "last" for the
+                first and last GEMM layers in the model's registration order, and "head" for the
+                language-model head (a layer whose weight is an embedding's, else one named lm_head);
+                default "head", as FP8 training recipes keep it; "none" keeps none
     gemm        "auto" (PyTorch's FP8 GEMM on CUDA devices that have it, the emulation elsewhere),
                 "scaled_mm" (the kernel wherever PyTorch has one, the CPU included) or "emulated"
 
@@ -22,6 +24,8 @@ the defaults, and parses back to the same recipe.
 Example:
     >>> str(Fp8Recipe(scaling="current", keep=("first", "last")))
     'hybrid(scaling=current,keep=first+last)'
+    >>> str(Fp8Recipe(keep=()))
+    'hybrid(keep=none)'
     >>> parse_recipe("e4m3(history=4)") == Fp8Recipe(backward="fp8_e4m3", history=4)
     True
 """
@@ -52,7 +56,7 @@ class Fp8Recipe:
     history: int = 16
     amax: str = "max"
     margin: int = 0
-    keep: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ("head",)
     gemm: str = "auto"
 
     def __post_init__(self) -> None:
@@ -98,7 +102,9 @@ class Fp8Recipe:
 
 
 def _spelled(value: object) -> str:
-    return "+".join(value) if isinstance(value, tuple) else str(value)
+    if isinstance(value, tuple):
+        return "+".join(value) if value else "none"
+    return str(value)
 
 
 def parse_recipe(text: str, base: Fp8Recipe | None = None) -> Fp8Recipe:

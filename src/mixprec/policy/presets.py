@@ -58,14 +58,17 @@ PRESETS: dict[str, Policy] = {
         compute_dtype=BF16,
         output_dtype=F32,
         fp8=Fp8Recipe(),
-        reason="every Linear layer in FP8 (e4m3 inputs and weights, e5m2 gradients, delayed scaling), bf16 elsewhere",
+        reason=(
+            "every GEMM layer in FP8 but the language-model head (e4m3 inputs and weights, e5m2 gradients, delayed "
+            "scaling), bf16 elsewhere"
+        ),
     ),
     "fp8_hybrid": Policy(
         param_dtype=F32,
         compute_dtype=BF16,
         output_dtype=F32,
         fp8=Fp8Recipe(keep=("first", "last")),
-        reason="Linear layers in FP8 (e4m3/e5m2, delayed scaling) except the first and last, which stay bf16",
+        reason="GEMM layers in FP8 (e4m3/e5m2, delayed scaling) except the first and last, which stay bf16",
     ),
 }
 

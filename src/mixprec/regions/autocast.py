@@ -102,8 +102,7 @@ class Region:
         model = self.model
         if self.policy.fp8 is not None and model is None:
             raise ValueError(
-                f"policy {self.policy} computes Linear layers in FP8, which needs the model: "
-                "use autocast(policy, model)."
+                f"policy {self.policy} computes GEMM layers in FP8, which needs the model: use autocast(policy, model)."
             )
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
@@ -167,7 +166,7 @@ class Region:
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
-            _output_dtype(model, policy.output_dtype) if model is not None else null,
+            _output_dtype(model, policy.output_dtype, traced) if model is not None else null,
             _model_hooks(self._fp32_modules, fp32_region, frame, refuse) if self._fp32_modules else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
@@ -223,14 +222,26 @@ def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle 
     return model.register_forward_hook(_cast_outputs)
 
 
-@contextlib.contextmanager
-def _output_dtype(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    previous = getattr(model, _OUTPUT_DTYPE, None)
-    setattr(model, _OUTPUT_DTYPE, dtype)
-    try:
-        yield
-    finally:
-        setattr(model, _OUTPUT_DTYPE, previous)
+class _output_dtype:  # a class, not @contextmanager: no generator per region entry
+    """While entered, ``model``'s output cast casts to ``dtype``. The attribute is written into the module's
+    ``__dict__`` directly: it is neither a parameter, a buffer nor a module, and ``nn.Module.__setattr__``'s
+    checks for those cost more than the rest of entering the region (compiled, dynamo traces setattr)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, traced: bool) -> None:
+        self.model, self.dtype, self.traced = model, dtype, traced
+
+    def __enter__(self) -> None:
+        self.previous = getattr(self.model, _OUTPUT_DTYPE, None)
+        self._write(self.dtype)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._write(self.previous)
+
+    def _write(self, dtype: torch.dtype | None) -> None:
+        if self.traced:
+            setattr(self.model, _OUTPUT_DTYPE, dtype)
+        else:
+            self.model.__dict__[_OUTPUT_DTYPE] = dtype
 
 
 def _hooked_fp32_modules(prepared: Prepared) -> list[nn.Module]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,8 +19,18 @@ from mixprec.compute.device import device_caps
 from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel, wants_kernel
+from mixprec.regions.fp8.gemm_layers import GemmSelection
 
-__all__ = ["ComputePlan", "check_device_supports", "compute_plan", "tf32_matmuls", "uses_gemm_attention"]
+__all__ = [
+    "ComputePlan",
+    "check_device_supports",
+    "compute_plan",
+    "tf32_matmuls",
+    "uses_gemm_attention",
+    "with_gemm_layers",
+]
+
+logger = logging.getLogger("mixprec")
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,7 @@ class ComputePlan:
 def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     """16-bit compute on CPUs as the per-machine timing probe chose it (:mod:`mixprec.compute.kernels`), each
     op family native or emulated; native on GPUs unless the policy says ``kernels=emulated``.
-    FP8 Linear layers run on PyTorch's FP8 GEMM where the recipe picks it, else emulated exactly."""
+    FP8 GEMM layers run on PyTorch's FP8 GEMM where the recipe picks it, else emulated exactly."""
     plan = _compute_plan(policy, device_type)
     if policy.fp8 is None:
         return plan
@@ -62,10 +73,18 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
         how += f" ({scaled_mm_unavailable_reason(device)})"
     note = (
-        f"Linear layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
+        f"GEMM layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
         f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
     )
     return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
+
+
+def with_gemm_layers(plan: ComputePlan, selection: GemmSelection) -> ComputePlan:
+    """``plan`` with a model's FP8 layers in its reason: how many GEMM layers run FP8, each kept one and why.
+    A policy that computes no layer of the model in FP8 says so in a warning too."""
+    if not selection.fp8:
+        logger.warning("mixprec: the FP8 policy computes none of this model's layers in FP8: %s", selection.describe())
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {selection.describe()}")
 
 
 _EMULATION_NOTE = "GEMM inputs and outputs rounded to the 16-bit format, FP32 accumulation, as on tensor cores"

@@ -82,7 +82,7 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
     (nothing around either if no region is active).
 
     Raises:
-        ValueError: the region computes Linear layers in FP8 (a recompute would record their amax again).
+        ValueError: the region computes GEMM layers in FP8 (a recompute would record their amax again).
     """
     frame = current_frame()
     if frame is None:
@@ -145,7 +145,7 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool = False, **kw
     selective checkpointing) is kept, with the region entered around its recompute context.
 
     Raises:
-        ValueError: ``use_reentrant=True``; the region computes Linear layers in FP8.
+        ValueError: ``use_reentrant=True``; the region computes GEMM layers in FP8.
     """
     import torch.utils.checkpoint  # here: it loads torch's compiler (1.4 s of every start)
 

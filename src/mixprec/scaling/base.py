@@ -29,6 +29,7 @@ class LossScaler(ABC):
     def __init__(self, init_scale: float) -> None:
         self._init_scale = float(init_scale)
         self._scale: torch.Tensor | None = None  # created on the device of the first loss or gradients
+        self._reciprocal: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (scale, its version, 1 / scale)
 
     # -- the scale ---------------------------------------------------------------------------
     def _scale_on(self, device: torch.device) -> torch.Tensor:
@@ -70,8 +71,12 @@ class LossScaler(ABC):
         else:
             device = grads[0].device if grads else torch.device("cpu")
         scale = self._scale_on(device)
-        inv_scale = scale.double().reciprocal().float()
-        return unscale_and_check_(grads, inv_scale)
+        cached = self._reciprocal
+        # kept while the scale tensor is unchanged (every write to it is in place and bumps its version): a
+        # static scale's reciprocal is computed once, not three launches a step
+        if cached is None or cached[0] is not scale or cached[1] != scale._version:
+            cached = self._reciprocal = (scale, scale._version, scale.double().reciprocal().float())
+        return unscale_and_check_(grads, cached[2])
 
     @abstractmethod
     def update(self, found_inf: torch.Tensor) -> None:

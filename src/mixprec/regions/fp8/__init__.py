@@ -4,13 +4,16 @@ The recipe (formats, scaling, layers kept out of FP8) is a policy value: :class:
 """
 
 from mixprec.regions.fp8.gemm import fp8_matmul, scaled_mm_available, scaled_mm_unavailable_reason
+from mixprec.regions.fp8.gemm_layers import GemmSelection, KeptLayer, register_gemm_layer, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
-from mixprec.regions.fp8.region import Fp8State, fp8_layers, fp8_region, fp8_state
+from mixprec.regions.fp8.region import Fp8State, fp8_layers, fp8_region, fp8_state, gemm_selection
 from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8, power_of_two_scale
 
 __all__ = [
     "Fp8LinearState",
     "Fp8State",
+    "GemmSelection",
+    "KeptLayer",
     "ScaleState",
     "cast_to_fp8",
     "fp8_layers",
@@ -18,7 +21,10 @@ __all__ = [
     "fp8_matmul",
     "fp8_region",
     "fp8_state",
+    "gemm_selection",
     "power_of_two_scale",
+    "register_gemm_layer",
     "scaled_mm_available",
     "scaled_mm_unavailable_reason",
+    "select_gemm_layers",
 ]

@@ -1,6 +1,7 @@
-"""Where a policy's FP8 recipe applies: the model's Linear layers, minus the ones it keeps.
+"""Where a policy's FP8 recipe applies: the model's GEMM layers, minus the ones it keeps.
 
-Inside :func:`fp8_region` each selected ``nn.Linear`` computes through :func:`mixprec.regions.fp8.fp8_linear`
+Inside :func:`fp8_region` each selected GEMM layer (:mod:`mixprec.regions.fp8.gemm_layers`) computes
+through :func:`mixprec.regions.fp8.fp8_linear`
 (its ``forward`` is routed there for the region and restored on exit, exceptions included). The scale
 states (amax histories) live in an :class:`Fp8State` per model, which persists across regions and
 belongs in checkpoints (``MixedPrecision.state_dict`` includes it).
@@ -15,7 +16,6 @@ deleted within one traced step, besides, is replayed by the compiler as a bare d
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import weakref
 from collections.abc import Callable, Collection, Iterator
 
@@ -23,29 +23,29 @@ import torch
 from torch import nn
 
 from mixprec.policy.fp8_recipe import Fp8Recipe
+from mixprec.regions.fp8.gemm import uses_kernel
+from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 
-__all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state"]
+__all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, Fp8State] = weakref.WeakKeyDictionary()
 
 
-def fp8_layers(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> list[tuple[str, nn.Linear]]:
-    """The Linear layers computed in FP8: all of them, less ``recipe.keep`` ("first" and "last" are
-    the first and last Linear layers in the model's registration order) and less those in the modules named
-    in ``fp32`` (the policy's FP32 modules, with everything inside them)."""
-    linears = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not any(name == kept or name.startswith(kept + ".") for kept in fp32)
-    ]
-    kept = set()
-    if linears and "first" in recipe.keep:
-        kept.add(linears[0][0])
-    if linears and "last" in recipe.keep:
-        kept.add(linears[-1][0])
-    globs = [k for k in recipe.keep if k not in ("first", "last")]
-    return [(n, m) for n, m in linears if n not in kept and not any(fnmatch.fnmatchcase(n, g) for g in globs)]
+def fp8_layers(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
+    """The GEMM layers computed in FP8 (:mod:`mixprec.regions.fp8.gemm_layers`: ``nn.Linear``, transformers'
+    ``Conv1D``, the ``mixprec_gemm`` protocol): all of them, less those ``recipe.keep`` keeps ("first" and
+    "last" in the model's registration order, "head", name globs), those in the modules named in ``fp32`` (the
+    policy's FP32 modules, with everything inside them) and, where the FP8 GEMM kernel runs, shapes it refuses.
+    :func:`gemm_selection` gives the kept ones with their reasons."""
+    return [(name, module) for name, module, _ in gemm_selection(model, recipe, fp32).fp8]
+
+
+def gemm_selection(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> GemmSelection:
+    """The model's GEMM layers in FP8 and those kept, each with the reason, for ``recipe`` on the model's device."""
+    param = next(model.parameters(), None)
+    kernel = param is not None and uses_kernel(recipe.gemm, param.device)
+    return select_gemm_layers(model, recipe.keep, fp32, kernel)
 
 
 class Fp8State:
@@ -57,8 +57,11 @@ class Fp8State:
 
     def __init__(self, model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> None:
         self.recipe, self.fp32 = recipe, tuple(fp32)
-        self.modules = dict(fp8_layers(model, recipe, self.fp32))  # chosen once
-        self.layers = {name: Fp8LinearState(recipe, m.weight.device) for name, m in self.modules.items()}
+        self.selection = gemm_selection(model, recipe, self.fp32)  # chosen once
+        self.modules = {name: module for name, module, _ in self.selection.fp8}
+        self._operands = {name: operands for name, _, operands in self.selection.fp8}
+        devices = {name: self._operands[name](module)[0].device for name, module in self.modules.items()}
+        self.layers = {name: Fp8LinearState(recipe, device) for name, device in devices.items()}
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
         self._replaced: dict[str, object] = {}
@@ -70,7 +73,7 @@ class Fp8State:
         # what was there: another state's routing (a region with another recipe) or none
         self._replaced = {name: vars(module).get("forward") for name, module in self.modules.items()}
         for name, module in self.modules.items():
-            module.forward = _Fp8Forward(module, self.layers[name], self)
+            module.forward = _Fp8Forward(module, self.layers[name], self, self._operands[name])
         return True
 
     def remove(self) -> None:
@@ -111,22 +114,23 @@ class Fp8State:
 
 
 class _Fp8Forward:
-    """A selected Linear's forward: FP8 while its model's state has an output dtype, its own otherwise.
+    """A selected GEMM layer's forward: FP8 while its model's state has an output dtype, its own otherwise.
 
     An object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward
     bound to the copy (a closure would keep computing with the original's weights) and pickling works.
     """
 
-    def __init__(self, module: nn.Linear, layer: Fp8LinearState, state: Fp8State) -> None:
-        self.module, self.layer, self.state = module, layer, state
+    def __init__(self, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands) -> None:
+        self.module, self.layer, self.state, self.operands = module, layer, state, operands
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module, out_dtype = self.module, self.state.out_dtype
         if out_dtype is None:
             return type(module).forward(module, x)
         if self.state.refuse is not None:
-            self.state.refuse("the policy's FP8 Linear layers")
-        return fp8_linear(x, module.weight, module.bias, self.layer, out_dtype)
+            self.state.refuse("the policy's FP8 GEMM layers")
+        weight, bias = self.operands(module)
+        return fp8_linear(x, weight, bias, self.layer, out_dtype)
 
 
 def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> Fp8State:
@@ -142,7 +146,7 @@ def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -
 def fp8_region(
     model: nn.Module, recipe: Fp8Recipe, out_dtype: torch.dtype, fp32: Collection[str] = ()
 ) -> Iterator[Fp8State]:
-    """Compute the model's selected Linear layers in FP8 inside; outputs in ``out_dtype``.
+    """Compute the model's selected GEMM layers in FP8 inside; outputs in ``out_dtype``.
 
     The layers' forward is routed on entry and restored on exit. A region entered many times
     (:class:`mixprec.regions.Region`) installs the routing once and only sets the output dtype on entry
