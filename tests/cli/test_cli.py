@@ -152,6 +152,17 @@ def test_policy_command(mixprec_cli):
     assert auto["reason"] == mixprec.get_policy("auto", device="cpu").reason
 
 
+def test_policy_command_says_which_of_a_tasks_gemm_layers_run_fp8(mixprec_cli):
+    shown = json.loads(mixprec_cli("policy", "fp8", "--task", "charlm", "--size", "tiny", "--json").stdout)
+    assert shown["fp8_layers"] == (
+        "4 of 5 GEMM layers in FP8; kept: lm_head (Linear): kept by the recipe (head: the language-model head)"
+    )
+    shown = json.loads(mixprec_cli("policy", "mixed_bf16", "--task", "charlm", "--size", "tiny", "--json").stdout)
+    assert shown["fp8_layers"] == "none: the policy has no FP8 recipe"
+    done = mixprec_cli("policy", "fp8", "--task", "charlm", "--size", "huge")
+    assert done.returncode == 2 and "--size: received 'huge'; use default or tiny." in done.stderr
+
+
 def test_demo_trains_under_each_policy(mixprec_cli):
     run = mixprec_cli
     result = run("demo", "--steps", "20", "--policies", "fp32,mixed_bf16,o2_fp16,pure_bf16")

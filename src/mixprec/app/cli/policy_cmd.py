@@ -18,6 +18,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device", help="device to resolve 'auto' and check support for (default: cuda if present, else cpu)"
     )
+    parser.add_argument(
+        "--task",
+        help="with an FP8 policy, also say which of this task's GEMM layers run FP8 and why each other is kept "
+        "(a built-in task: digits, charlm, hf, minilm; or MODULE:FACTORY)",
+    )
+    parser.add_argument("--size", default="default", help="the task's size for --task (default, or tiny)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(run=run)
 
@@ -50,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         "device": device_caps(device_type).description,
         "compute_plan": f"{plan.mode}: {plan.reason}",
     }
+    if args.task is not None:
+        record["task"] = args.task
+        record["fp8_layers"] = _fp8_layers(args, device_type)
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -58,3 +67,20 @@ def run(args: argparse.Namespace) -> int:
             shown = ", ".join(value) if isinstance(value, list) else value
             print(f"{key.ljust(width)}  {shown if shown not in ('', None) else '-'}")
     return 0
+
+
+def _fp8_layers(args: argparse.Namespace, device_type: str) -> str:
+    """Which of ``--task``'s GEMM layers the policy computes in FP8 and why each other is kept (its model is
+    built on the CPU, as the task builds it; nothing is trained)."""
+    from mixprec.app.task import TaskConfig, build_task  # the 'train' extra
+    from mixprec.regions import prepare
+    from mixprec.regions.fp8 import gemm_selection
+
+    if args.size not in ("default", "tiny"):
+        raise ValueError(f"--size: received {args.size!r}; use default or tiny.")
+    model = build_task(args.task, TaskConfig(size=args.size)).model
+    prepared = prepare(model, args.spec, device=device_type)
+    if prepared.policy.fp8 is None:
+        return "none: the policy has no FP8 recipe"
+    fp32 = [name for name, _ in prepared.fp32_modules]
+    return gemm_selection(model, prepared.policy.fp8, fp32).describe()
