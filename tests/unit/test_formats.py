@@ -81,7 +81,7 @@ def test_format_is_frozen():
 
 def test_loss_scaling_advice():
     needs = {name for name, fmt in mixprec.FORMATS.items() if fmt.needs_loss_scaling}
-    assert needs == {"fp16", "fp8_e4m3", "fp8_e5m2"}
+    assert needs == {"fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"}
 
 
 @pytest.mark.parametrize("bad", ["fp17", "e1m3", "e12m3", "e4m53", "", "float8", "bf32"])

@@ -1,6 +1,17 @@
 """Float formats, exact emulation of their rounding, and on-device finite checks."""
 
+from mixprec.numerics.block_formats import BLOCK_FORMATS, SCALE_RULES, BlockFormat, quantize_blocks
 from mixprec.numerics.formats import FORMATS, Format, get_format
 from mixprec.numerics.quantize import ROUNDING_MODES, quantize
 
-__all__ = ["FORMATS", "ROUNDING_MODES", "Format", "get_format", "quantize"]
+__all__ = [
+    "BLOCK_FORMATS",
+    "FORMATS",
+    "ROUNDING_MODES",
+    "SCALE_RULES",
+    "BlockFormat",
+    "Format",
+    "get_format",
+    "quantize",
+    "quantize_blocks",
+]

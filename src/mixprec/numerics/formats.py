@@ -46,6 +46,8 @@ class Format:
         has_inf: IEEE semantics when True; when False (fp8_e4m3, OCP "fn") the top exponent holds
             finite values, only the all-ones pattern is NaN, and overflow saturates to ``max``.
         torch_dtype: the matching ``torch.dtype`` where PyTorch has one (tf32 and generic formats: None).
+        finite: every bit pattern is a finite number, no inf and no NaN (OCP's FP4 e2m1, the elements of
+            MXFP4 and NVFP4): ``max`` uses the whole top binade; needs ``has_inf=False``.
     """
 
     name: str
@@ -53,6 +55,7 @@ class Format:
     mantissa_bits: int
     has_inf: bool = True
     torch_dtype: torch.dtype | None = None
+    finite: bool = False
 
     def __post_init__(self) -> None:
         if not _MIN_EXPONENT_BITS <= self.exponent_bits <= _MAX_EXPONENT_BITS:
@@ -65,7 +68,9 @@ class Format:
                 f"Format(mantissa_bits=...): received {self.mantissa_bits!r}; "
                 f"use 0..{_MAX_MANTISSA_BITS} mantissa bits."
             )
-        if not self.has_inf and self.mantissa_bits < 1:
+        if self.finite and self.has_inf:
+            raise ValueError("Format(finite=True) has no inf: pass has_inf=False.")
+        if not self.has_inf and not self.finite and self.mantissa_bits < 1:
             raise ValueError("Format(has_inf=False) needs at least one mantissa bit to encode NaN.")
 
     def __str__(self) -> str:
@@ -94,7 +99,8 @@ class Format:
     @property
     def max(self) -> float:
         # The "fn" layout loses only the all-ones mantissa of the top binade (NaN), so max ends in ...10.
-        top_mantissa_gap = 2.0**-self.mantissa_bits if self.has_inf else 2.0 ** (1 - self.mantissa_bits)
+        # A finite-only format (e2m1) uses every pattern of it.
+        top_mantissa_gap = 2.0**-self.mantissa_bits if self.has_inf or self.finite else 2.0 ** (1 - self.mantissa_bits)
         return math.ldexp(2.0 - top_mantissa_gap, self.max_exponent)
 
     @property
@@ -144,6 +150,8 @@ FORMATS: MappingProxyType[str, Format] = MappingProxyType(
         "bf16": _named("bf16", 8, 7, torch.bfloat16),
         "fp8_e4m3": _named("fp8_e4m3", 4, 3, torch.float8_e4m3fn, has_inf=False),
         "fp8_e5m2": _named("fp8_e5m2", 5, 2, torch.float8_e5m2),
+        # OCP FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; the elements of MXFP4 and NVFP4
+        "fp4_e2m1": Format("fp4_e2m1", 2, 1, has_inf=False, finite=True),
     }
 )
 
@@ -156,6 +164,7 @@ _ALIASES: dict[str, str] = {
     **{alias: "bf16" for alias in ("bfloat16", "e8m7")},
     **{alias: "fp8_e4m3" for alias in ("e4m3", "e4m3fn", "float8_e4m3fn", "fp8e4m3", "f8e4m3")},
     **{alias: "fp8_e5m2" for alias in ("e5m2", "float8_e5m2", "fp8e5m2", "f8e5m2")},
+    **{alias: "fp4_e2m1" for alias in ("fp4", "float4_e2m1", "float4_e2m1fn")},  # bare "e2m1" stays IEEE, as every eXmY
 }
 _BY_DTYPE = {fmt.torch_dtype: fmt for fmt in FORMATS.values() if fmt.torch_dtype is not None}
 _GENERIC = re.compile(r"e(\d+)m(\d+)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mixprec.numerics.block_formats import BLOCK_FORMATS, quantize_blocks
 from mixprec.numerics.formats import Format, get_format
 
 __all__ = ["ROUNDING_MODES", "quantize"]
@@ -50,17 +51,23 @@ def quantize(
     rounding: str = "nearest",
     saturate: bool = False,
     generator: torch.Generator | None = None,
+    scale_rule: str = "ocp",
 ) -> torch.Tensor:
     """Return a tensor of ``x``'s dtype and device holding the values ``x`` would have in ``fmt``.
 
     Args:
         x: a floating-point tensor (float16, bfloat16, float32 or float64) on any device.
-        fmt: the target format: a name (``"fp16"``, ``"e4m3"``, ``"e3m2"``), a torch dtype or a Format.
+        fmt: the target format: a name (``"fp16"``, ``"e4m3"``, ``"e3m2"``), a torch dtype or a Format; or a
+            block-scaled format by name (``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"nvfp4"``: blocks
+            along the last dimension, :mod:`mixprec.numerics.block_formats`), which rounds to nearest and
+            saturates.
         rounding: ``"nearest"`` (round half to even, as hardware casts do) or ``"stochastic"``
             (unbiased: the expected result equals ``x`` inside the representable range).
         saturate: clamp overflowing values (and infinities) to ``±max`` instead of ``±inf``.
             Formats without inf (fp8_e4m3) always saturate, as ``torch`` does.
         generator: random source for stochastic rounding (ignored for nearest).
+        scale_rule: the MX formats' block scale: ``"ocp"`` (the OCP MX v1.0 rule) or ``"ceil"`` (NVIDIA's
+            round-up, which never saturates).
 
     Returns:
         The emulated values. When ``fmt`` is wider than ``x``'s dtype the values are returned
@@ -78,6 +85,12 @@ def quantize(
             f"quantize(x=...) needs a floating-point tensor (float16, bfloat16, float32 or float64); "
             f"received dtype {x.dtype}. Convert first, e.g. x.float()."
         )
+    if isinstance(fmt, str) and fmt.strip().lower() in BLOCK_FORMATS:
+        if rounding != "nearest":
+            raise ValueError(f"quantize(rounding=...): block format {fmt!r} rounds to nearest; received {rounding!r}.")
+        return quantize_blocks(x, fmt, scale_rule)
+    if scale_rule != "ocp":
+        raise ValueError(f"quantize(scale_rule=...) applies to the MX block formats; fmt={fmt!r} has no block scale.")
     fmt = get_format(fmt, argument="fmt")
     if rounding not in ROUNDING_MODES:
         raise ValueError(
