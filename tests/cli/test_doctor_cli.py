@@ -74,3 +74,18 @@ def test_doctor_on_a_model_that_makes_nan_in_fp32_writes_no_policy(tmp_path, mix
     assert "makes inf or NaN in FP32; no policy written" in result.stderr
     assert "inf or NaN already in FP32" in result.stdout and not advice.exists()
     assert json.loads((tmp_path / "doc" / "report.json").read_text())["fp32_nonfinite"][0] == "1"  # the LayerNorm
+
+
+def test_doctor_measures_each_fp8_recipe_per_gemm_layer(tmp_path, mixprec_cli):
+    out = tmp_path / "doc"
+    result = mixprec_cli("doctor", "charlm", "--size", "tiny", "--steps", "2", "--fp8-recipes", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "FP8 recipes: each GEMM layer's output error against bf16" in result.stdout
+    assert "lowest median error: " in result.stdout
+    written = json.loads((out / "fp8_recipes.json").read_text())
+    layers = {fit["layer"] for fit in written["fits"]}
+    assert "lm_head" in layers and len(layers) == 5  # TinyGPT tiny: 4 projections and the head
+    assert {fit["recipe"] for fit in written["fits"]} == {
+        "tensorwise", "rowwise", "blockwise", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4",
+    }  # fmt: skip
+    assert all(0 < fit["error"] < 0.5 for fit in written["fits"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -33,6 +34,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
     parser.add_argument(
         "--out", type=file_path, help="folder for report.json and histograms.png (default runs/doctor-TASK)"
+    )
+    parser.add_argument(
+        "--fp8-recipes",
+        action="store_true",
+        help="also measure each GEMM layer's output error under each FP8 recipe (tensorwise, rowwise, blockwise, "
+        "MXFP8, MXFP4, NVFP4) and say which layers to keep out of FP8 (writes fp8_recipes.json)",
     )
     parser.add_argument(
         "--apply",
@@ -93,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     for reason in diagnosis.reasons:
         print(f"  - {reason}")
     print(f"wrote {out / 'report.json'} and {plot}")
+    if args.fp8_recipes:
+        _fp8_recipes(parts, device, min(args.steps, 4), out)
     if diagnosis.fp32_nonfinite:  # a finding, not advice: no policy file, and a status scripts can test
         print(f"mixprec doctor: {spec} makes inf or NaN in FP32; no policy written", file=sys.stderr)
         return 1
@@ -129,3 +138,27 @@ def _table(diagnosis) -> str:
             ]
         )
     return render_table(headers, rows)
+
+
+def _fp8_recipes(parts, device, steps: int, out: Path) -> None:
+    """Each GEMM layer's output error per FP8 recipe on a few training batches, the advice, fp8_recipes.json."""
+    from mixprec.app.evaluate import to_device
+    from mixprec.doctor import fp8_recipe_report
+
+    batches = (to_device(x, device) for x, _ in parts.train_data)
+    report = fp8_recipe_report(parts.model, batches, lambda model, x: model(x), steps=steps)
+    if not report.fits:
+        print("fp8 recipes: the model has no GEMM layer mixprec computes in FP8")
+        return
+    recipes = report.recipes
+    rows = [[layer, *(f"{100 * report.fit(layer, r).error:.2f}%" for r in recipes)] for layer in report.layers]
+    print()
+    print(f"FP8 recipes: each GEMM layer's output error against bf16 (mean over rows, {steps} batches)")
+    print(render_table(["layer", *recipes], rows))
+    for recipe in recipes:
+        if report.keep[recipe]:
+            print(f"{recipe}: keep {', '.join(report.keep[recipe])} out of FP8 (error past {report.outlier:g}x "
+                  "the typical layer's)")  # fmt: skip
+    print(f"lowest median error: {report.best()}")
+    (out / "fp8_recipes.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out / 'fp8_recipes.json'}")
