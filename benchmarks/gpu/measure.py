@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from benchmarks.gpu.common import describe, free_memory, sync
+from benchmarks.gpu.common import Part, Settings, describe, free_memory, log, sync
 from benchmarks.gpu.steps import Mode
 
 from mixprec.app.bench.timing import Timing, interleaved
 
-__all__ = ["Prepared", "prepare", "profile_steps", "time_modes"]
+__all__ = ["Prepared", "prepare", "prepare_all", "profile_steps", "time_modes"]
 
 _MB = 2**20
 
@@ -99,3 +99,26 @@ def profile_steps(made: Prepared, device: torch.device, steps: int = 3) -> dict:
         launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["kernels_per_step"] = round(len(launched) / steps, 1)
     return figures
+
+
+def prepare_all(settings: Settings, part: Part, modes: list[Mode], reserve_s: float, label: dict | None = None):
+    """Make every mode and step it twice, compiling the compiled ones while the compile budget lasts and more
+    than ``reserve_s`` (the timing's) is left; a mode left out is recorded with the reason, one that fails with
+    its error (against ``label`` and its name)."""
+    ready, compiling = [], 0.0
+    for mode in modes:
+        if mode.compiled and compiling > settings.compile_budget_s:
+            part.leave_out(mode.name, f"compile budget of {settings.compile_budget_s:.0f} s spent ({compiling:.0f} s)")
+            continue
+        if mode.compiled and settings.seconds_left() < reserve_s:
+            part.leave_out(mode.name, f"{settings.seconds_left():.0f} s left of the time limit: kept for the timing")
+            continue
+        start = time.perf_counter()
+        made = part.attempt({**(label or {}), "mode": mode.name}, lambda m=mode: prepare(m, settings.device))
+        compiling += time.perf_counter() - start if mode.compiled else 0.0
+        if made is not None:
+            log(f"  {mode.name}: ready, first call {made.figures['first_call_s']:.1f} s")
+            ready.append(made)
+            part.meta.setdefault("prepared", {})[mode.name] = made.figures  # saved now: kept if timing is cut
+            part.progress()
+    return ready

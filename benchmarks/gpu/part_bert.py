@@ -17,13 +17,12 @@ with the speed-up of each against fp32 eager at the same batch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, free_memory, log
-from benchmarks.gpu.measure import prepare, profile_steps, time_modes
+from benchmarks.gpu.measure import prepare_all, profile_steps, time_modes
 from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
 
 import mixprec
@@ -107,25 +106,9 @@ def _modes(settings: Settings, part: Part, work: Workload, phase: str, largest: 
     return modes
 
 
-def _prepare(settings: Settings, part: Part, modes: list[Mode], label: dict) -> list:
-    ready, compiling = [], 0.0
-    for mode in modes:
-        if mode.compiled and compiling > settings.compile_budget_s:
-            part.leave_out(mode.name, f"compile budget of {settings.compile_budget_s:.0f} s spent ({compiling:.0f} s)")
-            continue
-        if mode.compiled and settings.seconds_left() < _TIMING_RESERVE_S:
-            part.leave_out(mode.name, f"{settings.seconds_left():.0f} s left of the time limit: kept for the timing")
-            continue
-        start = time.perf_counter()
-        made = part.attempt({**label, "mode": mode.name}, lambda m=mode: prepare(m, settings.device))
-        compiling += time.perf_counter() - start if mode.compiled else 0.0
-        ready += [made] if made is not None else []
-    return ready
-
-
 def _phase(settings: Settings, part: Part, work: Workload, phase: str, batch: int, largest: bool, rounds) -> None:
     label = {"phase": phase, "batch": batch}
-    ready = _prepare(settings, part, _modes(settings, part, work, phase, largest), label)
+    ready = prepare_all(settings, part, _modes(settings, part, work, phase, largest), _TIMING_RESERVE_S, label)
     timings, failed = time_modes(ready, *rounds)
     fp32 = timings.get("fp32")
     for made in ready:

@@ -14,13 +14,12 @@ per token (PaLM's appendix B), which 6N leaves out.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, free_memory, log
-from benchmarks.gpu.measure import Prepared, prepare, profile_steps, time_modes
+from benchmarks.gpu.measure import Prepared, prepare, prepare_all, profile_steps, time_modes
 from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
 
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
@@ -104,27 +103,6 @@ def _modes(settings: Settings, work: Workload, part: Part, table: Table) -> list
     return modes + [_mode(name, work, settings.device, backend) for name in compiled]
 
 
-def _prepare_all(settings: Settings, modes: list[Mode], part: Part) -> list[Prepared]:
-    """Make every mode and step it twice (compiling the compiled ones while the compile budget lasts)."""
-    ready, compiling = [], 0.0
-    for mode in modes:
-        if mode.compiled and compiling > settings.compile_budget_s:
-            part.leave_out(mode.name, f"compile budget of {settings.compile_budget_s:.0f} s spent ({compiling:.0f} s)")
-            continue
-        if mode.compiled and settings.seconds_left() < _TIMING_RESERVE_S:
-            part.leave_out(mode.name, f"{settings.seconds_left():.0f} s left of the time limit: kept for the timing")
-            continue
-        start = time.perf_counter()
-        made = part.attempt({"mode": mode.name}, lambda m=mode: prepare(m, settings.device))
-        compiling += time.perf_counter() - start if mode.compiled else 0.0
-        if made is not None:
-            log(f"  {mode.name}: ready, first call {made.figures['first_call_s']:.1f} s")
-            ready.append(made)
-            part.meta.setdefault("prepared", {})[mode.name] = made.figures  # saved now: kept if timing is cut
-            part.progress()
-    return ready
-
-
 def _size(settings: Settings, part: Part) -> tuple[GPTConfig, int]:
     if settings.dry_run:
         return GPTConfig(layers=2, width=64, heads=2, context=64), 2
@@ -190,7 +168,7 @@ def run_table(settings: Settings, part: Part, work: Workload, table: Table) -> N
         peak, peak_note = None, "MFU needs a GPU's bf16 peak: omitted on the CPU"
     part.meta.update(params=table.params, batch=table.batch, tokens_per_step=tokens,
                      repeats=repeats, warmup=warmup, bf16_peak_flops=peak, mfu_note=peak_note)  # fmt: skip
-    ready = _prepare_all(settings, _modes(settings, work, part, table), part)
+    ready = prepare_all(settings, part, _modes(settings, work, part, table), _TIMING_RESERVE_S)
     log(f"  timing {len(ready)} modes, {repeats} interleaved rounds after {warmup} warm-up steps")
     timings, failed = time_modes(ready, repeats, warmup)
     for made in ready:
