@@ -18,7 +18,7 @@ import torch
 from mixprec.compute.device import device_caps
 from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.policy.policy import DTYPE_NAMES, Policy
-from mixprec.regions.fp8.gemm import scaled_mm_unavailable_reason, uses_kernel, wants_kernel
+from mixprec.regions.fp8.gemm import recipe_uses_kernel, scaled_mm_unavailable_reason, uses_kernel, wants_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection
 
 __all__ = [
@@ -68,10 +68,11 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
         return plan
     recipe = policy.fp8
     device = torch.device(device_type)
-    kernel = uses_kernel(recipe.gemm, device)
+    kernel = recipe_uses_kernel(recipe, device)
     how = "on PyTorch's FP8 GEMM (torch._scaled_mm)" if kernel else "emulated with FP32 arithmetic"
     if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
-        how += f" ({scaled_mm_unavailable_reason(device)})"
+        why = "rowwise scaling has no kernel path yet" if uses_kernel(recipe.gemm, device) else None
+        how += f" ({why or scaled_mm_unavailable_reason(device)})"
     note = (
         f"GEMM layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
         f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp8_matmul", "scaled_mm_available", "scaled_mm_unavailable_reason", "uses_kernel"]
+__all__ = ["fp8_matmul", "recipe_uses_kernel", "scaled_mm_available", "scaled_mm_unavailable_reason", "uses_kernel"]
 
 _CUDA_ALIGNMENT = 16
 
@@ -71,6 +71,12 @@ def wants_kernel(gemm: str, device: torch.device) -> bool:
 def uses_kernel(gemm: str, device: torch.device) -> bool:
     """Whether a recipe's ``gemm`` setting computes with the kernel on ``device``."""
     return wants_kernel(gemm, device) and scaled_mm_available(device)
+
+
+def recipe_uses_kernel(recipe, device: torch.device) -> bool:
+    """Whether ``recipe``'s layers compute on the FP8 GEMM kernel on ``device``: its ``gemm`` setting picks it
+    there, and its scaling has a kernel path (rowwise scaling is emulated everywhere for now)."""
+    return recipe.scaling != "rowwise" and uses_kernel(recipe.gemm, device)
 
 
 def fp8_matmul(

@@ -26,7 +26,7 @@ import torch
 from mixprec.numerics.formats import Format
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
-from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8_storage
+from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8_storage, power_of_two_scale
 
 __all__ = ["Fp8LinearState", "fp8_linear"]
 
@@ -92,6 +92,56 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> torch.Tensor:
+    """A power-of-two scale per slice of ``tensor`` along ``dim`` (its amax over ``dim``), kept as a dimension."""
+    amax = torch.linalg.vector_norm(tensor, float("inf"), dim=dim, keepdim=True).float()
+    return power_of_two_scale(amax, fmt.max, margin)
+
+
+class _Fp8LinearRowwise(torch.autograd.Function):
+    """Rowwise scaling (``scaling=rowwise``): each GEMM operand scaled per slice orthogonal to the reduction,
+    from its current amax, as torchao's rowwise recipe does; every scale is a power of two, so the products
+    stay exact. Forward: the input per row (token), the weight per output row. Backward: dx = g @ w with g per
+    row and w per column (input feature); dw = g^T @ x with g per column (output feature) and x per column.
+    Each operand is therefore cast again for the product it enters, from the high-precision input and weight
+    saved for backward (not from their FP8 forward casts)."""
+
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
+        with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
+            recipe, fwd = state.recipe, state.input.format
+            rows = x.reshape(-1, x.shape[-1])
+            sx, sw = _row_scales(rows, fwd, -1, recipe.margin), _row_scales(weight, fwd, -1, recipe.margin)
+            y = fp8_matmul(_to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd).t(), sx, sw.t(), False)
+            if bias is not None:
+                y = y + bias.float()
+            ctx.save_for_backward(rows, weight)
+            ctx.state, ctx.has_bias, ctx.x_shape = state, bias is not None, x.shape
+            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad):
+        rows, weight = ctx.saved_tensors
+        state, margin = ctx.state, ctx.state.recipe.margin
+        fwd, bwd = state.input.format, state.grad.format
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
+            grad = grad.reshape(-1, grad.shape[-1])
+            grad_x = grad_w = grad_b = None
+            if ctx.needs_input_grad[0]:
+                sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
+                gq, wq = _to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd)
+                grad_x = fp8_matmul(gq, wq, sg, sw, False).reshape(ctx.x_shape).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
+                gq, xq = _to_fp8(grad, sg, bwd), _to_fp8(rows, sx, fwd)
+                grad_w = fp8_matmul(gq.t(), xq, sg.t(), sx, False).to(w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = grad.float().sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -103,4 +153,6 @@ def fp8_linear(
     # a state on another device (loaded on the CPU, a model moved) moves here, where a compiled step may
     # reassign attributes; inside the autograd function only tensor contents change
     state.to(x.device)
+    if state.recipe.scaling == "rowwise":
+        return _Fp8LinearRowwise.apply(x, weight, bias, state, out_dtype)
     return _Fp8Linear.apply(x, weight, bias, state, out_dtype)

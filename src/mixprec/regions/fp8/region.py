@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mixprec.policy.fp8_recipe import Fp8Recipe
-from mixprec.regions.fp8.gemm import uses_kernel
+from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 
@@ -44,7 +44,7 @@ def fp8_layers(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) 
 def gemm_selection(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> GemmSelection:
     """The model's GEMM layers in FP8 and those kept, each with the reason, for ``recipe`` on the model's device."""
     param = next(model.parameters(), None)
-    kernel = param is not None and uses_kernel(recipe.gemm, param.device)
+    kernel = param is not None and recipe_uses_kernel(recipe, param.device)
     return select_gemm_layers(model, recipe.keep, fp32, kernel)
 
 
