@@ -128,10 +128,12 @@ def test_rowwise_fp8_linear_equals_the_reference(formats):
     assert row_error(y.detach()) < 0.1 < row_error(tensorwise)
 
 
-def test_a_model_trains_under_rowwise_scaling_and_the_plan_says_it_is_emulated():
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_a_model_trains_under_finer_scaling_and_the_plan_says_it_is_emulated(scaling):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "base=fp8,fp8=(scaling=rowwise)")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mp = mixprec.MixedPrecision(model, optimizer, f"base=fp8,fp8=(scaling={scaling})")
     assert "GEMM layers in FP8 emulated with FP32 arithmetic" in mp.compute_plan.reason
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(128, 16, generator=gen), torch.randint(0, 16, (128,), generator=gen)
@@ -143,7 +145,54 @@ def test_a_model_trains_under_rowwise_scaling_and_the_plan_says_it_is_emulated()
         mp.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
-    assert str(mp.policy.fp8) == "hybrid(scaling=rowwise)" and mixprec.get_policy(str(mp.policy)) == mp.policy
+    assert str(mp.policy.fp8) == f"hybrid(scaling={scaling})" and mixprec.get_policy(str(mp.policy)) == mp.policy
+
+
+def _blockwise_reference(x, w, fwd, bwd, grad):
+    """DeepSeek-V3's tiles spelled out in float64 with torch's float8 casts: a scale per 1x128 tile of x and g
+    (along each product's reduction), per 128x128 tile of w, per 128x1 tile of g and x for dw."""
+
+    def cast(t, fmt, rows, cols):
+        out = torch.zeros_like(t, dtype=torch.float64)
+        scales = torch.ones_like(t, dtype=torch.float64)
+        fmax = mixprec.get_format(fmt).max
+        for r in range(0, t.shape[0], rows):
+            for c in range(0, t.shape[1], cols):
+                tile = t[r : r + rows, c : c + cols]
+                scale = power_of_two_scale(tile.abs().amax(), fmax)
+                out[r : r + rows, c : c + cols] = (tile * scale).to(TORCH_FP8[fmt]).double()
+                scales[r : r + rows, c : c + cols] = scale.double()
+        return out / scales  # the dequantized values: exact in float64
+
+    y = cast(x, fwd, 1, 128) @ cast(w, fwd, 128, 128).t()
+    dx = cast(grad, bwd, 1, 128) @ cast(w, fwd, 128, 128)
+    dw = cast(grad, bwd, 128, 1).t() @ cast(x, fwd, 128, 1)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("integers", [True, False], ids=["exact-sums", "random"])
+def test_blockwise_fp8_linear_equals_the_reference(integers):
+    torch.manual_seed(0)
+    shapes = {"x": (5, 200), "w": (130, 200), "g": (5, 130)}  # K and N past one block of 128, padded
+    if integers:  # small integers: every partial sum is exact, so the result must be too, bit for bit
+        x, w, grad = (torch.randint(-4, 5, shape).float() for shape in shapes.values())
+    else:
+        x, w, grad = (torch.randn(shape) for shape in shapes.values())
+        x[0] *= 1e4  # an outlier token, and tiles of other ranges: each needs its own scale
+        x[:, 128:] *= 1e-3
+        w[128:] *= 1e3
+        grad[:, :64] *= 1e5  # columns whose tiles for dw (128x1) must not share the others' scale
+    x.requires_grad_()
+    w = nn.Parameter(w)
+    state = Fp8LinearState(Fp8Recipe(scaling="blockwise", backward="fp8_e4m3"))
+    y = fp8_linear(x, w, None, state, torch.float32)
+    y.backward(grad)
+    ref_y, ref_dx, ref_dw = _blockwise_reference(x.detach(), w.detach(), "fp8_e4m3", state.grad.fmt, grad)
+    for ours, ref in ((y, ref_y), (x.grad, ref_dx), (w.grad, ref_dw)):
+        if integers:
+            assert torch.equal(ours.double(), ref)
+        else:  # FP32 sums in another order than float64's: within K roundings of the magnitudes
+            assert ((ours.double() - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
 
 
 def test_delayed_scaling_uses_the_amax_history():
@@ -243,7 +292,7 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
         ("fp8=hybrid(colour=red)", "unknown option 'colour=red'"),
         ("fp8=hybrid(history=4", "one pair of parentheses"),
         ("fp8=hybrid(history=four)", "history='four' is not a whole number"),
-        ("fp8=hybrid(scaling=later)", "received 'later'; use one of current, delayed, rowwise"),
+        ("fp8=hybrid(scaling=later)", "received 'later'; use one of current, delayed, rowwise, blockwise"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             mixprec.get_policy(spec)

@@ -71,7 +71,7 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     kernel = recipe_uses_kernel(recipe, device)
     how = "on PyTorch's FP8 GEMM (torch._scaled_mm)" if kernel else "emulated with FP32 arithmetic"
     if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
-        why = "rowwise scaling has no kernel path yet" if uses_kernel(recipe.gemm, device) else None
+        why = f"{recipe.scaling} scaling has no kernel path yet" if uses_kernel(recipe.gemm, device) else None
         how += f" ({why or scaled_mm_unavailable_reason(device)})"
     note = (
         f"GEMM layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "

@@ -75,8 +75,11 @@ def uses_kernel(gemm: str, device: torch.device) -> bool:
 
 def recipe_uses_kernel(recipe, device: torch.device) -> bool:
     """Whether ``recipe``'s layers compute on the FP8 GEMM kernel on ``device``: its ``gemm`` setting picks it
-    there, and its scaling has a kernel path (rowwise scaling is emulated everywhere for now)."""
-    return recipe.scaling != "rowwise" and uses_kernel(recipe.gemm, device)
+    there, and its scaling has a kernel path (rowwise and blockwise scaling are emulated everywhere for now)."""
+    return recipe.scaling not in EMULATED_SCALINGS and uses_kernel(recipe.gemm, device)
+
+
+EMULATED_SCALINGS = ("rowwise", "blockwise")  # scalings without a kernel path yet
 
 
 def fp8_matmul(

@@ -1,0 +1,96 @@
+"""Blockwise FP8 scaling (``scaling=blockwise``), DeepSeek-V3's recipe: a scale per 1x128 tile of activations
+and gradients and per 128x128 tile of weights, emulated exactly.
+
+Each product's reduction dimension is cut into blocks of 128; within a block every operand has one scale per
+row (activations, gradients) or per 128x128 tile (weights), so a block's partial sums are FP32 sums of exact
+FP8 products, divided by the two scales and added across blocks in FP32, as Hopper kernels that promote each
+block's partial sum to FP32 do:
+
+    y  = x @ w^T    x in 1x128 tiles along K,   w in 128x128 tiles
+    dx = g @ w      g in 1x128 tiles along N,   w in its same 128x128 tiles (reused: the tiles are square)
+    dw = g^T @ x    g and x in 128x1 tiles along M (the tokens)
+
+Scales are powers of two from each tile's current amax, so scaling is exact. A dimension that is not a
+multiple of 128 is padded with zeros, which change no tile's amax. Emulated on every device for now.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.numerics.formats import Format
+from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
+
+__all__ = ["BLOCK", "blockwise_linear"]
+
+BLOCK = 128
+
+
+def _cast_tiles(t: torch.Tensor, fmt: Format, margin: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (R, C) padded to whole tiles of ``rows`` x ``cols``, cast to ``fmt`` with a power-of-two scale per
+    tile (as FP32 values), and the scales expanded to one per element."""
+    padded = F.pad(t.float(), (0, -t.shape[1] % cols, 0, -t.shape[0] % rows))
+    r, c = padded.shape
+    tiles = padded.reshape(r // rows, rows, c // cols, cols)
+    amax = torch.linalg.vector_norm(tiles, float("inf"), dim=(1, 3), keepdim=True)
+    scale = power_of_two_scale(amax, fmt.max, margin).expand_as(tiles)
+    quantized = cast_to_fp8_storage(tiles, scale, fmt).float()
+    return quantized.reshape(r, c), scale.reshape(r, c)
+
+
+def _blocked_matmul(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """sum over K blocks of (qa_k @ qb_k) / (sa_k sb_k): ``qa``/``sa`` (M, K) with scales constant over each
+    block of 128 along K in a row, ``qb``/``sb`` (K, N) constant over each block along K in a column."""
+    m, k = qa.shape
+    n = qb.shape[1]
+    blocks = k // BLOCK
+    partial = torch.einsum("mbi,bin->bmn", qa.reshape(m, blocks, BLOCK), qb.reshape(blocks, BLOCK, n))
+    a_scale = sa.reshape(m, blocks, BLOCK)[:, :, 0].t().unsqueeze(2)  # (blocks, M, 1)
+    b_scale = sb.reshape(blocks, BLOCK, n)[:, 0, :].unsqueeze(1)  # (blocks, 1, N)
+    return (partial / (a_scale * b_scale)).sum(0)
+
+
+class _BlockwiseLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, state, out_dtype: torch.dtype):
+        with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
+            fwd, margin = state.input.format, state.recipe.margin
+            rows = x.reshape(-1, x.shape[-1])
+            qx, sx = _cast_tiles(rows, fwd, margin, 1, BLOCK)
+            qw, sw = _cast_tiles(weight, fwd, margin, BLOCK, BLOCK)
+            m, n = rows.shape[0], weight.shape[0]
+            y = _blocked_matmul(qx[:m], sx[:m], qw.t(), sw.t())[:, :n]
+            if bias is not None:
+                y = y + bias.float()
+            ctx.save_for_backward(rows, qw, sw)
+            ctx.state, ctx.has_bias, ctx.x_shape, ctx.n = state, bias is not None, x.shape, n
+            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+            return y.reshape(*x.shape[:-1], n).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad):
+        rows, qw, sw = ctx.saved_tensors
+        fwd, bwd, margin = ctx.state.input.format, ctx.state.grad.format, ctx.state.recipe.margin
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        m, k = rows.shape
+        with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
+            grad = grad.reshape(-1, grad.shape[-1])
+            grad_x = grad_w = grad_b = None
+            if ctx.needs_input_grad[0]:  # g (M, N) in 1x128 tiles along N; w's forward tiles, (N, K) padded
+                qg, sg = _cast_tiles(grad, bwd, margin, 1, BLOCK)
+                grad_x = _blocked_matmul(qg[:m], sg[:m], qw, sw)[:, :k].reshape(ctx.x_shape).to(x_dtype)
+            if ctx.needs_input_grad[1]:  # dw = g^T @ x, reduced over the tokens: both in 128x1 tiles along M
+                qg, sg = _cast_tiles(grad, bwd, margin, BLOCK, 1)
+                qx, sx = _cast_tiles(rows, fwd, margin, BLOCK, 1)
+                grad_w = _blocked_matmul(qg.t(), sg.t(), qx, sx)[: ctx.n, :k].to(w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = grad.float().sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def blockwise_linear(x, weight, bias, state, out_dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with blockwise-scaled FP8 operands (see the module docstring)."""
+    return _BlockwiseLinear.apply(x, weight, bias, state, out_dtype)
