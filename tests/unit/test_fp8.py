@@ -128,7 +128,7 @@ def test_rowwise_fp8_linear_equals_the_reference(formats):
     assert row_error(y.detach()) < 0.1 < row_error(tensorwise)
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise", "mxfp8"])
 def test_a_model_trains_under_finer_scaling_and_the_plan_says_it_is_emulated(scaling):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
@@ -193,6 +193,25 @@ def test_blockwise_fp8_linear_equals_the_reference(integers):
             assert torch.equal(ours.double(), ref)
         else:  # FP32 sums in another order than float64's: within K roundings of the magnitudes
             assert ((ours.double() - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
+
+
+def test_mxfp8_fp8_linear_takes_its_blocks_along_each_products_reduction():
+    torch.manual_seed(0)
+    x = torch.randn(40, 64) * torch.logspace(-4, 4, 40).unsqueeze(1)  # tokens eight decades apart
+    x.requires_grad_()
+    w = nn.Parameter(torch.randn(48, 64) * torch.logspace(-4, 4, 64))  # input features eight decades apart
+    grad = torch.randn(40, 48) * torch.logspace(-4, 4, 48)
+    y = fp8_linear(x, w, None, Fp8LinearState(Fp8Recipe(scaling="mxfp8")), torch.float32)
+    y.backward(grad)
+
+    def mx(t, fmt):  # the public block format, its blocks along the last dimension
+        return mixprec.quantize(t.detach(), f"mxfp8_{fmt}")
+
+    assert torch.equal(y, mx(x, "e4m3") @ mx(w, "e4m3").t())
+    assert torch.equal(x.grad, mx(grad, "e5m2") @ mx(w.t(), "e4m3").t())  # reduced over w's rows
+    assert torch.equal(w.grad, mx(grad.t(), "e5m2") @ mx(x.t(), "e4m3").t())  # reduced over the tokens
+    wrong = mx(grad, "e5m2") @ mx(w, "e4m3")  # w's blocks along the wrong dimension lose its small features
+    assert (x.grad - wrong).abs().max() > 0
 
 
 def test_delayed_scaling_uses_the_amax_history():
@@ -292,7 +311,7 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
         ("fp8=hybrid(colour=red)", "unknown option 'colour=red'"),
         ("fp8=hybrid(history=4", "one pair of parentheses"),
         ("fp8=hybrid(history=four)", "history='four' is not a whole number"),
-        ("fp8=hybrid(scaling=later)", "received 'later'; use one of current, delayed, rowwise, blockwise"),
+        ("fp8=hybrid(scaling=later)", "received 'later'; use one of current, delayed, rowwise, blockwise, mxfp8"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             mixprec.get_policy(spec)

@@ -9,7 +9,9 @@
                 "rowwise": a current scale per row of each GEMM operand, orthogonal to the product's
                 reduction (tokens and output features forward), as torchao's rowwise recipe; emulated;
                 "blockwise": a current scale per 1x128 tile of activations and gradients and per 128x128
-                tile of weights, DeepSeek-V3's recipe; emulated
+                tile of weights, DeepSeek-V3's recipe; emulated;
+                "mxfp8": blocks of 32 along each product's reduction with an E8M0 scale (OCP MX v1.0),
+                elements in the recipe's formats; emulated
     margin      extra powers of two of headroom below the format's largest value
     keep        GEMM layers left in the policy's compute dtype: name globs, plus "first" and "last" for the
                 first and last GEMM layers in the model's registration order, and "head" for the
@@ -45,7 +47,7 @@ __all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Rec
 
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
-SCALINGS = ("current", "delayed", "rowwise", "blockwise")
+SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 AMAX_REDUCTIONS = ("max", "recent")
 _SEPARATORS = ",+=() "  # the policy grammar's
 _FORMAT_NAMES = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3"), "e5m2": ("fp8_e5m2", "fp8_e5m2")}

@@ -155,8 +155,9 @@ def fp8_linear(
     state.to(x.device)
     if state.recipe.scaling == "rowwise":
         return _Fp8LinearRowwise.apply(x, weight, bias, state, out_dtype)
-    if state.recipe.scaling == "blockwise":
-        from mixprec.regions.fp8.blockwise import blockwise_linear  # imports this module's neighbours
+    if state.recipe.scaling in ("blockwise", "mxfp8"):
+        from mixprec.regions.fp8.blockwise import blockwise_linear, mxfp8_linear  # imports this module's neighbours
 
-        return blockwise_linear(x, weight, bias, state, out_dtype)
+        linear = blockwise_linear if state.recipe.scaling == "blockwise" else mxfp8_linear
+        return linear(x, weight, bias, state, out_dtype)
     return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
