@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -183,3 +184,22 @@ def test_policy_list_parsing():
     assert specs == ["fp32", "mixed_bf16", "p=f32,c=bf16", "p=bf16,ops=exp", "o2_bf16"]
     with pytest.raises(ValueError, match="needs at least one policy"):
         parse_policy_list(" ")
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [("O0", "fp32"), ("O1", "mixed_fp16"), ("o2", "o2_fp16"), ("bf16-mixed", "mixed_bf16"), ("16-mixed", "mixed_fp16"),
+     ("32-true", "fp32"), ("mixed_bfloat16", "mixed_bf16")],
+)  # fmt: skip
+def test_names_users_bring_from_apex_lightning_and_keras_map_onto_the_presets(name, preset):
+    assert mixprec.get_policy(name) == mixprec.get_policy(preset)
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [("O3", "Apex's O3 is pure fp16"), ("bf16-true", "use pure_bf16"), ("16-true", "use o2_fp16"),
+     ("bf16-mixd", "Did you mean bf16_mixed")],
+)  # fmt: skip
+def test_names_that_map_onto_no_preset_say_what_to_use(name, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        mixprec.get_policy(name)

@@ -36,7 +36,7 @@ from mixprec.checks import shown
 from mixprec.compute.device import device_type_of
 from mixprec.policy.fp8_recipe import Fp8Recipe, parse_recipe
 from mixprec.policy.policy import Policy
-from mixprec.policy.presets import PRESET_ALIASES, PRESETS, resolve_auto
+from mixprec.policy.presets import NO_PRESET, PRESET_ALIASES, PRESETS, resolve_auto
 
 __all__ = ["get_policy", "parse_policy_list", "valid_policy_names"]
 
@@ -100,6 +100,8 @@ def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) 
         return resolve_auto(device)
     if name in PRESETS:
         return PRESETS[name]
+    if name in NO_PRESET:
+        raise ValueError(f"get_policy(spec={shown(spec)}): no preset means this: {NO_PRESET[name]}.")
     if "=" not in text:
         return _single_dtype(text, spec)
     return _parse_fields(text, spec)
@@ -110,7 +112,7 @@ def _single_dtype(text: str, spec: str) -> Policy:
         return Policy(param_dtype=text, compute_dtype=text, output_dtype=text)
     except (TypeError, ValueError):
         names = [*PRESETS, "auto", *PRESET_ALIASES]
-        close = difflib.get_close_matches(text, names, n=2, cutoff=0.6)
+        close = difflib.get_close_matches(_preset_name(text), names, n=2, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
         raise ValueError(
             f"get_policy(spec={shown(spec)}): unknown policy.{hint} Valid {valid_policy_names()}."

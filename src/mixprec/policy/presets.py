@@ -13,7 +13,7 @@ from mixprec.compute.kernels import kernel_plan
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.policy.policy import NORM, Policy
 
-__all__ = ["PRESETS", "PRESET_ALIASES", "resolve_auto"]
+__all__ = ["NO_PRESET", "PRESETS", "PRESET_ALIASES", "resolve_auto"]
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -74,8 +74,26 @@ PRESETS: dict[str, Policy] = {
 
 PRESET_ALIASES: dict[str, str] = {
     "float32": "fp32",
-    "mixed_float16": "mixed_fp16",
+    "mixed_float16": "mixed_fp16",  # Keras' policy names
     "mixed_bfloat16": "mixed_bf16",
+    # Apex's opt levels, where they map cleanly: O0 FP32, O1 mixed (fp16 autocast, FP32 weights), O2 a 16-bit
+    # model with FP32 masters (Apex's are fp16)
+    "o0": "fp32",
+    "o1": "mixed_fp16",
+    "o2": "o2_fp16",
+    # Lightning's precision strings ('-' is read as '_')
+    "32_true": "fp32",
+    "16_mixed": "mixed_fp16",
+    "bf16_mixed": "mixed_bf16",
+}
+# names users bring that map onto no preset, each with what to use instead
+NO_PRESET: dict[str, str] = {
+    "o3": "Apex's O3 is pure fp16 (no FP32 masters, no loss scaling); mixprec's pure 16-bit policy is pure_bf16 "
+    "(bf16 weights with compensated updates), and o2_fp16 keeps FP32 masters",
+    "16_true": "Lightning's '16-true' trains fp16 weights without FP32 masters, which loses small updates; use "
+    "o2_fp16 (fp16 model, FP32 masters) or pure_bf16 (bf16 weights with compensated updates)",
+    "bf16_true": "Lightning's 'bf16-true' trains bf16 weights with plain updates, which round small ones away; use "
+    "pure_bf16 (the same memory, compensated updates) or o2_bf16 (FP32 masters)",
 }
 
 

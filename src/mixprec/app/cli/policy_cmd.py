@@ -31,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mixprec.compute import device_caps, device_type_of
     from mixprec.policy import DTYPE_NAMES, PRESETS, get_policy
+    from mixprec.policy.presets import PRESET_ALIASES
     from mixprec.regions import prepare
 
     device_type = device_type_of(args.device)
@@ -39,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
         auto = get_policy("auto", device=device_type)
         rows.append(["auto", str(auto), auto.reason])
         print(render_table(["preset", "policy", "meaning"], rows, align="lll"))
+        aliases = ", ".join(f"{alias.replace('_', '-') if alias[0].isdigit() or alias.startswith('bf16') else alias}"
+                            f" = {name}" for alias, name in PRESET_ALIASES.items())  # fmt: skip
+        print(f"\nalso accepted (Keras, Apex opt levels, Lightning): {aliases}")
         return 0
     prepared = prepare(None, args.spec, device=device_type)  # parsed and checked once, with its compute plan
     policy, plan = prepared.policy, prepared.plan
