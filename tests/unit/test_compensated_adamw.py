@@ -220,6 +220,24 @@ def test_the_cuda_group_step_tracks_the_eager_path_and_skips_and_unscales_on_the
         assert count.item() == state["step"].item() == 59  # the skipped step not counted
 
 
+def test_a_group_kernel_that_fails_to_compile_changes_nothing_and_hands_over_to_the_eager_path(monkeypatch):
+    from mixprec.master import single_pass
+
+    def failing(*args):
+        raise torch._dynamo.exc.TorchDynamoException("no Triton today")  # what compiling raises, at its root
+
+    monkeypatch.setattr(single_pass, "_unavailable", {})
+    weights = [torch.ones(8, dtype=torch.bfloat16)]
+    tensors = (weights, *([torch.zeros(8, dtype=torch.bfloat16)] for _ in range(4)))
+    steps = [torch.zeros(())]
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    assert single_pass.run_kahan_adamw_group(failing, tensors, steps, group, None, None) is False
+    assert torch.equal(weights[0], torch.ones(8, dtype=torch.bfloat16)) and steps[0].item() == 0
+    # later steps on that device type (the tensors' own: CPU here) take the eager path
+    assert single_pass.kahan_adamw_kernel("cpu") is None
+    assert single_pass.why_unavailable("cpu") == "compiling failed: no Triton today"
+
+
 def test_single_pass_true_refuses_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv("MIXPREC_SINGLE_PASS", "0")
     param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))

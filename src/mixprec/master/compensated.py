@@ -187,15 +187,10 @@ class AdamW(torch.optim.Optimizer):
             compensations = [local(s["kahan_comp"]) for s in states]
             tensors = _shards(params, states)
             tensors = (tensors[0], compensations, *tensors[1:])
-            run_kahan_adamw_group(
-                kahan_adamw_kernel("cuda"),
-                tensors,
-                steps,
-                group,
-                arguments.get("grad_scale"),
-                arguments.get("found_inf"),
-            )
-            return
+            grad_scale, found_inf = arguments.get("grad_scale"), arguments.get("found_inf")
+            if run_kahan_adamw_group(kahan_adamw_kernel("cuda"), tensors, steps, group, grad_scale, found_inf):
+                return
+            self._kernel_available("cuda")  # single_pass=True: refused now, naming why; else the eager path
         torch._foreach_add_(steps, 1.0)  # one launch, not one per parameter
         if not on_device:  # found_inf was read above; unscale here, the kernels below do not
             scaling.unscale([local(p.grad) for p in params])

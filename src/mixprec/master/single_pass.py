@@ -225,10 +225,13 @@ def run_kahan_adamw_group(
     group: dict,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
-) -> None:
+) -> bool:
     """One compensated AdamW step for a group's parameters of one dtype through the compiled group ``kernel``:
     ``tensors`` = (params, compensations, grads, exp_avgs, exp_avg_sqs); ``steps`` the device step counts, which
-    it advances unless ``found_inf`` (0-dim, on the device) is nonzero. Reads nothing back to the host."""
+    it advances unless ``found_inf`` (0-dim, on the device) is nonzero. Reads nothing back to the host.
+
+    False, with nothing changed, if compiling for this group failed (dynamo and Inductor raise before the
+    graph runs): the caller takes the eager path, and so does every later step in this process."""
     beta1, beta2 = group["betas"]
     device = tensors[0][0].device
     lr = group["lr"]
@@ -242,4 +245,10 @@ def run_kahan_adamw_group(
             lr_on_device = torch.tensor(float(lr), dtype=torch.float64, device=device)
             _LR_ON_DEVICE[(float(lr), device)] = lr_on_device
     flat = [[t.view(-1) for t in same_role] for same_role in tensors]  # 1-D: one kernel for every shape
-    kernel(*flat, steps, lr_on_device, grad_scale, found_inf, beta1, beta2, group["weight_decay"], group["eps"])
+    try:
+        kernel(*flat, steps, lr_on_device, grad_scale, found_inf, beta1, beta2, group["weight_decay"], group["eps"])
+    except torch._dynamo.exc.TorchDynamoException as exc:  # compiling (InductorError too), before any kernel ran
+        _unavailable[device.type] = f"compiling failed: {exc}"
+        logger.warning("mixprec.AdamW: the group kernel failed to compile (%s); using the eager path", exc)
+        return False
+    return True
