@@ -7,6 +7,15 @@ What runs a policy lives in :mod:`mixprec.regions`; how 16-bit arithmetic is com
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.policy.parse import get_policy, parse_policy_list
 from mixprec.policy.policy import DTYPE_NAMES, NORM, Policy
-from mixprec.policy.presets import PRESETS
+from mixprec.policy.presets import PRESET_ALIASES, PRESETS
 
-__all__ = ["DTYPE_NAMES", "NORM", "PRESETS", "Fp8Recipe", "Policy", "get_policy", "parse_policy_list"]
+__all__ = [
+    "DTYPE_NAMES",
+    "NORM",
+    "PRESETS",
+    "PRESET_ALIASES",
+    "Fp8Recipe",
+    "Policy",
+    "get_policy",
+    "parse_policy_list",
+]

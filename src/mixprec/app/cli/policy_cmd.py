@@ -30,8 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.compute import device_caps, device_type_of
-    from mixprec.policy import DTYPE_NAMES, PRESETS, get_policy
-    from mixprec.policy.presets import PRESET_ALIASES
+    from mixprec.policy import DTYPE_NAMES, PRESET_ALIASES, PRESETS, get_policy
     from mixprec.regions import prepare
 
     device_type = device_type_of(args.device)
