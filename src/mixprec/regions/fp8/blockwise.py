@@ -1,6 +1,6 @@
 """Block-scaled FP8 layers, emulated exactly: ``scaling=blockwise``, DeepSeek-V3's recipe (a scale per 1x128
 tile of activations and gradients and per 128x128 tile of weights), and ``scaling=mxfp8`` (blocks of 32 with
-E8M0 scales, OCP MX v1.0; :func:`mxfp8_linear`).
+E8M0 scales, OCP MX v1.0; :class:`MXFP8`).
 
 Each product's reduction dimension is cut into blocks of 128; within a block every operand has one scale per
 row (activations, gradients) or per 128x128 tile (weights), so a block's partial sums are FP32 sums of exact
@@ -26,7 +26,7 @@ from mixprec.numerics.block_formats import BlockFormat, quantize_blocks
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
 
-__all__ = ["BLOCK", "MX_BLOCK", "blockwise_linear", "mxfp8_linear"]
+__all__ = ["BLOCK", "MXFP8", "MX_BLOCK", "blockwise_linear"]
 
 BLOCK = 128
 
@@ -107,42 +107,22 @@ def _mx(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     return quantize_blocks(t.float(), BlockFormat(f"mx_{fmt.name}", fmt, MX_BLOCK, "e8m0"))
 
 
-class _Mxfp8Linear(torch.autograd.Function):
-    """MXFP8 (``scaling=mxfp8``): every operand in blocks of 32 along each product's reduction with an E8M0
-    scale (OCP MX v1.0), elements in the recipe's formats. The scales are powers of two, so a product of two
-    dequantized values is the exact product of the elements times both scales, and the GEMM is an FP32
-    product of the dequantized operands (a kernel sums in another order)."""
+class MXFP8:
+    """MXFP8's three products (``scaling=mxfp8``, through :class:`~mixprec.regions.fp8.linear.Recast`): every
+    operand in blocks of 32 along the product's reduction with an E8M0 scale (OCP MX v1.0), elements in the
+    recipe's formats. The scales are powers of two, so a product of two dequantized values is the exact product
+    of the elements times both scales, and each GEMM is an FP32 product of the dequantized operands (a kernel
+    sums in another order)."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, bias, state, out_dtype: torch.dtype):
-        with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
-            fwd = state.input.format
-            rows = x.reshape(-1, x.shape[-1])
-            y = _mx(rows, fwd) @ _mx(weight, fwd).t()
-            if bias is not None:
-                y = y + bias.float()
-            ctx.save_for_backward(rows, weight)
-            ctx.state, ctx.has_bias, ctx.x_shape = state, bias is not None, x.shape
-            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-            return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+    def output(rows, weight, state) -> torch.Tensor:
+        fwd = state.input.format
+        return _mx(rows, fwd) @ _mx(weight, fwd).t()
 
     @staticmethod
-    def backward(ctx: Any, grad):
-        rows, weight = ctx.saved_tensors
-        fwd, bwd = ctx.state.input.format, ctx.state.grad.format
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
-            grad = grad.reshape(-1, grad.shape[-1])
-            grad_x = grad_w = grad_b = None
-            if ctx.needs_input_grad[0]:  # reduced over the output features: g along them, w down its columns
-                grad_x = (_mx(grad, bwd) @ _mx(weight.t(), fwd).t()).reshape(ctx.x_shape).to(x_dtype)
-            if ctx.needs_input_grad[1]:  # reduced over the tokens: both down their columns
-                grad_w = (_mx(grad.t(), bwd) @ _mx(rows.t(), fwd).t()).to(w_dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = grad.float().sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+    def input_grad(grad, weight, state) -> torch.Tensor:  # reduced over the output features: w down its columns
+        return _mx(grad, state.grad.format) @ _mx(weight.t(), state.input.format).t()
 
-
-def mxfp8_linear(x, weight, bias, state, out_dtype: torch.dtype) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with MXFP8 operands (see :class:`_Mxfp8Linear`)."""
-    return _Mxfp8Linear.apply(x, weight, bias, state, out_dtype)
+    @staticmethod
+    def weight_grad(grad, rows, state) -> torch.Tensor:  # reduced over the tokens: both down their columns
+        return _mx(grad.t(), state.grad.format) @ _mx(rows.t(), state.input.format).t()

@@ -98,48 +98,62 @@ def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> tor
     return power_of_two_scale(amax, fmt.max, margin)
 
 
-class _Fp8LinearRowwise(torch.autograd.Function):
-    """Rowwise scaling (``scaling=rowwise``): each GEMM operand scaled per slice orthogonal to the reduction,
-    from its current amax, as torchao's rowwise recipe does; every scale is a power of two, so the products
-    stay exact. Forward: the input per row (token), the weight per output row. Backward: dx = g @ w with g per
-    row and w per column (input feature); dw = g^T @ x with g per column (output feature) and x per column.
-    Each operand is therefore cast again for the product it enters, from the high-precision input and weight
-    saved for backward (not from their FP8 forward casts)."""
+class Recast(torch.autograd.Function):
+    """A Linear layer whose operands are cast again for each of its three products, from the high-precision
+    input and weight saved for backward: ``products`` computes them (the output, the input's and the weight's
+    gradients), as the finer recipes need, whose scales run along each product's reduction."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
+    def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype, products: Any):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
-            recipe, fwd = state.recipe, state.input.format
             rows = x.reshape(-1, x.shape[-1])
-            sx, sw = _row_scales(rows, fwd, -1, recipe.margin), _row_scales(weight, fwd, -1, recipe.margin)
-            y = fp8_matmul(_to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd).t(), sx, sw.t(), False)
+            y = products.output(rows, weight, state)
             if bias is not None:
                 y = y + bias.float()
             ctx.save_for_backward(rows, weight)
-            ctx.state, ctx.has_bias, ctx.x_shape = state, bias is not None, x.shape
+            ctx.state, ctx.products, ctx.has_bias, ctx.x_shape = state, products, bias is not None, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad):
         rows, weight = ctx.saved_tensors
-        state, margin = ctx.state, ctx.state.recipe.margin
-        fwd, bwd = state.input.format, state.grad.format
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
             grad = grad.reshape(-1, grad.shape[-1])
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
-                sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
-                gq, wq = _to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd)
-                grad_x = fp8_matmul(gq, wq, sg, sw, False).reshape(ctx.x_shape).to(x_dtype)
+                grad_x = ctx.products.input_grad(grad, weight, ctx.state).reshape(ctx.x_shape).to(x_dtype)
             if ctx.needs_input_grad[1]:
-                sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
-                gq, xq = _to_fp8(grad, sg, bwd), _to_fp8(rows, sx, fwd)
-                grad_w = fp8_matmul(gq.t(), xq, sg.t(), sx, False).to(w_dtype)
+                grad_w = ctx.products.weight_grad(grad, rows, ctx.state).to(w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad.float().sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _Rowwise:
+    """Rowwise scaling (``scaling=rowwise``): each GEMM operand scaled per slice orthogonal to the reduction,
+    from its current amax, as torchao's rowwise recipe does; every scale is a power of two, so the products
+    stay exact. Forward: the input per row (token), the weight per output row. Backward: dx = g @ w with g per
+    row and w per column (input feature); dw = g^T @ x with g per column (output feature) and x per column."""
+
+    @staticmethod
+    def output(rows, weight, state: Fp8LinearState) -> torch.Tensor:
+        fwd, margin = state.input.format, state.recipe.margin
+        sx, sw = _row_scales(rows, fwd, -1, margin), _row_scales(weight, fwd, -1, margin)
+        return fp8_matmul(_to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd).t(), sx, sw.t(), False)
+
+    @staticmethod
+    def input_grad(grad, weight, state: Fp8LinearState) -> torch.Tensor:
+        fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
+        sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
+        return fp8_matmul(_to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd), sg, sw, False)
+
+    @staticmethod
+    def weight_grad(grad, rows, state: Fp8LinearState) -> torch.Tensor:
+        fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
+        sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
+        return fp8_matmul(_to_fp8(grad, sg, bwd).t(), _to_fp8(rows, sx, fwd), sg.t(), sx, False)
 
 
 def fp8_linear(
@@ -154,10 +168,11 @@ def fp8_linear(
     # reassign attributes; inside the autograd function only tensor contents change
     state.to(x.device)
     if state.recipe.scaling == "rowwise":
-        return _Fp8LinearRowwise.apply(x, weight, bias, state, out_dtype)
+        return Recast.apply(x, weight, bias, state, out_dtype, _Rowwise)
     if state.recipe.scaling in ("blockwise", "mxfp8"):
-        from mixprec.regions.fp8.blockwise import blockwise_linear, mxfp8_linear  # imports this module's neighbours
+        from mixprec.regions.fp8.blockwise import MXFP8, blockwise_linear  # it builds on this module
 
-        linear = blockwise_linear if state.recipe.scaling == "blockwise" else mxfp8_linear
-        return linear(x, weight, bias, state, out_dtype)
+        if state.recipe.scaling == "mxfp8":
+            return Recast.apply(x, weight, bias, state, out_dtype, MXFP8)
+        return blockwise_linear(x, weight, bias, state, out_dtype)
     return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
