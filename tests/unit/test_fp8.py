@@ -73,12 +73,12 @@ def _reference_linear(x, w, b, fwd, bwd, grad):
     return y, gq @ wq / (sg * sw), gq.t() @ xq / (sg * sx), grad.sum(0)
 
 
-def _equals_reference(x, scaling, formats, reference):
+def _equals_reference(x, scaling, formats, reference, device="cpu"):
     """The layer under ``scaling``, forward and backward, bit for bit against ``reference``; returns its output."""
-    x.requires_grad_()
-    w = nn.Parameter(torch.randn(8, 32) * 0.1)
-    b = nn.Parameter(torch.randn(8))
-    grad = torch.randn(16, 8) * 1e-3
+    x = x.to(device).requires_grad_()
+    w = nn.Parameter((torch.randn(8, 32) * 0.1).to(device))
+    b = nn.Parameter(torch.randn(8).to(device))
+    grad = (torch.randn(16, 8) * 1e-3).to(device)
     state = Fp8LinearState(Fp8Recipe(forward=formats[0], backward=formats[1], scaling=scaling))
     y = fp8_linear(x, w, b, state, torch.float32)
     y.backward(grad)
@@ -112,11 +112,11 @@ def _rowwise_reference(x, w, b, fwd, bwd, grad):
 
 
 @pytest.mark.parametrize("formats", [("fp8_e4m3", "fp8_e5m2"), ("fp8_e4m3", "fp8_e4m3")])
-def test_rowwise_fp8_linear_equals_the_reference(formats):
+def test_rowwise_fp8_linear_equals_the_reference(formats, device):
     torch.manual_seed(0)
     x = torch.randn(16, 32) * torch.logspace(-3, 3, 16).unsqueeze(1)  # rows six decades apart
-    y, w, b = _equals_reference(x, "rowwise", formats, _rowwise_reference)
-    x = x.detach()
+    y, w, b = _equals_reference(x, "rowwise", formats, _rowwise_reference, device)
+    x = x.to(device)
     # per row, the small rows keep their precision: a tensorwise scale set by the largest row flushes them
     tensorwise = fp8_linear(x, w, b, Fp8LinearState(Fp8Recipe(scaling="current")), torch.float32)
     exact = x @ w.t() + b
@@ -167,7 +167,7 @@ def _blockwise_reference(x, w, fwd, bwd, grad):
 
 
 @pytest.mark.parametrize("integers", [True, False], ids=["exact-sums", "random"])
-def test_blockwise_fp8_linear_equals_the_reference(integers):
+def test_blockwise_fp8_linear_equals_the_reference(integers, device):
     torch.manual_seed(0)
     shapes = {"x": (5, 200), "w": (130, 200), "g": (5, 130)}  # K and N past one block of 128, padded
     if integers:  # small integers: every partial sum is exact, so the result must be too, bit for bit
@@ -178,8 +178,7 @@ def test_blockwise_fp8_linear_equals_the_reference(integers):
         x[:, 128:] *= 1e-3
         w[128:] *= 1e3
         grad[:, :64] *= 1e5  # columns whose tiles for dw (128x1) must not share the others' scale
-    x.requires_grad_()
-    w = nn.Parameter(w)
+    x, w, grad = x.to(device).requires_grad_(), nn.Parameter(w.to(device)), grad.to(device)
     state = Fp8LinearState(Fp8Recipe(scaling="blockwise", backward="fp8_e4m3"))
     y = fp8_linear(x, w, None, state, torch.float32)
     y.backward(grad)
@@ -191,12 +190,12 @@ def test_blockwise_fp8_linear_equals_the_reference(integers):
             assert ((ours.double() - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
 
 
-def test_mxfp8_fp8_linear_takes_its_blocks_along_each_products_reduction():
+def test_mxfp8_fp8_linear_takes_its_blocks_along_each_products_reduction(device):
     torch.manual_seed(0)
-    x = torch.randn(40, 64) * torch.logspace(-4, 4, 40).unsqueeze(1)  # tokens eight decades apart
+    x = (torch.randn(40, 64) * torch.logspace(-4, 4, 40).unsqueeze(1)).to(device)  # tokens eight decades apart
     x.requires_grad_()
-    w = nn.Parameter(torch.randn(48, 64) * torch.logspace(-4, 4, 64))  # input features eight decades apart
-    grad = torch.randn(40, 48) * torch.logspace(-4, 4, 48)
+    w = nn.Parameter((torch.randn(48, 64) * torch.logspace(-4, 4, 64)).to(device))  # features eight decades apart
+    grad = (torch.randn(40, 48) * torch.logspace(-4, 4, 48)).to(device)
     y = fp8_linear(x, w, None, Fp8LinearState(Fp8Recipe(scaling="mxfp8")), torch.float32)
     y.backward(grad)
 
