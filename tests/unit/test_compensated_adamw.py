@@ -238,6 +238,20 @@ def test_a_group_kernel_that_fails_to_compile_changes_nothing_and_hands_over_to_
     assert single_pass.why_unavailable("cpu") == "compiling failed: no Triton today"
 
 
+def test_a_group_with_a_strided_tensor_changes_nothing_and_takes_the_eager_path_this_step(monkeypatch):
+    from mixprec.master import single_pass
+
+    monkeypatch.setattr(single_pass, "_unavailable", {})
+    weights = [torch.ones(4, 8, dtype=torch.bfloat16).t()]  # a transposed view: no flat view of it
+    tensors = (weights, *([torch.zeros(8, 4, dtype=torch.bfloat16)] for _ in range(4)))
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    ran = single_pass.run_kahan_adamw_group(
+        single_pass._kahan_adamw_group_, tensors, [torch.zeros(())], group, None, None
+    )
+    assert ran is False and torch.equal(weights[0], torch.ones(8, 4, dtype=torch.bfloat16))
+    assert single_pass._unavailable == {}  # only this step: the kernel stays available
+
+
 def test_single_pass_true_refuses_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv("MIXPREC_SINGLE_PASS", "0")
     param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))

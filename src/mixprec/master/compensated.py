@@ -182,7 +182,7 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] = state["step"].to(param.device)  # the fused kernel reads it on the device
         states = [self.state[p] for p in params]
         steps = [state["step"] for state in states]
-        if kahan and self._group_kernel_runs(params, states):  # CUDA: one compiled graph, the skip on the device
+        if kahan and self._group_kernel_runs(params):  # CUDA: one compiled graph, the skip on the device
             arguments = scaling.kernel_arguments(params[0].device)
             compensations = [local(s["kahan_comp"]) for s in states]
             tensors = _shards(params, states)
@@ -190,7 +190,7 @@ class AdamW(torch.optim.Optimizer):
             grad_scale, found_inf = arguments.get("grad_scale"), arguments.get("found_inf")
             if run_kahan_adamw_group(kahan_adamw_kernel("cuda"), tensors, steps, group, grad_scale, found_inf):
                 return
-            self._kernel_available("cuda")  # single_pass=True: refused now, naming why; else the eager path
+            self._kernel_available("cuda")  # failed to compile, single_pass=True: refused, naming why
         torch._foreach_add_(steps, 1.0)  # one launch, not one per parameter
         if not on_device:  # found_inf was read above; unscale here, the kernels below do not
             scaling.unscale([local(p.grad) for p in params])
@@ -270,13 +270,10 @@ class AdamW(torch.optim.Optimizer):
         """Whether the Kahan step runs as the compiled CPU kernel (one pass per parameter)."""
         return params[0].device.type == "cpu" and self._kernel_available("cpu")
 
-    def _group_kernel_runs(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> bool:
-        """Whether the Kahan step runs as the compiled CUDA graph over the whole group (every tensor contiguous:
-        the graph updates 1-D views; a strided one takes the eager path)."""
-        if params[0].device.type != "cuda" or not self._kernel_available("cuda"):
-            return False
-        tensors = [local(t) for p, s in zip(params, states, strict=True) for t in (p, p.grad, *s.values())]
-        return all(t.is_contiguous() for t in tensors)
+    def _group_kernel_runs(self, params: list[torch.Tensor]) -> bool:
+        """Whether the Kahan step runs as the compiled CUDA graph over the whole group (a group with a strided
+        tensor takes the eager path: :func:`run_kahan_adamw_group` says so, having changed nothing)."""
+        return params[0].device.type == "cuda" and self._kernel_available("cuda")
 
     def _kernel_available(self, device_type: str) -> bool:
         """Whether the compiled kernel for ``device_type`` runs; single_pass=True refuses where it cannot."""

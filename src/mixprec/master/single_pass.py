@@ -230,8 +230,9 @@ def run_kahan_adamw_group(
     ``tensors`` = (params, compensations, grads, exp_avgs, exp_avg_sqs); ``steps`` the device step counts, which
     it advances unless ``found_inf`` (0-dim, on the device) is nonzero. Reads nothing back to the host.
 
-    False, with nothing changed, if compiling for this group failed (dynamo and Inductor raise before the
-    graph runs): the caller takes the eager path, and so does every later step in this process."""
+    False, with nothing changed, where a tensor cannot be flattened in place (strided: the caller takes the
+    eager path for this step), or where compiling for this group failed (dynamo and Inductor raise before the
+    graph runs: the caller takes the eager path, and so does every later step in this process)."""
     beta1, beta2 = group["betas"]
     device = tensors[0][0].device
     lr = group["lr"]
@@ -244,7 +245,10 @@ def run_kahan_adamw_group(
                 _LR_ON_DEVICE.clear()
             lr_on_device = torch.tensor(float(lr), dtype=torch.float64, device=device)
             _LR_ON_DEVICE[(float(lr), device)] = lr_on_device
-    flat = [[t.view(-1) for t in same_role] for same_role in tensors]  # 1-D: one kernel for every shape
+    try:  # 1-D views, one kernel for every shape; a view succeeds exactly where the memory order is the flat one
+        flat = [[t.view(-1) for t in same_role] for same_role in tensors]
+    except RuntimeError:
+        return False
     try:
         kernel(*flat, steps, lr_on_device, grad_scale, found_inf, beta1, beta2, group["weight_decay"], group["eps"])
     except torch._dynamo.exc.TorchDynamoException as exc:  # compiling (InductorError too), before any kernel ran
