@@ -80,6 +80,7 @@ class OptimizerView(NamedTuple):
     count: int  # how many parameters the optimizer held
     with_gradients: tuple[torch.Tensor, ...]  # the model's parameters and the optimizer's, each once
     kind: tuple[torch.device, torch.dtype] | None  # their one device and dtype, if they share one
+    outside: tuple[torch.Tensor, ...]  # the model's parameters no optimizer holds (o2's 16-bit ones, frozen ones)
 
 
 class MixedPrecision:
@@ -151,14 +152,13 @@ class MixedPrecision:
         self._order = CallOrder(accumulation_steps)
         refuse_direct_steps(optimizer, self._order)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
-        # what follows from the optimizer's parameters alone, looked at again when their number changes
-        self._optimizer_view = OptimizerView(-1, (), None)
         self._guards = self._make_guards()
+        # what follows from the optimizer's parameters alone, looked at again when their number changes
+        self._optimizer_view = OptimizerView(-1, (), None, ())
+        self._view(self._optimizer_params())
         self._last_loss: torch.Tensor | None = None
         self._last: StepResult | None = None
         self._grads_carry_scale = False  # the last backward's gradients are multiplied by a loss scale
-        optimized = {id(p) for p in self._optimizer_params()}
-        self._outside_optimizer = [p for p in self._parameters if id(p) not in optimized]
         self._new_window()
 
     def _make_guards(self) -> GuardList:
@@ -178,10 +178,12 @@ class MixedPrecision:
         parameter group added), not at every step."""
         if len(optimized) != self._optimizer_view.count:
             kinds = {(p.device, p.dtype) for p in optimized}
+            held = set(map(id, optimized))
             self._optimizer_view = OptimizerView(
                 len(optimized),
                 tuple(dict.fromkeys([*self._parameters, *optimized])),
                 kinds.pop() if len(kinds) == 1 else None,
+                tuple(p for p in self._parameters if id(p) not in held),
             )
         return self._optimizer_view
 
@@ -400,8 +402,9 @@ class MixedPrecision:
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        # the model's parameters no optimizer holds (o2's 16-bit ones, frozen ones): theirs too
-        for param in self._outside_optimizer:
+        # the model's parameters no optimizer holds: theirs too (the view of the last unscale; parameter groups
+        # added since only shrink that set, so an older view clears a few gradients twice, never too few)
+        for param in self._optimizer_view.outside:
             param.grad = None
         self._new_window()
 
