@@ -8,7 +8,7 @@ FP8 products, divided by the two scales and added across blocks in FP32, as Hopp
 block's partial sum to FP32 do:
 
     y  = x @ w^T    x in 1x128 tiles along K,   w in 128x128 tiles
-    dx = g @ w      g in 1x128 tiles along N,   w in its same 128x128 tiles (reused: the tiles are square)
+    dx = g @ w      g in 1x128 tiles along N,   w in the same 128x128 tiles (they are square), cast again
     dw = g^T @ x    g and x in 128x1 tiles along M (the tokens)
 
 Scales are powers of two from each tile's current amax, so scaling is exact. A dimension that is not a
@@ -17,8 +17,6 @@ multiple of 128 is padded with zeros, which change no tile's amax. Emulated on e
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +24,7 @@ from mixprec.numerics.block_formats import BlockFormat, quantize_blocks
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
 
-__all__ = ["BLOCK", "MXFP8", "MX_BLOCK", "blockwise_linear"]
+__all__ = ["BLOCK", "BLOCKWISE", "MXFP8", "MX_BLOCK"]
 
 BLOCK = 128
 
@@ -55,47 +53,31 @@ def _blocked_matmul(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: to
     return (partial / (a_scale * b_scale)).sum(0)
 
 
-class _BlockwiseLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x, weight, bias, state, out_dtype: torch.dtype):
-        with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
-            fwd, margin = state.input.format, state.recipe.margin
-            rows = x.reshape(-1, x.shape[-1])
-            qx, sx = _cast_tiles(rows, fwd, margin, 1, BLOCK)
-            qw, sw = _cast_tiles(weight, fwd, margin, BLOCK, BLOCK)
-            m, n = rows.shape[0], weight.shape[0]
-            y = _blocked_matmul(qx[:m], sx[:m], qw.t(), sw.t())[:, :n]
-            if bias is not None:
-                y = y + bias.float()
-            ctx.save_for_backward(rows, qw, sw)
-            ctx.state, ctx.has_bias, ctx.x_shape, ctx.n = state, bias is not None, x.shape, n
-            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-            return y.reshape(*x.shape[:-1], n).to(out_dtype)
+class BLOCKWISE:
+    """The blockwise recipe's three products (through :class:`~mixprec.regions.fp8.linear.Recast`, which casts
+    each operand again for each product from the saved high-precision tensors: the weight's 128x128 tiles for
+    dx are the forward's, cast again the same way)."""
 
     @staticmethod
-    def backward(ctx: Any, grad):
-        rows, qw, sw = ctx.saved_tensors
-        fwd, bwd, margin = ctx.state.input.format, ctx.state.grad.format, ctx.state.recipe.margin
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        m, k = rows.shape
-        with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
-            grad = grad.reshape(-1, grad.shape[-1])
-            grad_x = grad_w = grad_b = None
-            if ctx.needs_input_grad[0]:  # g (M, N) in 1x128 tiles along N; w's forward tiles, (N, K) padded
-                qg, sg = _cast_tiles(grad, bwd, margin, 1, BLOCK)
-                grad_x = _blocked_matmul(qg[:m], sg[:m], qw, sw)[:, :k].reshape(ctx.x_shape).to(x_dtype)
-            if ctx.needs_input_grad[1]:  # dw = g^T @ x, reduced over the tokens: both in 128x1 tiles along M
-                qg, sg = _cast_tiles(grad, bwd, margin, BLOCK, 1)
-                qx, sx = _cast_tiles(rows, fwd, margin, BLOCK, 1)
-                grad_w = _blocked_matmul(qg.t(), sg.t(), qx, sx)[: ctx.n, :k].to(w_dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = grad.float().sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+    def output(rows, weight, state) -> torch.Tensor:  # x in 1x128 tiles along K, w in 128x128 tiles
+        fwd, margin = state.input.format, state.recipe.margin
+        qx, sx = _cast_tiles(rows, fwd, margin, 1, BLOCK)
+        qw, sw = _cast_tiles(weight, fwd, margin, BLOCK, BLOCK)
+        return _blocked_matmul(qx, sx, qw.t(), sw.t())[:, : weight.shape[0]]
 
+    @staticmethod
+    def input_grad(grad, weight, state) -> torch.Tensor:  # g in 1x128 tiles along N, w in its 128x128 tiles
+        margin = state.recipe.margin
+        qg, sg = _cast_tiles(grad, state.grad.format, margin, 1, BLOCK)
+        qw, sw = _cast_tiles(weight, state.input.format, margin, BLOCK, BLOCK)
+        return _blocked_matmul(qg, sg, qw, sw)[:, : weight.shape[1]]
 
-def blockwise_linear(x, weight, bias, state, out_dtype: torch.dtype) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with blockwise-scaled FP8 operands (see the module docstring)."""
-    return _BlockwiseLinear.apply(x, weight, bias, state, out_dtype)
+    @staticmethod
+    def weight_grad(grad, rows, state) -> torch.Tensor:  # reduced over the tokens: both in 128x1 tiles along M
+        margin = state.recipe.margin
+        qg, sg = _cast_tiles(grad, state.grad.format, margin, BLOCK, 1)
+        qx, sx = _cast_tiles(rows, state.input.format, margin, BLOCK, 1)
+        return _blocked_matmul(qg.t(), sg.t(), qx, sx)
 
 
 MX_BLOCK = 32

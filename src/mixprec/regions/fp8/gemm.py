@@ -75,7 +75,7 @@ def uses_kernel(gemm: str, device: torch.device) -> bool:
 
 def recipe_uses_kernel(recipe, device: torch.device) -> bool:
     """Whether ``recipe``'s layers compute on the FP8 GEMM kernel on ``device``: its ``gemm`` setting picks it
-    there, and its scaling has a kernel path (rowwise and blockwise scaling are emulated everywhere for now)."""
+    there, and its scaling has a kernel path (the scalings in EMULATED_SCALINGS are emulated everywhere for now)."""
     return recipe.scaling not in EMULATED_SCALINGS and uses_kernel(recipe.gemm, device)
 
 

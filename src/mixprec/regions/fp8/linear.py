@@ -167,12 +167,9 @@ def fp8_linear(
     # a state on another device (loaded on the CPU, a model moved) moves here, where a compiled step may
     # reassign attributes; inside the autograd function only tensor contents change
     state.to(x.device)
-    if state.recipe.scaling == "rowwise":
-        return Recast.apply(x, weight, bias, state, out_dtype, _Rowwise)
-    if state.recipe.scaling in ("blockwise", "mxfp8"):
-        from mixprec.regions.fp8.blockwise import MXFP8, blockwise_linear  # it builds on this module
+    if state.recipe.scaling in ("rowwise", "blockwise", "mxfp8"):  # scales along each product's reduction
+        from mixprec.regions.fp8.blockwise import BLOCKWISE, MXFP8  # it builds on this module
 
-        if state.recipe.scaling == "mxfp8":
-            return Recast.apply(x, weight, bias, state, out_dtype, MXFP8)
-        return blockwise_linear(x, weight, bias, state, out_dtype)
+        products = {"rowwise": _Rowwise, "blockwise": BLOCKWISE, "mxfp8": MXFP8}[state.recipe.scaling]
+        return Recast.apply(x, weight, bias, state, out_dtype, products)
     return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
