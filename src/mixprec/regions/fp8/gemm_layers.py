@@ -149,16 +149,16 @@ def select_gemm_layers(
     for name, module in model.named_modules():
         operands = gemm_operands(module)
         if name in in_mha and operands is not None:
-            reason = "not supported: nn.MultiheadAttention reads its weights itself, not through this layer's forward"
-            selection.kept.append(KeptLayer(name, type(module).__name__, reason))
+            reason = "nn.MultiheadAttention reads its weights itself, not through this layer's forward"
+            selection.kept.append(KeptLayer(name, type(module).__name__, _NOT_SUPPORTED + reason))
         elif operands is not None:
             if any(name == kept or name.startswith(kept + ".") for kept in fp32):
                 selection.kept.append(KeptLayer(name, type(module).__name__, "inside an FP32 module of the policy"))
             else:
                 gemms.append((name, module, operands))
-        elif isinstance(module, _UNSUPPORTED) and not any(name.startswith(n + ".") for n in in_mha):
-            reason = "not supported: not a GEMM layer mixprec computes in FP8 (nn.Linear, Conv1D, mixprec_gemm)"
-            selection.kept.append(KeptLayer(name, type(module).__name__, reason))
+        elif isinstance(module, _UNSUPPORTED):
+            reason = "not a GEMM layer mixprec computes in FP8 (nn.Linear, Conv1D, mixprec_gemm)"
+            selection.kept.append(KeptLayer(name, type(module).__name__, _NOT_SUPPORTED + reason))
     by_recipe: dict[str, str] = {}
     if gemms and "first" in keep:
         by_recipe.setdefault(gemms[0][0], "kept by the recipe (first)")
