@@ -34,14 +34,13 @@ from torch import nn
 from mixprec.numerics.block_formats import BLOCK_FORMATS
 from mixprec.numerics.formats import get_format
 from mixprec.numerics.quantize import quantize
+from mixprec.regions.fp8.blockwise import BLOCK, round_tiles
 from mixprec.regions.fp8.gemm_layers import select_gemm_layers
-from mixprec.regions.fp8.scaling import power_of_two_scale
 
 __all__ = ["FP8_RECIPES", "Fp8RecipeReport", "RecipeFit", "fp8_recipe_report"]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 _E4M3 = get_format("fp8_e4m3")
-_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -84,33 +83,13 @@ class Fp8RecipeReport:
         return {"fits": [asdict(f) for f in self.fits], "keep": self.keep, "outlier": self.outlier}
 
 
-def _scaled_e4m3(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    scale = power_of_two_scale(amax, _E4M3.max)
-    return quantize(t * scale, _E4M3, saturate=True) / scale
-
-
-def _tiles(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` (R, K) as (R/rows, rows, K/128, 128) tiles, zero-padded."""
-    r, k = t.shape
-    padded = torch.nn.functional.pad(t, (0, -k % _TILE, 0, -r % rows))
-    return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // _TILE, _TILE)
-
-
-def _blockwise(t: torch.Tensor, rows: int) -> torch.Tensor:
-    tiles = _tiles(t, rows)
-    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
-    out = _scaled_e4m3(tiles, amax)
-    return out.reshape(tiles.shape[0] * rows, -1)[: t.shape[0], : t.shape[1]]
-
-
 def _round(t: torch.Tensor, recipe: str, weight: bool) -> torch.Tensor:
-    """``t`` (rows, K) as ``recipe`` rounds an input (``weight`` False) or a weight, in FP32."""
-    if recipe == "tensorwise":
-        return _scaled_e4m3(t, t.abs().amax())
-    if recipe == "rowwise":
-        return _scaled_e4m3(t, t.abs().amax(dim=-1, keepdim=True))
-    if recipe == "blockwise":
-        return _blockwise(t, _TILE if weight else 1)
+    """``t`` (rows, K) as ``recipe`` rounds an input (``weight`` False) or a weight, in FP32: the training
+    recipes' own casts (:func:`~mixprec.regions.fp8.blockwise.round_tiles`) and block formats."""
+    rows, k = t.shape
+    tiles = {"tensorwise": (rows, k), "rowwise": (1, k), "blockwise": (BLOCK if weight else 1, BLOCK)}
+    if recipe in tiles:
+        return round_tiles(t, _E4M3, *tiles[recipe])
     return quantize(t, recipe)
 
 

@@ -24,7 +24,7 @@ from mixprec.numerics.block_formats import BlockFormat, quantize_blocks
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
 
-__all__ = ["BLOCK", "BLOCKWISE", "MXFP8", "MX_BLOCK"]
+__all__ = ["BLOCK", "BLOCKWISE", "MXFP8", "MX_BLOCK", "round_tiles"]
 
 BLOCK = 128
 
@@ -39,6 +39,13 @@ def _cast_tiles(t: torch.Tensor, fmt: Format, margin: int, rows: int, cols: int)
     scale = power_of_two_scale(amax, fmt.max, margin).expand_as(tiles)
     quantized = cast_to_fp8_storage(tiles, scale, fmt).float()
     return quantized.reshape(r, c), scale.reshape(r, c)
+
+
+def round_tiles(t: torch.Tensor, fmt: Format, rows: int, cols: int, margin: int = 0) -> torch.Tensor:
+    """``t`` (R, C) cast to ``fmt`` with a power-of-two scale per tile of ``rows`` x ``cols`` and scaled back, in
+    FP32: what a tiled recipe makes of it (a tile of the whole tensor: tensorwise; of a row: rowwise)."""
+    quantized, scale = _cast_tiles(t, fmt, margin, rows, cols)
+    return (quantized / scale)[: t.shape[0], : t.shape[1]]
 
 
 def _blocked_matmul(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
