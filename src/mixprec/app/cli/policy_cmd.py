@@ -39,9 +39,8 @@ def run(args: argparse.Namespace) -> int:
         auto = get_policy("auto", device=device_type)
         rows.append(["auto", str(auto), auto.reason])
         print(render_table(["preset", "policy", "meaning"], rows, align="lll"))
-        aliases = ", ".join(f"{alias.replace('_', '-') if alias[0].isdigit() or alias.startswith('bf16') else alias}"
-                            f" = {name}" for alias, name in PRESET_ALIASES.items())  # fmt: skip
-        print(f"\nalso accepted (Keras, Apex opt levels, Lightning): {aliases}")
+        aliases = ", ".join(f"{alias} = {name}" for alias, name in PRESET_ALIASES.items())
+        print(f"\nalso accepted (Keras, Apex opt levels, Lightning; '-' reads as '_'): {aliases}")
         return 0
     prepared = prepare(None, args.spec, device=device_type)  # parsed and checked once, with its compute plan
     policy, plan = prepared.policy, prepared.plan
