@@ -23,7 +23,7 @@ import torch
 from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, free_memory, log
 from benchmarks.gpu.measure import prepare_all, profile_steps, time_modes
-from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
+from benchmarks.gpu.steps import BF16_WEIGHTS_LOOP, TORCH_LOOPS, Mode, Workload, training_mode
 
 import mixprec
 from mixprec.app.cuda_graphs import GraphedForward
@@ -38,9 +38,7 @@ TRAIN_POLICIES = {
     "o2_bf16": "o2_bf16",
     "pure_bf16": "pure_bf16",
 }
-# the hand-written loops (torch.autocast, GradScaler for fp16, fused AdamW) beside mixprec's: its overhead
-TORCH_LOOPS = {"torch fp32": None, "torch autocast fp16": torch.float16, "torch autocast bf16": torch.bfloat16}
-BF16_WEIGHTS_LOOP = "torch bf16 weights"
+# the hand-written loops (steps.TORCH_LOOPS, and the bf16-weights loop) beside mixprec's: its overhead
 TORCH_TWINS = {
     "fp32": "torch fp32",
     "fp16": "torch autocast fp16",
@@ -74,16 +72,7 @@ def _inference(work: Workload, device: torch.device, policy: str, graphed: bool)
 
 
 def _train_mode(name: str, work: Workload, device: torch.device, backend: str | None = None) -> Mode:
-    label = f"{name}, compiled" if backend else name
-    twin = TORCH_TWINS.get(name)
-    twin = f"{twin}, compiled" if backend and twin else twin
-    if name in TORCH_LOOPS:
-        return Mode(label, lambda: torch_step(work, device, TORCH_LOOPS[name], backend), backend is not None)
-    if name == BF16_WEIGHTS_LOOP:
-        return Mode(label, lambda: torch_step(work, device, None, backend, torch.bfloat16), backend is not None)
-    optimizer = "mixprec" if name == "pure_bf16" else "fused"
-    policy = TRAIN_POLICIES[name]
-    return Mode(label, lambda: mixprec_step(work, device, policy, optimizer, backend), backend is not None, twin)
+    return training_mode(name, work, device, backend, TORCH_TWINS, TRAIN_POLICIES)
 
 
 def _modes(settings: Settings, part: Part, work: Workload, phase: str, largest: bool) -> list[Mode]:

@@ -20,7 +20,7 @@ import torch
 from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, free_memory, log
 from benchmarks.gpu.measure import Prepared, prepare, prepare_all, profile_steps, time_modes
-from benchmarks.gpu.steps import Mode, Workload, mixprec_step, torch_step
+from benchmarks.gpu.steps import BF16_WEIGHTS_LOOP, TORCH_LOOPS, Mode, Workload, training_mode
 
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
 
@@ -29,8 +29,6 @@ __all__ = ["Table", "run", "run_table"]
 BATCHES = (64, 32, 16, 8, 4, 2, 1)
 _MEMORY_SHARE = 0.40
 POLICIES = ("fp32", "tf32", "mixed_bf16", "mixed_fp16", "o2_bf16", "pure_bf16", "fp8", "fp8_hybrid")
-TORCH_LOOPS = {"torch fp32": None, "torch autocast bf16": torch.bfloat16, "torch autocast fp16": torch.float16}
-BF16_WEIGHTS_LOOP = "torch bf16 weights"  # the model in bf16 with AdamW(fused=True): no FP32 copy, no compensation
 TWINS = {
     "fp32": "torch fp32",
     "mixed_bf16": "torch autocast bf16",
@@ -59,15 +57,7 @@ _TIMING_RESERVE_S = 100.0
 
 
 def _mode(name: str, work: Workload, device: torch.device, backend: str | None = None) -> Mode:
-    label = f"{name}, compiled" if backend else name
-    if name in TORCH_LOOPS:
-        return Mode(label, lambda: torch_step(work, device, TORCH_LOOPS[name], backend), backend is not None)
-    if name == BF16_WEIGHTS_LOOP:
-        return Mode(label, lambda: torch_step(work, device, None, backend, torch.bfloat16), backend is not None)
-    optimizer = "mixprec" if name == "pure_bf16" else "fused"
-    twin = TWINS.get(name)
-    twin = f"{twin}, compiled" if backend and twin else twin
-    return Mode(label, lambda: mixprec_step(work, device, name, optimizer, backend), backend is not None, twin)
+    return training_mode(name, work, device, backend, TWINS)
 
 
 def _largest_batch(settings: Settings, config: GPTConfig) -> tuple[int, dict]:

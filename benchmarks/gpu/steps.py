@@ -14,12 +14,25 @@ from torch import nn
 
 import mixprec
 
-__all__ = ["OPTIMIZERS", "Mode", "Workload", "make_optimizer", "mixprec_step", "torch_step"]
+__all__ = [
+    "BF16_WEIGHTS_LOOP",
+    "OPTIMIZERS",
+    "TORCH_LOOPS",
+    "Mode",
+    "Workload",
+    "make_optimizer",
+    "mixprec_step",
+    "torch_step",
+    "training_mode",
+]
 
 # fused: torch.optim.AdamW(fused=True), which takes the scaler's found_inf itself (no host read);
 # default: torch.optim.AdamW() as most code builds it (foreach on CUDA); mixprec: the compensated AdamW
 # pure_bf16 needs
 OPTIMIZERS = ("fused", "default", "mixprec")
+# the hand-written loops, by name: torch.autocast's dtype (None: FP32), a GradScaler for fp16, fused AdamW
+TORCH_LOOPS = {"torch fp32": None, "torch autocast bf16": torch.bfloat16, "torch autocast fp16": torch.float16}
+BF16_WEIGHTS_LOOP = "torch bf16 weights"  # the model in bf16 with AdamW(fused=True): no FP32 copy, no compensation
 
 
 @dataclass(frozen=True)
@@ -107,3 +120,26 @@ def torch_step(
         optimizer.zero_grad(set_to_none=True)
 
     return step, None
+
+
+def training_mode(
+    name: str,
+    work: Workload,
+    device: torch.device,
+    backend: str | None = None,
+    twins: dict[str, str] | None = None,
+    policies: dict[str, str] | None = None,
+) -> Mode:
+    """A training mode by name: a hand-written loop (:data:`TORCH_LOOPS`, :data:`BF16_WEIGHTS_LOOP`) or mixprec
+    under a policy (``policies`` maps a row's name to its policy; other names are policies), compiled with
+    ``backend`` when given; ``twins``: the hand-written loop each mixprec row is compared with."""
+    label, compiled = (f"{name}, compiled" if backend else name), backend is not None
+    if name in TORCH_LOOPS:
+        return Mode(label, lambda: torch_step(work, device, TORCH_LOOPS[name], backend), compiled)
+    if name == BF16_WEIGHTS_LOOP:
+        return Mode(label, lambda: torch_step(work, device, None, backend, torch.bfloat16), compiled)
+    twin = (twins or {}).get(name)
+    twin = f"{twin}, compiled" if backend and twin else twin
+    policy = (policies or {}).get(name, name)
+    optimizer = "mixprec" if policy == "pure_bf16" else "fused"
+    return Mode(label, lambda: mixprec_step(work, device, policy, optimizer, backend), compiled, twin)
