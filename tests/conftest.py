@@ -42,3 +42,28 @@ def kernel_cache(tmp_path, monkeypatch):
         (folder / "kernels.json").write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}))
 
     return seed
+
+
+@pytest.fixture
+def train_mlp():
+    """``train_mlp(policy, steps, samples, classes)``: a seeded Linear(16, 64)-GELU-Linear(64, 16) trained by
+    MixedPrecision and AdamW(lr=1e-2) on one fixed batch of ``samples`` with labels below ``classes``; returns
+    the MixedPrecision and the loss at each step."""
+    import mixprec
+
+    def train(policy: str, steps: int, samples: int, classes: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy)
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(samples, 16, generator=gen), torch.randint(0, classes, (samples,), generator=gen)
+        losses = []
+        for _ in range(steps):
+            with mp.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            mp.backward(loss)
+            mp.step()
+            losses.append(loss.item())
+        return mp, losses
+
+    return train

@@ -117,24 +117,11 @@ def test_auto_uses_the_kernel_on_cuda_only_and_the_choice_is_part_of_the_policy(
 
 
 @pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
-def test_a_model_trains_identically_enough_with_the_kernel():
+def test_a_model_trains_identically_enough_with_the_kernel(train_mlp):
     losses = {}
     for gemm in ("scaled_mm", "emulated"):
-        torch.manual_seed(0)
         # widths the kernel takes (multiples of 16): where it runs, a layer it refuses stays bf16
-        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        mp = mixprec.MixedPrecision(model, optimizer, f"base=fp8,fp8=(gemm={gemm})")
-        gen = torch.Generator().manual_seed(0)
-        x, y = torch.randn(256, 16, generator=gen), torch.randint(0, 4, (256,), generator=gen)
-        history = []
-        for _ in range(40):
-            with mp.autocast():
-                loss = nn.functional.cross_entropy(model(x), y)
-            mp.backward(loss)
-            mp.step()
-            history.append(loss.item())
-        losses[gemm] = history
+        _, losses[gemm] = train_mlp(f"base=fp8,fp8=(gemm={gemm})", steps=40, samples=256, classes=4)
     assert losses["scaled_mm"][-1] < 0.7 * losses["scaled_mm"][0]
     assert max(abs(a - b) for a, b in zip(losses["scaled_mm"], losses["emulated"], strict=True)) < 1e-3
 
