@@ -1,6 +1,6 @@
 # Sourced by scripts/main.sh and scripts/test.sh: make .venv ready, fast when it already is.
 # Installs torch==2.13.0 first (the CPU wheel on these machines; an unpinned torch would pull
-# several GB of CUDA packages), then mixprec in editable mode with every extra.
+# several GB of CUDA packages), then mixprec in editable mode with every extra, then fastai without torchvision.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=.venv
@@ -12,8 +12,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,nlp,lightning,accelerate,dev] into $VENV" >&2
+  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,nlp,lightning,accelerate,fastai,dev] into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,nlp,lightning,accelerate,dev]"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,nlp,lightning,accelerate,fastai,dev]"
+  # fastai without its torchvision requirement (pyproject.toml's fastai extra says why)
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "fastai>=2.8,<2.9"
   echo "$want" > "$stamp"
 fi

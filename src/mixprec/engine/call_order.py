@@ -39,6 +39,7 @@ class CallOrder:
         self.backward_since_step = False
         self.forward_since_step = True  # the first backward may use a forward made before MixedPrecision
         self.unscaled = False
+        self.released = False  # release() handed the model and optimizer back: no call is valid any more
 
     @property
     def at_update_boundary(self) -> bool:
@@ -48,9 +49,17 @@ class CallOrder:
     def on_forward(self) -> None:
         self.forward_since_step = True
 
+    def check_open(self, caller: str) -> None:
+        if self.released:
+            raise RuntimeError(
+                f"{caller} after release(): this MixedPrecision handed its model and optimizer back in FP32. "
+                "Build a new MixedPrecision on them (load_state_dict(old.state_dict()) continues the run)."
+            )
+
     # Each call is checked (check_*: raises, changes nothing) before the step's guards run, and recorded (on_*)
     # after them: a call refused for its order leaves every guard as it was.
     def check_backward(self) -> None:
+        self.check_open("backward()")
         if self.unscaled:
             raise RuntimeError(
                 "backward() after unscale_()/clip_grad_norm_(): this step's gradients are already unscaled, so "
@@ -76,6 +85,7 @@ class CallOrder:
             )
 
     def check_unscale(self, caller: str) -> None:
+        self.check_open(caller)
         if not self.backward_since_step:
             raise RuntimeError(f"{caller} before backward(): there are no gradients for this step to unscale.")
         if self.unscaled:
@@ -93,6 +103,7 @@ class CallOrder:
         self.unscaled = True
 
     def check_step(self) -> None:
+        self.check_open("step()")
         if not self.backward_since_step:
             raise RuntimeError(
                 "step() without backward() since the last step(): each step() needs the gradients of a new "
@@ -120,7 +131,7 @@ class CallOrder:
         self.unscaled = False
 
 
-def refuse_direct_steps(optimizer: torch.optim.Optimizer, order: CallOrder) -> None:
+def refuse_direct_steps(optimizer: torch.optim.Optimizer, order: CallOrder) -> torch.utils.hooks.RemovableHandle:
     """An ``optimizer.step()`` of the user's between ``mp.backward()`` and ``mp.step()`` is refused before it
     applies anything (torch's step pre-hook; step() itself steps the optimizer once the window is recorded). The
     hook holds the call order weakly: a MixedPrecision dropped for a new one on the same optimizer says nothing."""
@@ -131,4 +142,4 @@ def refuse_direct_steps(optimizer: torch.optim.Optimizer, order: CallOrder) -> N
         if order is not None:
             order.check_optimizer_step()
 
-    optimizer.register_step_pre_hook(before_optimizer_step)
+    return optimizer.register_step_pre_hook(before_optimizer_step)

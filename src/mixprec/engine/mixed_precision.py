@@ -59,8 +59,9 @@ from mixprec.engine.setup import (
 )
 from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.engine.step_result import StepResult
-from mixprec.master.weights import MasterWeights
+from mixprec.master.weights import MasterWeights, release_masters
 from mixprec.parallel.fsdp import is_sharded
+from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.regions.autocast import Region
 from mixprec.regions.casting import cast_module
@@ -150,7 +151,7 @@ class MixedPrecision:
             self.compute_plan = with_gemm_layers(self.compute_plan, self._region.fp8.selection)
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
-        refuse_direct_steps(optimizer, self._order)
+        self._step_hook = refuse_direct_steps(optimizer, self._order)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
         self._guards = self._make_guards()
         # what follows from the optimizer's parameters alone, looked at again when their number changes
@@ -191,6 +192,7 @@ class MixedPrecision:
     @contextlib.contextmanager
     def autocast(self) -> Iterator[Policy]:
         """The policy's low-precision region for this model (see :func:`mixprec.autocast`)."""
+        self._order.check_open("autocast()")
         self._guards.before_forward(self)
         self._order.on_forward()
         with self._region.enter() as policy:
@@ -481,6 +483,31 @@ class MixedPrecision:
             "accumulation_steps": self.accumulation_steps,
             "fp8": self._region.fp8.state_dict() if self._region.fp8 is not None else {},
         }
+
+    def release(self) -> None:
+        """Hand the model and optimizer back: under o2 the model's parameters FP32 again, holding the masters'
+        exact values, and the optimizer's groups and state on them; the output cast and FP8 routing removed.
+
+        For a framework whose runs outlive one fit (fastai's ``fine_tune``, a second ``trainer.fit``), or to
+        evaluate or save the trained model as plain FP32. A new MixedPrecision on the same model and optimizer
+        continues where this one stopped once given its scalers and counters (``load_state_dict`` of this
+        one's ``state_dict()`` taken before). pure_bf16's parameters stay 16-bit: they are the weights (no FP32
+        copy exists). This MixedPrecision refuses every call afterwards. Call it at an update boundary.
+        """
+        self._order.check_open("release()")
+        if self._order.micro_step or self._order.backward_since_step:
+            raise RuntimeError(
+                "release() with gradients of an unfinished step: call step() (or zero_grad()) first, so that no "
+                "gradient is dropped or left scaled on the parameters."
+            )
+        self._order.released = True
+        self._step_hook.remove()
+        self._region.close()
+        if self.masters is not None:
+            release_masters(self.masters, self.optimizer)
+            cast_module(self.model, get_policy("fp32"))  # parameters without masters and buffers: widened
+            self.masters = None
+        self._optimizer_view = OptimizerView(-1, (), None, ())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned; refuses state from another policy or model."""

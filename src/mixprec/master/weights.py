@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "release_masters"]
 
 
 class MasterWeights:
@@ -115,6 +115,22 @@ class MasterWeights:
             with torch.no_grad():
                 master.copy_(value)
         self.copy_to_model()
+
+
+def release_masters(masters: MasterWeights, optimizer: torch.optim.Optimizer) -> None:
+    """Undo :class:`MasterWeights`: each model parameter FP32 again holding its master's exact value (its own
+    storage, so the optimizer keeps updating the tensor the model computes with), and the optimizer's groups and
+    state back on the model's parameters."""
+    by_id = {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
+    for param, master in zip(masters.model_params, masters.masters, strict=True):
+        param.data = master.detach()
+        param.requires_grad_(master.requires_grad)  # set on the masters while they stood in (fastai's freeze)
+        param.grad = None
+    for group in optimizer.param_groups:
+        group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+    for master in masters.masters:
+        if master in optimizer.state:
+            optimizer.state[by_id[id(master)]] = optimizer.state.pop(master)
 
 
 def _differs(value: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:

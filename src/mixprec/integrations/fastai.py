@@ -1,0 +1,308 @@
+"""MixprecCallback: a fastai callback that trains a Learner through :class:`mixprec.MixedPrecision`.
+
+    learn = Learner(dls, model, loss_func=..., opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
+    learn.to_mixprec("mixed_bf16")             # the one line, beside fastai's to_fp16()
+    learn.fine_tune(3)
+
+fastai's events, mapped onto MixedPrecision (order 10, fastai's ``MixedPrecision``'s):
+
+    before_fit        refusals (another precision callback, fastai's own Optimizer, a callback whose
+                      before_step would never run); GradientClip and GradientAccumulation noted
+    before_train      (first of a fit) mp = MixedPrecision(learn.model, learn.opt.opt, policy): casts the
+                      model, FP32 masters (o2), the scaler, carried on from the fit before
+    before_batch      mp.autocast() in training, mixprec.autocast(policy, model) in validation
+    after_loss        the region left
+    before_backward   mp.backward(loss_grad), then CancelBackwardException (fastai's own backward skipped)
+    before_step       GradientClip's clipping by mp.clip_grad_norm_ (the FP32 norm of the unscaled gradients),
+                      mp.step(): update or skip; CancelStepException (fastai's opt.step() skipped)
+    after_batch       a skipped update takes its batch back out of ``pct_train``: the schedule does not move
+    after_fit         mp.release(): the model FP32 again with the masters' values, the optimizer on it
+
+A skipped update moves neither the weights, the masters, the optimizer state nor the hyper-parameter schedule
+(``ParamScheduler``, driven by ``pct_train``): the next applied batch uses the hyper-parameters the skipped one
+had. Between fits the model is plain FP32 (fine_tune's freeze/unfreeze, learn.save, predict see it so).
+
+Host syncs: mp.step()'s (see :mod:`mixprec.engine.mixed_precision`) and one read per update of whether it was
+applied (the schedule's gate); memory loads on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from fastai.basics import Callback, CancelBackwardException, CancelStepException, Learner, OptimWrapper, patch
+    from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
+    from fastai.callback.fp16 import NonNativeMixedPrecision
+    from fastai.callback.training import GradientAccumulation, GradientClip
+except (ImportError, OSError) as error:  # a torchvision built for another torch fails with OSError or ImportError
+    raise ImportError(
+        f"mixprec.integrations.fastai needs fastai's core without a broken torchvision ({error}). Install it "
+        "as docs/integrations.md says: pip install 'mixprec[fastai]' && pip install --no-deps 'fastai>=2.8' "
+        "(fastai's torchvision requirement would pull a CUDA build next to a CPU torch)."
+    ) from error
+
+import mixprec
+from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
+
+__all__ = ["MixprecCallback"]
+
+SAVE_SUFFIX = ".mixprec.safetensors"  # learn.save(name) under the callback: models/name.mixprec.safetensors
+_STATE_KEYS = ("policy", "scalers", "counters", "fp8")  # what carries from one fit to the next (not the masters)
+
+
+class MixprecCallback(Callback):
+    """Train a fastai Learner under a mixprec policy: ``learn.to_mixprec("o2_bf16")`` adds one.
+
+    Args:
+        policy: a preset, policy string or :class:`mixprec.Policy` (``auto``: chosen for the model's device).
+        scaler: a :class:`mixprec.LossScaler`; default: the policy's (dynamic for fp16, none otherwise).
+
+    Refused at ``fit`` with the fix in the message: a second precision callback (fastai's ``to_fp16()`` /
+    ``to_bf16()``, another MixprecCallback), fastai's own ``Optimizer`` (pass ``opt_func=partial(OptimWrapper,
+    opt=torch.optim.AdamW)``), a callback with a ``before_step`` after this one's (order > 10: the update is
+    this callback's, so it would never run), loading weights in the middle of a fit.
+    """
+
+    order = FastaiMixedPrecision.order  # 10: after GradientAccumulation (6), before GradientClip (11)
+
+    def __init__(self, policy: mixprec.Policy | str = "auto", scaler: mixprec.LossScaler | None = None) -> None:
+        if not (isinstance(policy, str) and policy.strip().lower() == "auto"):
+            mixprec.get_policy(policy)  # a bad policy fails here, not at fit
+        if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
+            raise TypeError(
+                f"MixprecCallback(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "
+                f"(of type {type(scaler).__name__})."
+            )
+        self.policy_spec, self.scaler = policy, scaler
+        self.mp: mixprec.MixedPrecision | None = None  # during a fit's training, from its first batch
+        self.carried: dict[str, Any] | None = None  # scalers and counters of the fits before
+        self.clip: tuple[float, float] | None = None  # GradientClip's (max_norm, norm_type), applied by mp
+        self.grad_norm: torch.Tensor | None = None  # the last clipped update's FP32 norm, unscaled
+        self._region = contextlib.ExitStack()
+        self._skipped = False  # this batch's update was skipped
+        self._lag = 0.0  # pct_train taken back for skipped updates in this fit
+        self._resumed_lag: float | None = None  # a loaded save's, for a fit resumed with start_epoch
+
+    def __repr__(self) -> str:
+        return f"MixprecCallback(policy={str(self.policy_spec)!r})"
+
+    # -- a fit ------------------------------------------------------------------------------------
+    def before_fit(self) -> None:
+        self._check_callbacks()
+        self.clip = None
+        for cb in self.learn.cbs:
+            if isinstance(cb, GradientClip):
+                self.clip = (float(cb.max_norm), float(cb.norm_type))
+                warnings.warn(
+                    f"MixprecCallback: GradientClip(max_norm={cb.max_norm}, norm_type={cb.norm_type}) is applied by "
+                    "mixprec (MixedPrecision.clip_grad_norm_): the FP32 norm of the unscaled gradients the optimizer "
+                    "uses, FP32 masters' under o2. GradientClip's own before_step does not run.",
+                    stacklevel=2,
+                )
+        resumed = any(type(cb).__name__ == "SkipToEpoch" for cb in self.learn.cbs)
+        self._lag = self._resumed_lag if resumed and self._resumed_lag is not None else 0.0
+        self._resumed_lag = None
+
+    def before_train(self) -> None:
+        if self.mp is None:
+            self.mp = self._build()
+        self.learn.pct_train -= self._lag  # TrainEvalCallback (order -10) set it from the epoch alone
+
+    def before_batch(self) -> None:
+        self._skipped = False
+        if self.training and self.mp is not None:
+            self._region.enter_context(self.mp.autocast())
+        else:  # validation, get_preds, validate() before any fit
+            self._region.enter_context(mixprec.autocast(self._policy(), self.learn.model))
+
+    def after_loss(self) -> None:
+        self._region.close()
+
+    def before_backward(self) -> None:
+        self.mp.backward(self.learn.loss_grad)
+        raise CancelBackwardException  # fastai's own loss_grad.backward() would backpropagate it a second time
+
+    def before_step(self) -> None:
+        if self.clip is not None:
+            self.grad_norm = self.mp.clip_grad_norm_(*self.clip)
+        self._skipped = not self.mp.step()  # host sync (free on the CPU): the schedule's gate
+        raise CancelStepException  # mp.step() stepped the optimizer (or skipped); fastai's opt.step() must not
+
+    def after_batch(self) -> None:
+        self._region.close()  # a batch cancelled before after_loss
+        if self._skipped and self.training:  # TrainEvalCallback (order -10) advanced pct_train: take it back
+            step = 1.0 / (self.learn.n_iter * self.learn.n_epoch)
+            self.learn.pct_train -= step
+            self._lag += step
+
+    def after_fit(self) -> None:
+        self._region.close()
+        self._hand_back()
+
+    def after_cancel_fit(self) -> None:
+        self._hand_back()
+
+    # -- state ------------------------------------------------------------------------------------
+    def mixprec_state(self) -> dict[str, Any]:
+        """The scalers, counters and policy to carry (the weights are the model's, FP32, saved by learn.save)."""
+        if self.mp is not None:
+            state = self.mp.state_dict()  # host sync
+            return {key: state[key] for key in _STATE_KEYS}
+        return dict(self.carried) if self.carried is not None else {}
+
+    def load_mixprec_state(self, state: dict[str, Any], pct_lag: float) -> None:
+        if self.mp is not None:
+            raise RuntimeError(
+                "learn.load during a fit under MixprecCallback: the FP32 masters and the scale of the running "
+                "fit would be replaced under it. Load before fit, or after it."
+            )
+        self.carried = state or None
+        self._resumed_lag = pct_lag
+
+    @property
+    def fp32_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's weights in FP32: the exact masters during a fit under o2, the model's own otherwise."""
+        return self.mp.fp32_state_dict() if self.mp is not None else self.learn.model.state_dict()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _policy(self) -> mixprec.Policy:
+        if self.mp is not None:
+            return self.mp.policy
+        device = next(self.learn.model.parameters()).device
+        return mixprec.get_policy(self.policy_spec, device=device)
+
+    def _build(self) -> mixprec.MixedPrecision:
+        optimizer = _torch_optimizer(self.learn.opt)
+        accumulates = any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs)
+        mp = mixprec.MixedPrecision(
+            self.learn.model, optimizer, self.policy_spec, self.scaler, accumulate_in_fp32=accumulates
+        )
+        if self.carried:  # the fits before: their scale and counters; the masters are this model's weights now
+            state = mp.state_dict()
+            state.update(self.carried)
+            mp.load_state_dict(state)
+        return mp
+
+    def _hand_back(self) -> None:
+        if self.mp is None:
+            return
+        self.carried = self.mixprec_state()
+        self.mp.release()  # FP32 parameters with the masters' values; the optimizer back on them
+        self.mp = None
+
+    def _check_callbacks(self) -> None:
+        cbs = list(self.learn.cbs)
+        others = [cb for cb in cbs if isinstance(cb, (FastaiMixedPrecision, NonNativeMixedPrecision))]
+        if others or sum(isinstance(cb, MixprecCallback) for cb in cbs) > 1:
+            found = ", ".join(type(cb).__name__ for cb in cbs if isinstance(cb, (*map(type, others), MixprecCallback)))
+            raise ValueError(
+                f"MixprecCallback: two precision systems on one Learner ({found}); each would scale the loss and "
+                "step the optimizer. Keep one: learn.to_fp32() removes fastai's, learn.remove_cb(MixprecCallback) "
+                "mixprec's."
+            )
+        for cb in cbs:
+            order = getattr(cb, "order", 0)
+            if callable(getattr(cb, "before_step", None)) and order > self.order and not isinstance(cb, GradientClip):
+                raise ValueError(
+                    f"MixprecCallback: {type(cb).__name__} has a before_step at order {order}, after this callback's "
+                    f"update (order {self.order}), so it would never run. Give it an order below {self.order} (it "
+                    "then sees this step's gradients before unscaling), or use GradientClip, which mixprec applies "
+                    "to the unscaled FP32 gradients."
+                )
+
+
+def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside fastai's OptimWrapper; fastai's own Optimizer class is refused."""
+    inner = getattr(opt, "opt", None) if isinstance(opt, OptimWrapper) else None
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise ValueError(
+            f"MixprecCallback: the Learner's optimizer is fastai's {type(opt).__name__}, not a torch.optim "
+            "optimizer, which MixedPrecision needs (FP32 masters, skipped steps, its state in checkpoints). Build "
+            "the Learner with opt_func=partial(OptimWrapper, opt=torch.optim.AdamW) (fastai's Adam defaults: "
+            "betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01), or mixprec.AdamW for pure_bf16."
+        )
+    return inner
+
+
+def _attached(learn: Learner) -> MixprecCallback | None:
+    found = [cb for cb in learn.cbs if isinstance(cb, MixprecCallback)]
+    return found[0] if found else None
+
+
+# -- the Learner's methods, fastai's @patch convention ----------------------------------------------
+@patch
+def to_mixprec(self: Learner, policy: mixprec.Policy | str = "auto", scaler: mixprec.LossScaler | None = None):
+    """Train this Learner under a mixprec policy (``"mixed_bf16"``, ``"o2_fp16"``, ...); returns the Learner."""
+    if any(isinstance(cb, (FastaiMixedPrecision, NonNativeMixedPrecision)) for cb in self.cbs):
+        raise ValueError(
+            "learn.to_mixprec: the Learner already trains under fastai's to_fp16()/to_bf16(); two precision "
+            "systems would both scale the loss and step the optimizer. Call learn.to_fp32() first."
+        )
+    if (attached := _attached(self)) is not None:
+        self.remove_cb(attached)  # a new policy replaces the old one, as to_fp16() twice does not stack
+    return self.add_cb(MixprecCallback(policy, scaler))
+
+
+_fastai_save, _fastai_load = Learner.save, Learner.load
+
+
+@patch
+def save(self: Learner, file, with_opt: bool = True, **kwargs):
+    """Under MixprecCallback: the FP32 weights (the masters under o2), the optimizer and mixprec's scale and
+    counters, in one checksummed file written atomically (``models/<file>.mixprec.safetensors``); fastai's
+    own ``.pth`` otherwise."""
+    cb = _attached(self)
+    if cb is None:
+        return _fastai_save(self, file, with_opt=with_opt, **kwargs)
+    if kwargs:
+        raise TypeError(f"learn.save under MixprecCallback: arguments for torch.save are not used: {sorted(kwargs)}.")
+    path = _state_path(self, file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opt = getattr(self, "opt", None)
+    state = {
+        "model": cb.fp32_model_state,
+        "opt": opt.state_dict() if with_opt and opt is not None else {},
+        "mixprec": cb.mixprec_state(),
+        "pct_lag": cb._lag,
+    }
+    write_atomically(path, encode_checkpoint(int(getattr(self, "train_iter", 0)), state))
+    return path
+
+
+@patch
+def load(self: Learner, file, device=None, with_opt: bool = True, strict: bool = True, **kwargs):
+    """A file learn.save wrote under MixprecCallback, verified against its checksum (nothing unpickled), or
+    fastai's own ``.pth``."""
+    path = _state_path(self, file)
+    if not path.exists():
+        return _fastai_load(self, file, device=device, with_opt=with_opt, strict=strict, **kwargs)
+    cb = _attached(self)
+    try:
+        state = read_checkpoint_file(path)
+    except CheckpointError as error:
+        raise CheckpointError(f"learn.load({file!r}): {error}") from error
+    if cb is not None:
+        cb.load_mixprec_state(state["mixprec"], float(state.get("pct_lag", 0.0)))
+    model_state = state["model"]
+    self.model.load_state_dict(model_state, strict=strict)
+    if with_opt and state["opt"]:
+        if self.opt is None:
+            self.create_opt()
+        self.opt.load_state_dict(state["opt"])
+    if device is not None:
+        self.model.to(device)
+    elif hasattr(self.dls, "device"):
+        self.model.to(self.dls.device)
+    return self
+
+
+def _state_path(learn: Learner, file: Any) -> Path:
+    file = Path(file)
+    folder = file.parent if file.is_absolute() else Path(learn.path) / learn.model_dir / file.parent
+    return folder / (file.name + SAVE_SUFFIX)

@@ -1,0 +1,224 @@
+"""MixprecCallback, fastai's one line (``learn.to_mixprec(policy)``): a skipped update moves neither weights nor the
+schedule, GradientClip and GradientAccumulation equal mixprec's own, fine_tune's unfreeze under o2, exact resume
+from learn.save / learn.load, and the refusals."""
+
+import warnings
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("fastai")
+
+from fastai.basics import Callback, DataLoaders, Learner, OptimWrapper
+from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision  # noqa: F401  (patches to_fp16)
+from fastai.callback.schedule import fit_one_cycle  # noqa: F401  (patches fit_one_cycle, fine_tune)
+from fastai.callback.training import GradientAccumulation, GradientClip
+from fastai.data.load import DataLoader
+from fastai.optimizer import Adam
+
+import mixprec
+from mixprec.integrations.fastai import MixprecCallback
+from mixprec.persist import CheckpointError
+
+BS, TRAIN = 16, 96  # 6 batches an epoch
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(TRAIN + 32, 8, generator=generator)
+    return x, (x[:, :2].sum(1) > 0).long()
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 2))
+
+
+def _learner(policy=None, cbs=(), split: bool = False, tmp_path=None) -> Learner:
+    x, y = _data()
+    pairs = list(zip(x, y, strict=True))
+    dls = DataLoaders(DataLoader(pairs[:TRAIN], bs=BS, shuffle=False), DataLoader(pairs[TRAIN:], bs=32), device="cpu")
+    model = _model()
+    options = {"splitter": lambda m: [list(m[:3].parameters()), list(m[3].parameters())]} if split else {}
+    learn = Learner(
+        dls,
+        model,
+        loss_func=nn.CrossEntropyLoss(),
+        opt_func=partial(OptimWrapper, opt=torch.optim.AdamW),
+        cbs=list(cbs),
+        path=tmp_path or ".",
+        **options,
+    )
+    return learn.to_mixprec(policy) if policy else learn
+
+
+def _quiet_fit(learn: Learner, *args, one_cycle: bool = False, **kwargs) -> None:
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GradientClip's note
+        (learn.fit_one_cycle if one_cycle else learn.fit)(*args, **kwargs)
+
+
+def _hand_loop(policy: str, epochs: int, lr: float, clip: float | None = None, accumulate: int = 1) -> nn.Module:
+    """The same training as a hand-written MixedPrecision loop: the reference fastai must equal."""
+    x, y = _data()
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    mp = mixprec.MixedPrecision(model, optimizer, policy, accumulation_steps=accumulate, accumulate_in_fp32=True)
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(epochs):
+        for start in range(0, TRAIN, BS):
+            with mp.autocast():
+                loss = loss_fn(model(x[start : start + BS]), y[start : start + BS])
+            mp.backward(loss)
+            if clip is not None and mp.at_update_boundary:
+                mp.clip_grad_norm_(clip)
+            mp.step()
+    mp.release()
+    return model
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+class Record(Callback):
+    """Per training batch: the weights it starts from and the lr it uses; ``inf_at``: the batch whose loss is inf."""
+
+    order = 70  # before_batch after ParamScheduler's (60): the lr this batch uses
+
+    def __init__(self, inf_at: int | None = None) -> None:
+        self.inf_at, self.rows = inf_at, []
+
+    def before_batch(self) -> None:
+        if self.training:
+            weights = [p.detach().clone() for p in self.learn.model.parameters()]
+            self.rows.append({"weights": weights, "lr": self.learn.opt.hypers[-1]["lr"]})
+
+    def after_loss(self) -> None:
+        if self.training and self.learn.train_iter == self.inf_at:
+            self.learn.loss_grad = self.learn.loss_grad * float("inf")
+            self.inf_at = None  # once, not again in a later fit
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_bf16"])
+def test_training_equals_the_hand_written_loop(policy):
+    learn = _learner(policy)
+    _quiet_fit(learn, 2, 1e-2)
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}  # handed back after the fit
+    assert _same_weights(learn.model, _hand_loop(policy, 2, 1e-2))
+
+
+def test_skipped_update_moves_neither_weights_nor_the_schedule():
+    plain, skipping = Record(), Record(inf_at=3)
+    _quiet_fit(_learner("mixed_fp16", cbs=[plain]), 1, 1e-2, one_cycle=True)
+    learn = _learner("mixed_fp16", cbs=[skipping])
+    _quiet_fit(learn, 1, 1e-2, one_cycle=True)
+    rows = skipping.rows
+    assert _same_weights_list(rows[3]["weights"], rows[4]["weights"])  # batch 3 skipped: batch 4 starts the same
+    assert rows[4]["lr"] == rows[3]["lr"]  # and uses the lr the skipped batch had
+    # fastai's own schedule, one batch late after the skip (without the callback it moves on)
+    assert [r["lr"] for r in rows[:4]] == [r["lr"] for r in plain.rows[:4]]
+    assert [r["lr"] for r in rows[4:]] == [r["lr"] for r in plain.rows[3:5]]
+    assert learn.mixprec.carried["scalers"][0]["scale"] == 2.0**15  # backed off once
+    assert learn.mixprec.carried["counters"]["skipped_steps"] == 1
+
+
+def _same_weights_list(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_bf16"])
+def test_gradient_clip_clips_the_unscaled_fp32_gradients(policy):
+    learn = _learner(policy, cbs=[GradientClip(max_norm=0.05)])
+    with pytest.warns(UserWarning, match="GradientClip.*unscaled"), learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-2)
+    assert float(learn.mixprec.grad_norm) > 0.05  # the norm measured, unscaled: it did clip
+    assert _same_weights(learn.model, _hand_loop(policy, 1, 1e-2, clip=0.05))
+    assert not _same_weights(learn.model, _hand_loop(policy, 1, 1e-2))
+
+
+def test_gradient_accumulation_equals_mixprecs_fp32_accumulation():
+    learn = _learner("o2_bf16", cbs=[GradientAccumulation(n_acc=2 * BS)])
+    _quiet_fit(learn, 1, 1e-2)
+    assert _same_weights(learn.model, _hand_loop("o2_bf16", 1, 1e-2, accumulate=2))
+    assert not _same_weights(learn.model, _hand_loop("o2_bf16", 1, 1e-2))
+
+
+def test_fine_tune_unfreezes_the_body_under_o2():
+    learn = _learner("o2_bf16", split=True)
+    body = [p.detach().clone() for p in learn.model[0].parameters()]
+    head = [p.detach().clone() for p in learn.model[3].parameters()]
+    with learn.no_bar(), learn.no_logging():
+        learn.freeze()
+        learn.fit_one_cycle(1, 1e-2)
+        assert _same_weights_list(body, list(learn.model[0].parameters()))  # frozen: untouched
+        assert not _same_weights_list(head, list(learn.model[3].parameters()))
+        learn.unfreeze()
+        learn.fit_one_cycle(1, 1e-2)
+    assert not _same_weights_list(body, list(learn.model[0].parameters()))  # the masters followed the unfreeze
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+
+def test_validate_before_fit_runs_in_the_policys_region():
+    learn = _learner("mixed_bf16")
+    with learn.no_bar():
+        loss = learn.validate()[0]
+    reference = nn.functional.cross_entropy(_model()(_data()[0][TRAIN:]), _data()[1][TRAIN:]).item()
+    assert loss != reference and abs(loss - reference) < 0.05  # bf16 compute: close to FP32, not equal
+    _quiet_fit(learn, 1, 1e-2)  # and a fit after it builds MixedPrecision as usual
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_bf16"])
+def test_save_and_load_resume_bit_for_bit(policy, tmp_path):
+    first = _learner(policy, cbs=[Record(inf_at=2)], tmp_path=tmp_path)
+    _quiet_fit(first, 1, 1e-2)
+    path = first.save("stage")
+    assert path.name == "stage.mixprec.safetensors"
+    _quiet_fit(first, 1, 1e-2)
+
+    resumed = _learner(policy, tmp_path=tmp_path).load("stage")
+    assert resumed.mixprec.carried["counters"]["skipped_steps"] == 1
+    _quiet_fit(resumed, 1, 1e-2)
+    assert _same_weights(first.model, resumed.model)
+    assert resumed.mixprec.carried["scalers"] == first.mixprec.carried["scalers"]
+
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="stage"):
+        _learner(policy, tmp_path=tmp_path).load("stage")
+
+
+def test_fastais_own_optimizer_is_refused_naming_optimwrapper():
+    learn = _learner("mixed_bf16")
+    learn.opt_func = Adam  # fastai's default: its own Optimizer class
+    with pytest.raises(ValueError, match=r"opt_func=partial\(OptimWrapper"):
+        _quiet_fit(learn, 1, 1e-2)
+
+
+def test_two_precision_systems_are_refused():
+    with pytest.raises(ValueError, match="to_fp32"):
+        _learner().to_fp16().to_mixprec("mixed_bf16")
+    learn = _learner("mixed_bf16").to_fp16()
+    with pytest.raises(ValueError, match="two precision systems"):
+        _quiet_fit(learn, 1, 1e-2)
+
+
+def test_a_callback_stepping_after_the_update_is_refused():
+    class LateStep(Callback):
+        order = 20
+
+        def before_step(self) -> None:
+            pass
+
+    with pytest.raises(ValueError, match=r"LateStep.*order 20.*never run"):
+        _quiet_fit(_learner("mixed_bf16", cbs=[LateStep()]), 1, 1e-2)
+
+
+def test_bad_arguments_are_refused_at_to_mixprec():
+    with pytest.raises(ValueError, match="policy"):
+        _learner().to_mixprec("mixed_bf17")
+    with pytest.raises(TypeError, match="LossScaler"):
+        MixprecCallback("mixed_fp16", scaler=1024)
