@@ -12,9 +12,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,nlp,lightning,accelerate,fastai,dev] into $VENV" >&2
+  echo "Installing torch==2.13.0, then mixprec[train,tensorboard,hf,nlp,lightning,accelerate,fastai,vision,dev] into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,nlp,lightning,accelerate,fastai,dev]"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train,tensorboard,hf,nlp,lightning,accelerate,fastai,vision,dev]"
   # fastai without its torchvision requirement (pyproject.toml's fastai extra says why)
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "fastai>=2.8,<2.9"
   echo "$want" > "$stamp"

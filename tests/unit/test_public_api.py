@@ -25,7 +25,11 @@ LIBRARY = [
 ]
 PACKAGES = [*LIBRARY, "mixprec.app", "mixprec.integrations.gated_scheduler"]
 # Adapters, each checked where its framework is installed (importing one imports the framework).
-ADAPTERS = {"mixprec.integrations.lightning": "lightning", "mixprec.integrations.transformers": "transformers"}
+ADAPTERS = {
+    "mixprec.integrations.lightning": "lightning",
+    "mixprec.integrations.transformers": "transformers",
+    "mixprec.integrations.fastai": "fastai",
+}
 
 
 @pytest.mark.parametrize("package", PACKAGES + list(ADAPTERS))

@@ -3,7 +3,7 @@
 A task factory takes a :class:`TaskConfig` and returns :class:`TaskParts`: the model, the training and
 evaluation data (re-iterable, yielding ``(inputs, targets)``), the loss function and an evaluation
 metric, plus its default hyperparameters and, optionally, its LR schedule and the parameters AdamW
-leaves undecayed. Built-in tasks: ``digits``, ``charlm``, ``hf``, ``minilm``; a user's own is
+leaves undecayed. Built-in tasks: ``digits``, ``charlm``, ``hf``, ``minilm``, ``vision``; a user's own is
 ``pkg.module:factory`` (see ``examples/``).
 
 Training data that should shuffle reproducibly carries a ``generator`` attribute (``torch.utils.data.DataLoader``
@@ -115,6 +115,7 @@ BUILTIN_TASKS = {
     "charlm": "mixprec.app.tasks.charlm:build",
     "hf": "mixprec.app.tasks.hf:build",
     "minilm": "mixprec.app.tasks.minilm:build",
+    "vision": "mixprec.app.tasks.vision:build",
 }
 
 

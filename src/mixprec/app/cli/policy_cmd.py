@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--task",
         help="with an FP8 policy, also say which of this task's GEMM layers run FP8 and why each other is kept "
-        "(a built-in task: digits, charlm, hf, minilm; or MODULE:FACTORY)",
+        "(a built-in task: digits, charlm, hf, minilm, vision; or MODULE:FACTORY)",
     )
     parser.add_argument("--size", default="default", help="the task's size for --task (default, or tiny)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")

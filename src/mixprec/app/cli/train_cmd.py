@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # The built-in tasks' names, for --help without importing torch (mixprec.app.task.BUILTIN_TASKS; a
 # test holds the two equal).
-TASK_NAMES = ("digits", "charlm", "hf", "minilm")
+TASK_NAMES = ("digits", "charlm", "hf", "minilm", "vision")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
