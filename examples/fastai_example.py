@@ -12,11 +12,12 @@ FP32 between the two fits, so the unfreeze reaches the FP32 masters.
 """
 
 import argparse
+import time
 from functools import partial
 
+import fastai.callback.schedule  # noqa: F401  (adds Learner.fine_tune)
 import torch
 from fastai.basics import DataLoaders, Learner, OptimWrapper, accuracy, params
-from fastai.callback.schedule import fine_tune  # noqa: F401  (adds Learner.fine_tune)
 from fastai.data.load import DataLoader
 
 import mixprec
@@ -29,22 +30,21 @@ def body_and_head(model: torch.nn.Module) -> list:
     return [[p for name, p in model.named_parameters() if not name.startswith("_fc.")], params(model._fc)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("policy", nargs="?", default="o2_bf16")
-    parser.add_argument("--tiny", action="store_true", help="64 images of 32x32, one epoch each phase")
-    args = parser.parse_args()
-    side, count, epochs = (32, 64, 1) if args.tiny else (64, None, 2)
+def fine_tune_digits(policy: str, tiny: bool = False, seed: int = 0, device: str = "cpu") -> dict:
+    """Fine-tune under ``policy`` (a mixprec policy, or fastai's own: ``"fastai_fp32"``, ``"fastai_fp16"``
+    for ``to_fp16()``, ``"fastai_bf16"`` for ``to_bf16()``); returns the test accuracy and loss, the training
+    seconds and epochs, the loss scale and the skipped updates."""
+    side, count, epochs = (32, 64, 1) if tiny else (64, None, 2)
     splits = image_splits(side)
     (train_x, train_y), valid, test = splits["train"], splits["validation"], splits["test"]
     train = list(zip(train_x[:count], train_y[:count], strict=True))
+    torch.manual_seed(seed)  # the data order and the new head
     dls = DataLoaders(
         DataLoader(train, bs=32, shuffle=True, drop_last=True),
         DataLoader(list(zip(*valid, strict=True)), bs=128),
-        device="cpu",
+        device=device,
     )
-    torch.manual_seed(0)
-    optimizer = mixprec.AdamW if args.policy == "pure_bf16" else torch.optim.AdamW
+    optimizer = mixprec.AdamW if policy == "pure_bf16" else torch.optim.AdamW
     learn = Learner(
         dls,
         load_efficientnet_lite0(),
@@ -53,16 +53,41 @@ def main() -> None:
         splitter=body_and_head,
         metrics=accuracy,
     )
-    learn.to_mixprec(args.policy)  # the one line: fastai's to_fp16() is CUDA-only
-    learn.fine_tune(epochs, base_lr=4e-3, freeze_epochs=1, lr_mult=4)  # digits are far from ImageNet: a faster body
-
+    if policy == "fastai_fp16":
+        learn.to_fp16()
+    elif policy == "fastai_bf16":
+        learn.to_bf16()
+    elif policy != "fastai_fp32":
+        learn.to_mixprec(policy)  # the one line: fastai's to_fp16() is CUDA-only
+    start = time.perf_counter()
+    with learn.no_bar(), learn.no_logging():
+        learn.fine_tune(epochs, base_lr=4e-3, freeze_epochs=1, lr_mult=4)  # digits are far from ImageNet
+    seconds = time.perf_counter() - start
     loss, test_accuracy = learn.validate(dl=DataLoader(list(zip(*test, strict=True)), bs=128))
-    state = learn.mixprec.carried or {}
-    scale = state.get("scalers", [{}])[0].get("scale", 1.0)
-    skipped = state.get("counters", {}).get("skipped_steps", 0)
+    cb = getattr(learn, "mixprec", None)
+    state = (cb.carried if cb is not None else None) or {}
+    return {
+        "test_accuracy": float(test_accuracy),
+        "test_loss": float(loss),
+        "test_images": len(test[1]),
+        "seconds": seconds,
+        "epochs": epochs + 1,
+        "scale": state.get("scalers", [{}])[0].get("scale", 1.0),
+        "skipped": state.get("counters", {}).get("skipped_steps", 0),
+        "weights": str(next(learn.model.parameters()).dtype),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("policy", nargs="?", default="o2_bf16")
+    parser.add_argument("--tiny", action="store_true", help="64 images of 32x32, one epoch each phase")
+    args = parser.parse_args()
+    done = fine_tune_digits(args.policy, args.tiny)
     print(
-        f"policy {args.policy}: test accuracy {test_accuracy:.4f}, test loss {loss:.4f} on {len(test[1])} held-out "
-        f"images; loss scale {scale:g}, {skipped} updates skipped; weights {next(learn.model.parameters()).dtype}"
+        f"policy {args.policy}: test accuracy {done['test_accuracy']:.4f}, test loss {done['test_loss']:.4f} on "
+        f"{done['test_images']} held-out images in {done['seconds']:.0f} s ({done['epochs']} epochs); loss scale "
+        f"{done['scale']:g}, {done['skipped']} updates skipped; weights {done['weights']}"
     )
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("fastai")
 
-from fastai.basics import Callback, DataLoaders, Learner, OptimWrapper
+from fastai.basics import Callback, DataLoaders, Datasets, Learner, OptimWrapper, load_learner
 from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision  # noqa: F401  (patches to_fp16)
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401  (patches fit_one_cycle, fine_tune)
 from fastai.callback.training import GradientAccumulation, GradientClip
@@ -236,3 +236,36 @@ def test_the_example_fine_tunes_the_pretrained_network_under_o2():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "policy o2_bf16: test accuracy" in done.stdout
     assert "on 360 held-out images" in done.stdout and "weights torch.float32" in done.stdout
+
+
+def test_export_writes_the_model_at_the_policys_export_precision(tmp_path):
+    learn = _learner("mixed_bf16", tmp_path=tmp_path)
+    x, y = _data()
+    # fastai's export empties the data (Datasets.new_empty): a Datasets, not a list
+    datasets = Datasets(range(TRAIN), [[x.__getitem__], [y.__getitem__]], splits=[list(range(80)), list(range(80, 96))])
+    learn.dls = datasets.dataloaders(bs=BS, device="cpu")
+    _quiet_fit(learn, 1, 1e-2)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # load_learner's note on pickle
+        learn.export("export.pkl")
+        loaded = load_learner(tmp_path / "export.pkl")
+    assert _same_weights_list(before, list(learn.model.parameters()))  # this Learner keeps its FP32 weights
+    dtypes = {name: p.dtype for name, p in loaded.model.named_parameters()}
+    assert dtypes == {
+        "0.weight": torch.bfloat16,
+        "0.bias": torch.bfloat16,
+        "2.weight": torch.float32,  # the LayerNorm stays FP32
+        "2.bias": torch.float32,
+        "3.weight": torch.bfloat16,
+        "3.bias": torch.bfloat16,
+    }
+    held_out = x[TRAIN:]
+    with torch.no_grad():
+        expected = learn.model(held_out)
+    with loaded.no_bar():
+        pairs = list(zip(held_out, torch.zeros(len(held_out)).long(), strict=True))
+        predicted = loaded.get_preds(dl=DataLoader(pairs, bs=32))[0]
+    assert predicted.dtype == torch.float32
+    assert not torch.equal(predicted, expected)  # computed in bf16 ...
+    torch.testing.assert_close(predicted, expected, atol=5e-2, rtol=2e-2)  # ... close to the FP32 logits

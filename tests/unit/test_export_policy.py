@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mixprec import cast_module, get_policy
-from mixprec.app.export import export_policy
+from mixprec.policy import export_policy
 
 
 def _dtypes(policy):

@@ -51,6 +51,7 @@ class TrainConfig:
     lr: float | None = None
     weight_decay: float | None = None
     max_grad_norm: float | None = None
+    frozen_epochs: int | None = None  # fine-tuning: epochs with the pretrained body frozen (tasks that have one)
     seed: int = 0
     size: str = "default"
     accumulation_steps: int = 1
@@ -94,6 +95,8 @@ class TrainConfig:
                 raise ValueError(f"config '{name}' must be >= 1; received {value}.")
         if not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"config 'seed' must be from 0 to {SEED_LIMIT - 1}; received {self.seed}.")
+        if self.frozen_epochs is not None and self.frozen_epochs < 0:
+            raise ValueError(f"config 'frozen_epochs' must be >= 0; received {self.frozen_epochs}.")
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ValueError(f"config 'loss_scale': received {self.loss_scale!r}; use a positive number such as 1024.")
         for name in ("lr", "weight_decay"):

@@ -27,12 +27,10 @@ from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
 from mixprec.parallel import with_tied_names
 from mixprec.persist import EXPORT, claim_folder, folder_holds, write_atomically
-from mixprec.policy import NORM, Policy, get_policy
+from mixprec.policy import EXPORT_DTYPES, export_policy, get_policy
 from mixprec.regions import autocast, cast_module
 
-__all__ = ["EXPORT_DTYPES", "ExportResult", "export_policy", "export_run", "fp32_weights"]
-
-EXPORT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["ExportResult", "export_run", "fp32_weights"]
 
 
 @dataclass(frozen=True)
@@ -103,26 +101,6 @@ def export_run(
         fp32_samples_per_s=speeds["fp32"],
         half_samples_per_s=speeds[dtype],
         metric=parts.metric.name if parts.metric is not None else None,
-    )
-
-
-def export_policy(policy: Policy, dtype: str) -> Policy:
-    """The policy of a ``dtype`` export of a run trained under ``policy``: parameters and compute in
-    ``dtype``, outputs in FP32, and in FP32 the modules, names and ops that ``policy`` keeps there.
-
-    A policy with FP32 parameters (fp32, tf32, mixed_*, fp8) keeps no modules because all of them are
-    FP32 already; its export keeps the normalization layers, as the o2 presets do."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
-    kept_modules = policy.fp32_modules if policy.param_dtype != torch.float32 else (NORM,)
-    return Policy(
-        param_dtype=EXPORT_DTYPES[dtype],
-        compute_dtype=EXPORT_DTYPES[dtype],
-        output_dtype=torch.float32,
-        fp32_modules=kept_modules,
-        fp32_names=policy.fp32_names,
-        fp32_ops=policy.fp32_ops,
-        reason=f"{dtype} export, with the trained policy's FP32 modules kept",
     )
 
 

@@ -91,6 +91,15 @@ def _parameter_groups(parts: TaskParts, weight_decay: float) -> list[dict[str, A
     return [group for group in groups if group["params"]]
 
 
+def _frozen(parts: TaskParts) -> tuple[torch.nn.Parameter, ...]:
+    """The parameters of the task's frozen phase (its pretrained body); refused for a task without one."""
+    if parts.frozen is None:
+        raise ValueError(
+            "frozen_epochs (--frozen-epochs): this task has no pretrained body to freeze; the vision task has one."
+        )
+    return tuple(p for name, p in parts.model.named_parameters() if parts.frozen(name, p))
+
+
 def build_trainer(
     config: TrainConfig,
     run_dir: Path | None,
@@ -122,7 +131,14 @@ def build_trainer(
         TrainData(parts.train_data, parts.eval_data, parts.loss_fn, parts.metric),
         policy,
         scheduler=scheduler,
-        update=UpdateOptions(scaler, settings["max_grad_norm"], config.accumulation_steps, config.reduce_fp32),
+        update=UpdateOptions(
+            scaler,
+            settings["max_grad_norm"],
+            config.accumulation_steps,
+            config.reduce_fp32,
+            frozen=_frozen(parts) if settings["frozen_epochs"] else (),
+            frozen_updates=settings["frozen_epochs"] * (len(parts.train_data) // config.accumulation_steps),
+        ),
         run=RunOptions(
             out_dir=run_dir,
             seed=config.seed,
@@ -149,6 +165,7 @@ def _settings(config: TrainConfig, defaults: dict) -> dict:
         "lr": config.lr if config.lr is not None else defaults.get("lr", 1e-3),
         "weight_decay": config.weight_decay if config.weight_decay is not None else defaults.get("weight_decay", 0.0),
         "max_grad_norm": config.max_grad_norm if config.max_grad_norm is not None else defaults.get("max_grad_norm"),
+        "frozen_epochs": config.frozen_epochs if config.frozen_epochs is not None else defaults.get("frozen_epochs", 0),
     }
     if config.steps is None and config.epochs is None:
         settings.update({k: defaults[k] for k in ("steps", "epochs") if k in defaults})

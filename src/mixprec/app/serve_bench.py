@@ -40,9 +40,9 @@ from torch import nn
 from mixprec.app.config import TrainConfig
 from mixprec.app.cuda_graphs import GraphedForward, require_cuda
 from mixprec.app.evaluate import evaluate
-from mixprec.app.export import export_policy, fp32_weights
+from mixprec.app.export import fp32_weights
 from mixprec.app.run import build_trainer
-from mixprec.policy import Policy, get_policy
+from mixprec.policy import Policy, export_policy, get_policy
 from mixprec.regions import Region, cast_module
 
 __all__ = ["GRAPHED", "MODES", "ServeResult", "as_records", "serve_bench", "timing_batch"]

@@ -88,6 +88,8 @@ class TaskParts:
     no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None
     # a held-out split that training never sees (eval_data guides the run): what serve-bench reports on
     test_data: Iterable | None = None
+    # (name, parameter) -> True for a pretrained body that fine-tuning freezes for defaults["frozen_epochs"]
+    frozen: Callable[[str, nn.Parameter], bool] | None = None
 
 
 def warmup_linear(warmup: float) -> Callable[[int], Callable[[int], float]]:

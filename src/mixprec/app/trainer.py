@@ -115,21 +115,16 @@ class Trainer:
         update = UpdateOptions() if update is None else update
         run = RunOptions() if run is None else run
         checks = BatchChecks() if checks is None else checks
-        for name, value, kind in (
-            ("data", data, TrainData),
-            ("update", update, UpdateOptions),
-            ("run", run, RunOptions),
-            ("checks", checks, BatchChecks),
-        ):
-            if not isinstance(value, kind):
-                raise TypeError(
-                    f"Trainer({name}=...) needs a mixprec.app.{kind.__name__}; received {value!r} "
-                    f"(of type {type(value).__name__}). Build one: {name}={kind.__name__}(...)."
-                )
+        _check_settings(data=data, update=update, run=run, checks=checks)
         self.model = model
         # under torchrun: DDP (or FSDP2 shards) for the training forward, a slice of every batch, files
         # from rank 0 only
         self.world = world()
+        if update.frozen_updates and self.world.distributed:
+            raise ValueError(
+                "Trainer: a frozen phase (UpdateOptions(frozen_updates=...), --frozen-epochs) under torchrun: DDP and "
+                "FSDP2 expect a gradient for every trainable parameter at each update. Pass --frozen-epochs 0."
+            )
         if self.world.distributed and not is_sharded(model):  # the masters from the weights DDP will broadcast
             copy_from_main([*model.parameters(), *model.buffers()])
         self.mp = MixedPrecision(model, optimizer, policy, update.scaler, accumulation_steps=update.accumulation_steps)
@@ -299,6 +294,7 @@ class Trainer:
         for _ in range(self.batch_in_epoch):  # resuming mid-epoch: replay the order, skip what was done
             next(batches)
         for inputs, targets, samples in self._ready(batches):
+            self._freeze(self.updates_done < self.update_options.frozen_updates)
             with self.mp.autocast():
                 loss = self.data.loss_fn(self._train_model(inputs), targets)
             if self.checks.check_inputs and not self._loss_ok(loss, inputs, targets):
@@ -325,6 +321,14 @@ class Trainer:
             return
         if self.batch_in_epoch == _length(self.data.train_data):  # stopped on the epoch's last batch: it is complete
             self._next_epoch()
+
+    def _freeze(self, frozen: bool) -> None:
+        """The frozen phase's parameters without gradients (so without an update: under o2 their masters get no
+        gradient either) while it lasts; from the first update after it, trained. Follows ``updates_done``, so a
+        resumed run is in the same phase."""
+        for param in self.update_options.frozen:
+            if param.requires_grad == frozen:
+                param.requires_grad_(not frozen)
 
     def _ready(self, batches: Iterator) -> Iterator[tuple[Any, Any, int]]:
         """Each batch on the device with its sample count, counted in ``batch_in_epoch``: with non-finite inputs
@@ -492,6 +496,18 @@ class Trainer:
         path, _ = restore_latest(self, self.checkpoint_dir, allow_foreign=self.run_options.allow_foreign_checkpoint)
         self.log.truncate_after(self.updates_done)
         logger.info("Resumed from %s (step %d, epoch %d)", path, self.updates_done, self.epoch)
+
+
+def _check_settings(**settings: Any) -> None:
+    """The Trainer's four settings, each of its frozen type (:mod:`mixprec.app.trainer_options`)."""
+    kinds = {"data": TrainData, "update": UpdateOptions, "run": RunOptions, "checks": BatchChecks}
+    for name, value in settings.items():
+        kind = kinds[name]
+        if not isinstance(value, kind):
+            raise TypeError(
+                f"Trainer({name}=...) needs a mixprec.app.{kind.__name__}; received {value!r} "
+                f"(of type {type(value).__name__}). Build one: {name}={kind.__name__}(...)."
+            )
 
 
 def _length(data: Iterable) -> int | None:

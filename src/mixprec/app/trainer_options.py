@@ -71,12 +71,17 @@ class UpdateOptions:
         accumulation_steps: micro-batches per update.
         reduce_in_fp32: under torchrun with DDP, average 16-bit gradients in FP32 (for FSDP2, pass
             ``reduce_dtype=torch.float32`` to :func:`mixprec.fully_shard`).
+        frozen, frozen_updates: fine-tuning's first phase, as fastai's ``fine_tune``: the parameters in
+            ``frozen`` (a pretrained body) get no gradient and no update during the first ``frozen_updates``
+            updates, then train with the rest.
     """
 
     scaler: LossScaler | None = None
     max_grad_norm: float | None = None
     accumulation_steps: int = 1
     reduce_in_fp32: bool = False
+    frozen: tuple[torch.nn.Parameter, ...] = ()
+    frozen_updates: int = 0
 
     def __post_init__(self) -> None:
         if self.scaler is not None and not isinstance(self.scaler, LossScaler):
@@ -87,6 +92,7 @@ class UpdateOptions:
             _with_hint(positive_number, self.max_grad_norm, "UpdateOptions(max_grad_norm=...)", "not clip")
         whole_number(self.accumulation_steps, "UpdateOptions(accumulation_steps=...)")
         _check_flag(self.reduce_in_fp32, "UpdateOptions(reduce_in_fp32=...)")
+        whole_number(self.frozen_updates, "UpdateOptions(frozen_updates=...)", minimum=0)
 
 
 @dataclass(frozen=True)

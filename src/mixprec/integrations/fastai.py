@@ -49,10 +49,13 @@ except (ImportError, OSError) as error:  # a torchvision built for another torch
 
 import mixprec
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
+from mixprec.policy import export_policy
+from mixprec.regions import cast_module
 
 __all__ = ["MixprecCallback"]
 
 SAVE_SUFFIX = ".mixprec.safetensors"  # learn.save(name) under the callback: models/name.mixprec.safetensors
+_EXPORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # compute dtype -> export dtype
 _STATE_KEYS = ("policy", "scalers", "counters", "fp8")  # what carries from one fit to the next (not the masters)
 
 
@@ -300,6 +303,35 @@ def load(self: Learner, file, device=None, with_opt: bool = True, strict: bool =
     elif hasattr(self.dls, "device"):
         self.model.to(self.dls.device)
     return self
+
+
+_fastai_export = Learner.export
+
+
+@patch
+def export(self: Learner, fname="export.pkl", **kwargs):
+    """Under MixprecCallback with a 16-bit policy: fastai's export of the Learner with its model at the policy's
+    export precision (parameters and compute in bf16 or fp16, outputs FP32, in FP32 what training kept there, the
+    normalization layers at least: :func:`mixprec.policy.export_policy`), and the callback set to compute in it
+    when the file is loaded (``load_learner``). This Learner keeps its FP32 model. Otherwise fastai's own."""
+    cb = _attached(self)
+    policy = cb._policy() if cb is not None else None
+    dtype = _EXPORT_NAMES.get(policy.compute_dtype) if policy is not None else None
+    if dtype is None:
+        return _fastai_export(self, fname, **kwargs)
+    if cb.mp is not None:
+        raise RuntimeError("learn.export during a fit under MixprecCallback: export after fit, from the FP32 model.")
+    exported = export_policy(policy, dtype)
+    weights = {name: value.clone() for name, value in self.model.state_dict().items()}
+    spec = cb.policy_spec
+    cast_module(self.model, exported)
+    cb.policy_spec = exported
+    try:
+        return _fastai_export(self, fname, **kwargs)
+    finally:
+        cb.policy_spec = spec
+        cast_module(self.model, mixprec.get_policy("fp32"))
+        self.model.load_state_dict(weights)  # the exact FP32 values, not their 16-bit rounding
 
 
 def _state_path(learn: Learner, file: Any) -> Path:

@@ -4,6 +4,7 @@ What runs a policy lives in :mod:`mixprec.regions`; how 16-bit arithmetic is com
 :mod:`mixprec.compute`.
 """
 
+from mixprec.policy.export import EXPORT_DTYPES, export_policy
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.policy.parse import get_policy, parse_policy_list
 from mixprec.policy.policy import DTYPE_NAMES, NORM, Policy
@@ -11,11 +12,13 @@ from mixprec.policy.presets import PRESET_ALIASES, PRESETS
 
 __all__ = [
     "DTYPE_NAMES",
+    "EXPORT_DTYPES",
     "NORM",
     "PRESETS",
     "PRESET_ALIASES",
     "Fp8Recipe",
     "Policy",
+    "export_policy",
     "get_policy",
     "parse_policy_list",
 ]

@@ -46,6 +46,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=non_negative_number, help="AdamW weight decay (default: the task's)")
     parser.add_argument("--max-grad-norm", type=positive_number, help="clip the true gradient norm to this")
     parser.add_argument(
+        "--frozen-epochs",
+        type=whole_number(minimum=0),
+        help="fine-tuning (vision): epochs that train the new head alone, the pretrained body frozen (default 1)",
+    )
+    parser.add_argument(
         "--accumulation-steps", type=whole_number(), default=1, help="micro-batches per update (default 1)"
     )
     parser.add_argument("--seed", type=seed, default=0, help="seed for weights and data order (default 0)")
@@ -150,6 +155,7 @@ def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
         lr=args.lr,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
+        frozen_epochs=args.frozen_epochs,
         seed=args.seed,
         size=args.size,
         accumulation_steps=args.accumulation_steps,
