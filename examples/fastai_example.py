@@ -61,7 +61,7 @@ def fine_tune_digits(policy: str, tiny: bool = False, seed: int = 0, device: str
         learn.to_mixprec(policy)  # the one line: fastai's to_fp16() is CUDA-only
     start = time.perf_counter()
     with learn.no_bar(), learn.no_logging():
-        learn.fine_tune(epochs, base_lr=4e-3, freeze_epochs=1, lr_mult=4)  # digits are far from ImageNet
+        learn.fine_tune(epochs, base_lr=3e-3, freeze_epochs=1, lr_mult=1)  # digits are far from ImageNet
     seconds = time.perf_counter() - start
     loss, test_accuracy = learn.validate(dl=DataLoader(list(zip(*test, strict=True)), bs=128))
     cb = getattr(learn, "mixprec", None)

@@ -122,7 +122,7 @@ def test_o2_bf16_tracks_the_fp32_loss_curve():
         trainer.fit(model, _data())
         curves[name] = [row["loss"] for row in record.rows]
         if plugin is not None:
-            assert model.net[0].weight.dtype == torch.bfloat16 and trainer.precision == "bf16-mixed"
+            assert model.net[0].weight.dtype == torch.float32 and trainer.precision == "bf16-mixed"  # handed back
             trainer.validate(model, _data(1), verbose=False)  # evaluation runs in the policy's region
             assert torch.isfinite(trainer.callback_metrics["val_loss"])
     fp32, bf16 = curves["fp32"], curves["o2_bf16"]
@@ -301,7 +301,7 @@ def test_validate_before_fit_leaves_the_weights_for_exact_masters():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     trainer = _trainer(MixprecPrecision("o2_bf16"), epochs=1)
     trainer.fit(model, _data())  # MixedPrecision would refuse 16-bit parameters (masters rounded from bf16)
-    assert model.net[0].weight.dtype == torch.bfloat16
+    assert model.net[0].weight.dtype == torch.float32  # handed back after the fit, with the masters' values
 
 
 def _ddp_run(policy: str) -> subprocess.CompletedProcess:
@@ -318,7 +318,7 @@ def _ddp_run(policy: str) -> subprocess.CompletedProcess:
 def test_ddp_ranks_skip_the_same_update_and_stay_identical():
     # o2: DDP wrapped again around the cast model, its buckets for bf16 gradients (FP32-parameter policies
     # keep Lightning's own wrapper; mixed_fp16's skip agreement under DDP: tests/integrations/test_accelerate.py)
-    policy, scale, params = "o2_bf16", "1", "torch.bfloat16"
+    policy, scale, params = "o2_bf16", "1", "torch.float32"  # every rank's module handed back in FP32 after the fit
     done = _ddp_run(policy)
     assert done.returncode == 0, done.stderr[-3000:]
     pattern = r"RANK (\d) steps (\d+) skipped (\d+) scale (\S+) lr (\S+) checksum (\S+) params (torch\.[a-z0-9]+)"
@@ -477,3 +477,61 @@ def test_a_compiled_lightning_module_keeps_the_policys_emulated_roundings_and_sk
     exact, fast = eager.mixed_precision.fp32_state_dict(), compiled.mixed_precision.fp32_state_dict()
     worst = max((fast[name] - exact[name]).abs().max().item() for name in exact)
     assert worst <= 2e-6, worst  # measured 7.2e-7 (inductor's FP32 reorderings); without the option: 6.4e-6
+
+
+def test_after_an_o2_fit_the_module_is_fp32_with_the_masters_values_and_fits_again():
+    model = Regression(gamma=1.0)
+    plugin = MixprecPrecision("o2_bf16")
+    _trainer(plugin).fit(model, _data())
+    exact = plugin.mixed_precision.fp32_state_dict()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(exact[name], p) for name, p in model.named_parameters())
+    assert not all(torch.equal(exact[n], p.bfloat16().float()) for n, p in model.named_parameters())  # not rounded
+    _trainer().fit(model, _data())  # a plain FP32 fit after it: no "mat1 and mat2 must have the same dtype"
+
+    kept = Regression(gamma=1.0)
+    _trainer(MixprecPrecision("o2_bf16", fp32_after_fit=False)).fit(kept, _data())
+    assert kept.net[0].weight.dtype == torch.bfloat16
+
+
+def test_a_second_fit_with_the_same_plugin_continues_the_scale_and_counters():
+    plugin = MixprecPrecision("mixed_fp16", mixprec.DynamicLossScaler(init_scale=1024.0))
+    model = Regression(inf_at=1)
+    _trainer(plugin).fit(model, _data())
+    assert (plugin.stats().scale, plugin.stats().skipped_steps) == (512.0, 1)
+    model.inf_at = None
+    _trainer(plugin, epochs=2).fit(model, _data())  # a new Trainer: two more epochs
+    assert (plugin.stats().scale, plugin.stats().skipped_steps) == (512.0, 1)
+    assert plugin.stats().applied_steps == 3 * BATCHES - 1
+
+
+class HookReadsGradients(Regression):
+    """Reads the gradients in on_before_optimizer_step as users do: Lightning's grad_norm, and a clip of its own."""
+
+    def __init__(self, clip: float | None = None) -> None:
+        super().__init__(gamma=1.0)
+        self.clip, self.norms = clip, []
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.norms.append(float(grad_norm(self, norm_type=2).get("grad_2.0_norm_total", 0.0)))
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_under_o2_user_code_sees_and_clips_the_unscaled_gradients():
+    fp32 = HookReadsGradients()
+    _trainer(max_steps=1).fit(fp32, _data())
+    o2 = HookReadsGradients()
+    _trainer(MixprecPrecision("o2_bf16"), max_steps=1).fit(o2, _data())
+    assert o2.norms[0] > 0 and abs(o2.norms[0] / fp32.norms[0] - 1) < 0.02  # the true norm, from bf16 roundings
+
+    start = [p.detach().clone() for p in Regression().parameters()]
+    clipped = HookReadsGradients(clip=1e-3)
+    _trainer(MixprecPrecision("o2_bf16", fp32_after_fit=True), max_steps=1).fit(clipped, _data())
+    moved = torch.cat([(p - s).flatten() for p, s in zip(clipped.parameters(), start, strict=True)]).norm()
+    assert 0 < moved <= 0.1 * 1e-3 * 1.01  # the master took the clipped gradient: lr x 1e-3

@@ -574,3 +574,23 @@ def test_a_loss_the_trainer_computes_gets_no_warning_about_a_loss_inside_the_com
             trainer.create_optimizer()
         assert (inline in caplog.text) == warned
         AcceleratorState._reset_state(True)
+
+
+class GradientNorm(transformers.TrainerCallback):
+    """In on_pre_optimizer_step, as users log or clip: the norm of the model's gradients, and how many it sees."""
+
+    def __init__(self) -> None:
+        self.norms, self.missing = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        self.missing.append(sum(g is None for g in grads))
+        self.norms.append(float(torch.cat([g.float().flatten() for g in grads if g is not None]).norm()))
+
+
+def test_under_o2_a_callback_sees_every_unscaled_gradient(tmp_path):
+    fp32, o2 = GradientNorm(), GradientNorm()
+    _train(tmp_path / "fp32", None, callbacks=[fp32], max_steps=1)
+    _train(tmp_path / "o2", "o2_bf16", callbacks=[o2], max_steps=1)
+    assert o2.missing == [0]  # none is None, though o2 keeps them on the FP32 masters
+    assert o2.norms[0] == pytest.approx(fp32.norms[0], rel=2e-2)  # the true norm, from their bf16 roundings

@@ -452,6 +452,8 @@ def test_options_are_frozen_values_with_the_old_defaults():
         "max_grad_norm": None,
         "accumulation_steps": 1,
         "reduce_in_fp32": False,
+        "frozen": (),
+        "frozen_updates": 0,
     }
     assert dataclasses.asdict(BatchChecks()) == {"check_inputs": True, "on_bad_batch": "stop", "trace_nonfinite": False}
     with pytest.raises(dataclasses.FrozenInstanceError):

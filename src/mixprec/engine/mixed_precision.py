@@ -302,6 +302,23 @@ class MixedPrecision:
             return grads
         return {(key[0], torch.float32 if fp32 else key[1]): grads}
 
+    @contextlib.contextmanager
+    def gradients_on_model(self) -> Iterator[None]:
+        """Inside, user code that reads the model's ``p.grad`` sees this update's unscaled gradients, under every
+        policy: o2 keeps them on the FP32 masters, so they are shown on the 16-bit parameters rounded to their dtype,
+        and an edit there (a clip of the user's own, in place or by replacement) goes back to the master on exit.
+        Other policies' gradients are on the model already. Call it after ``unscale_()``."""
+        if self.masters is None:
+            yield
+            return
+        if not self._order.unscaled:
+            raise RuntimeError("gradients_on_model() before unscale_(): the gradients still carry the loss scale.")
+        shown = self.masters.expose_grads()
+        try:
+            yield
+        finally:
+            self.masters.collect_grads(shown)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
 
@@ -484,14 +501,19 @@ class MixedPrecision:
             "fp8": self._region.fp8.state_dict() if self._region.fp8 is not None else {},
         }
 
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` handed the model and optimizer back (every training call is refused since)."""
+        return self._order.released
+
     def release(self) -> None:
         """Hand the model and optimizer back: under o2 the model's parameters FP32 again, holding the masters'
         exact values, and the optimizer's groups and state on them; the output cast and FP8 routing removed.
 
         For a framework whose runs outlive one fit (fastai's ``fine_tune``, a second ``trainer.fit``), or to
         evaluate or save the trained model as plain FP32. A new MixedPrecision on the same model and optimizer
-        continues where this one stopped once given its scalers and counters (``load_state_dict`` of this
-        one's ``state_dict()`` taken before). pure_bf16's parameters stay 16-bit: they are the weights (no FP32
+        continues where this one stopped with ``load_state_dict(old_state, masters=False)``, ``old_state`` this
+        one's ``state_dict()`` taken before. pure_bf16's parameters stay 16-bit: they are the weights (no FP32
         copy exists). This MixedPrecision refuses every call afterwards. Call it at an update boundary.
         """
         self._order.check_open("release()")
@@ -509,8 +531,15 @@ class MixedPrecision:
             self.masters = None
         self._optimizer_view = OptimizerView(-1, (), None, ())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` returned; refuses state from another policy or model."""
+    def load_state_dict(self, state: dict[str, Any], *, masters: bool = True) -> None:
+        """Restore what ``state_dict()`` returned; refuses state from another policy or model.
+
+        ``masters=False``: keep this MixedPrecision's masters (made from the model's weights as they are now) and
+        take the rest, scalers, counters and FP8 state: a run continued after ``release()``, or whose FP32 weights
+        were loaded into the model separately; ``state`` may then leave its ``masters`` out.
+        """
+        if not masters:
+            state = {**state, "masters": [m.clone() for m in self.masters.state()] if self.masters is not None else []}
         check_saved_state(state, self.policy, len(self.scalers), self.accumulation_steps, self.masters is not None)
         for scaler, scaler_state in zip(self.scalers, state["scalers"], strict=True):
             scaler.load_state_dict(scaler_state)

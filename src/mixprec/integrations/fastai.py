@@ -56,7 +56,6 @@ __all__ = ["MixprecCallback"]
 
 SAVE_SUFFIX = ".mixprec.safetensors"  # learn.save(name) under the callback: models/name.mixprec.safetensors
 _EXPORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # compute dtype -> export dtype
-_STATE_KEYS = ("policy", "scalers", "counters", "fp8")  # what carries from one fit to the next (not the masters)
 
 
 class MixprecCallback(Callback):
@@ -153,10 +152,11 @@ class MixprecCallback(Callback):
 
     # -- state ------------------------------------------------------------------------------------
     def mixprec_state(self) -> dict[str, Any]:
-        """The scalers, counters and policy to carry (the weights are the model's, FP32, saved by learn.save)."""
+        """MixedPrecision's state to carry, without the masters (the weights are the model's, FP32, which learn.save
+        saves; the next fit's masters are made from them)."""
         if self.mp is not None:
             state = self.mp.state_dict()  # host sync
-            return {key: state[key] for key in _STATE_KEYS}
+            return {key: value for key, value in state.items() if key != "masters"}
         return dict(self.carried) if self.carried is not None else {}
 
     def load_mixprec_state(self, state: dict[str, Any], pct_lag: float) -> None:
@@ -187,9 +187,7 @@ class MixprecCallback(Callback):
             self.learn.model, optimizer, self.policy_spec, self.scaler, accumulate_in_fp32=accumulates
         )
         if self.carried:  # the fits before: their scale and counters; the masters are this model's weights now
-            state = mp.state_dict()
-            state.update(self.carried)
-            mp.load_state_dict(state)
+            mp.load_state_dict(self.carried, masters=False)
         return mp
 
     def _hand_back(self) -> None:

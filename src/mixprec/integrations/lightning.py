@@ -68,6 +68,10 @@ class MixprecPrecision(Precision):
         log_stats: log ``mixprec/loss_scale`` and ``mixprec/skipped_steps`` at the updates Lightning logs
             (every ``log_every_n_steps``), with ``LightningModule.log``: the loggers and
             ``trainer.callback_metrics`` see them.
+        fp32_after_fit: at the end of ``fit`` hand the LightningModule back in FP32, its parameters holding the
+            masters' exact values (:meth:`mixprec.MixedPrecision.release`), so that evaluation, saving or another
+            fit after it see a plain FP32 module; a second ``fit`` continues the scale and counters. False: the
+            module stays in the policy's dtypes (o2: 16-bit, the masters in ``mixed_precision``).
 
     Raises (at ``trainer.fit``, with the fix in the message):
         ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward``,
@@ -78,7 +82,12 @@ class MixprecPrecision(Precision):
     """
 
     def __init__(
-        self, policy: mixprec.Policy | str = "auto", scaler: mixprec.LossScaler | None = None, *, log_stats: bool = True
+        self,
+        policy: mixprec.Policy | str = "auto",
+        scaler: mixprec.LossScaler | None = None,
+        *,
+        log_stats: bool = True,
+        fp32_after_fit: bool = True,
     ) -> None:
         self._spec = policy
         # resolved now unless 'auto', which depends on the model's device: a bad policy fails here
@@ -89,8 +98,10 @@ class MixprecPrecision(Precision):
                 f"(of type {type(scaler).__name__})."
             )
         self.scaler = scaler
-        self.log_stats = log_stats
+        self.log_stats, self.fp32_after_fit = log_stats, fp32_after_fit
         self._mp: mixprec.MixedPrecision | None = None
+        self._carried: dict[str, Any] | None = None  # a released fit's state, without masters: the next one's start
+        self._shown = contextlib.ExitStack()  # o2's gradients shown on the module's parameters, while hooks run
         self._module: nn.Module | None = None
         self._fitting = False
         self._backward_pending = False  # a backward since the last update: there is something to step
@@ -140,6 +151,8 @@ class MixprecPrecision(Precision):
                 f"{self!r}: MixedPrecision refused the LightningModule and the {type(optimizers[0]).__name__} "
                 f"that configure_optimizers returned: {error}{hint}"
             ) from error
+        if self._carried is not None:  # a fit before this one, handed back in FP32: its scale and counters go on
+            self._mp.load_state_dict(self._carried, masters=False)
         if note := _compiled_roundings_note(module, self._mp):
             rank_zero_warn(note)
         model = _rewrap_ddp(model, module)  # o2/pure under strategy="ddp": buckets for 16-bit gradients
@@ -213,7 +226,11 @@ class MixprecPrecision(Precision):
             self._after_closure(model, optimizer)
             return closure_result
         mp.unscale_()
-        self._after_closure(model, optimizer)  # on_before_optimizer_step, then clip_gradients
+        # o2 keeps the gradients on the FP32 masters: hooks that read p.grad see them on the module's parameters
+        if _hooks_read_gradients(model):
+            self._shown.enter_context(mp.gradients_on_model())
+        with self._shown:  # closed by clip_gradients already where Lightning clips
+            self._after_closure(model, optimizer)  # on_before_optimizer_step, then clip_gradients
         self._backward_pending = False
         self._last_applied = bool(mp.step())  # host sync (free on the CPU): the schedulers' gate
         # at Lightning's logging cadence (log_every_n_steps), as its own monitors log: module.log costs
@@ -227,6 +244,7 @@ class MixprecPrecision(Precision):
     ) -> None:
         """Lightning's clipping (norm or value) of this update's unscaled gradients; none after a
         training_step that returned None."""
+        self._shown.close()  # gradients a hook edited on the module's parameters go to the masters first (o2)
         if self._backward_pending:
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
@@ -245,14 +263,30 @@ class MixprecPrecision(Precision):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """MixedPrecision's state (scalers, FP32 masters, counters); empty before ``fit``."""
+        """MixedPrecision's state (scalers, FP32 masters, counters); empty before ``fit``. After a fit handed the
+        module back in FP32, the state without masters (the module's weights are the exact values)."""
+        if self._carried is not None and (self._mp is None or self._mp.released):
+            return {**self._carried, "released": True}
         return self._mp.state_dict() if self._mp is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore MixedPrecision's state when fitting; ignored when only evaluating (the model's own
         weights are then the policy's rounding of the masters)."""
         if self._fitting and self._mp is not None:
-            self._mp.load_state_dict(state_dict)
+            if state_dict.get("released"):  # saved after a fit that handed back FP32 weights: they are the masters
+                state = {key: value for key, value in state_dict.items() if key != "released"}
+                self._mp.load_state_dict(state, masters=False)
+            else:
+                self._mp.load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """The end of a fit (and of validate, test, predict): with ``fp32_after_fit``, the fit's module handed back
+        in FP32 with the masters' values (Lightning has moved it to the CPU by now: the values follow it)."""
+        super().teardown()
+        if self.fp32_after_fit and self._fitting and self._mp is not None and not self._mp.released:
+            state = self._mp.state_dict()
+            self._carried = {key: value for key, value in state.items() if key != "masters"}
+            self._mp.release()
 
 
 # -- checks and helpers ---------------------------------------------------------------------------
@@ -263,6 +297,16 @@ def _accumulates_in_fp32(module: pl.LightningModule) -> bool:
     gradients moved out of it before would stay this rank's; there they add up in ``.grad``, reduced once."""
     trainer = module.trainer
     return trainer.accumulate_grad_batches > 1 and trainer.world_size == 1
+
+
+def _hooks_read_gradients(module: pl.LightningModule) -> bool:
+    """Whether user code runs between the unscale and the update, where it may read ``p.grad``:
+    ``on_before_optimizer_step`` or ``configure_gradient_clipping`` overridden, in the module or a callback.
+    Without one the gradients are not shown (under o2 that costs a 16-bit copy of each)."""
+    hooks = [(module, pl.LightningModule, "on_before_optimizer_step")]
+    hooks.append((module, pl.LightningModule, "configure_gradient_clipping"))
+    hooks += [(callback, pl.Callback, "on_before_optimizer_step") for callback in module.trainer.callbacks]
+    return any(getattr(type(owner), name) is not getattr(base, name) for owner, base, name in hooks)
 
 
 def _is_auto(policy: Any) -> bool:

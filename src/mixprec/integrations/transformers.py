@@ -37,6 +37,7 @@ On the CPU all are memory loads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -191,6 +192,7 @@ class MixprecTrainer(transformers.Trainer):
         self._stepper: MixprecOptimizer | None = None
         self._unscaled = False  # the Trainer asked for this update's gradient norm: gradients are unscaled
         self._last_applied = True  # whether the last update was applied (the scheduler's gate)
+        self._shown = contextlib.ExitStack()  # o2's gradients shown on the model's parameters for the callbacks
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         _refuse(setup_problem(self))
         _keep_casts_when_compiled(self.accelerator.state.dynamo_plugin)
@@ -351,9 +353,14 @@ class MixprecTrainer(transformers.Trainer):
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """The true gradient norm (``max_grad_norm=0``: measured by ``mp.clip_grad_norm_(inf)``, no clip)."""
+        mp = self._require("_get_grad_norm")
         if grad_norm is None:
-            grad_norm = self._require("_get_grad_norm").clip_grad_norm_(math.inf)
+            grad_norm = mp.clip_grad_norm_(math.inf)
             self._unscaled = True
+        # next: on_pre_optimizer_step. o2 keeps the gradients on the FP32 masters: callbacks that read p.grad there
+        # see them on the model's parameters (an edit goes back to the master before the step)
+        if _callbacks_read_gradients(self.callback_handler.callbacks):
+            self._shown.enter_context(mp.gradients_on_model())
         return grad_norm
 
     def _optimizer_step(self) -> None:
@@ -367,6 +374,7 @@ class MixprecTrainer(transformers.Trainer):
                 "(transformers 5.17 to 5.24); use one of those, or mixprec.MixedPrecision in a loop of your own."
             )
         self._unscaled = False
+        self._shown.close()  # the callbacks' edits of the gradients on the model's parameters, to the masters
         self._last_applied = bool(mp.step())  # host sync (free on the CPU): the scheduler's gate
 
     # -- logs, statistics, checkpoints --------------------------------------------------------------
@@ -462,3 +470,10 @@ def _keep_casts_when_compiled(plugin: TorchDynamoPlugin) -> None:
         options = {**list_mode_options(plugin.mode), **options}
         plugin.mode = "default"
     plugin.options = {**options, "emulate_precision_casts": True}
+
+
+def _callbacks_read_gradients(callbacks: list[Any]) -> bool:
+    """Whether a callback overrides ``on_pre_optimizer_step``, where it may read ``p.grad`` (under o2 showing the
+    gradients costs a 16-bit copy of each, so only then)."""
+    base = transformers.TrainerCallback.on_pre_optimizer_step
+    return any(type(callback).on_pre_optimizer_step is not base for callback in callbacks)

@@ -93,6 +93,29 @@ class MasterWeights:
         for master in self.masters:
             master.grad = None
 
+    def expose_grads(self) -> list[tuple[int, torch.Tensor, int]]:
+        """Put each master's (unscaled, FP32) gradient, rounded to its parameter's dtype, on the model's parameter,
+        for user code that reads ``p.grad`` (a grad-norm logger, a clip of its own); returns what
+        :meth:`collect_grads` needs to tell which ones that code edited."""
+        shown = []
+        for index, (param, master) in enumerate(zip(self.model_params, self.masters, strict=True)):
+            if master.grad is not None:
+                param.grad = master.grad.to(param.dtype)
+                shown.append((index, param.grad, param.grad._version))
+        return shown
+
+    def collect_grads(self, shown: list[tuple[int, torch.Tensor, int]]) -> None:
+        """Undo :meth:`expose_grads`: a gradient the user code edited in place or replaced goes to the master (its
+        16-bit values, widened); every model parameter's ``.grad`` is released."""
+        for index, grad, version in shown:
+            param, master = self.model_params[index], self.masters[index]
+            now = param.grad
+            if now is None:  # set to None: no gradient, as torch's optimizers read it
+                master.grad = None
+            elif now is not grad or now._version != version:
+                master.grad.copy_(now)
+            param.grad = None
+
     def state(self) -> list[torch.Tensor]:
         """The master values (fp32), in parameter order."""
         return [m.detach() for m in self.masters]
@@ -123,7 +146,7 @@ def release_masters(masters: MasterWeights, optimizer: torch.optim.Optimizer) ->
     state back on the model's parameters."""
     by_id = {id(m): p for p, m in zip(masters.model_params, masters.masters, strict=True)}
     for param, master in zip(masters.model_params, masters.masters, strict=True):
-        param.data = master.detach()
+        param.data = master.detach().to(param.device)  # where the model is now (a framework may have moved it)
         param.requires_grad_(master.requires_grad)  # set on the masters while they stood in (fastai's freeze)
         param.grad = None
     for group in optimizer.param_groups:

@@ -119,7 +119,7 @@ def build(config: TaskConfig) -> TaskParts:
         test_data=DataLoader(TensorDataset(*test), batch_size=128),
         loss_fn=classification_loss,
         metric=accuracy,
-        defaults={"lr": 1e-3, "weight_decay": 0.01, "epochs": epochs, "max_grad_norm": 1.0, "frozen_epochs": 1},
+        defaults={"lr": 3e-3, "weight_decay": 0.01, "epochs": epochs, "max_grad_norm": 1.0, "frozen_epochs": 1},
         frozen=lambda name, parameter: not name.startswith("_fc."),  # all but the new head, the first epoch
         schedule=warmup_linear(0.1),
         no_weight_decay=lambda name, parameter: parameter.ndim < 2,  # biases, batch-norm weights and biases
