@@ -67,7 +67,8 @@ def _train(policy: str, seed: int, size: str, work: Path) -> dict:
     }
 
 
-def _spread(values: list[float], digits: int = 3) -> str:
+def spread(values: list[float], digits: int = 3) -> str:
+    """The mean of ``values`` and, over several, their min-max: ``0.812 (0.790-0.830)``."""
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
     return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
@@ -100,10 +101,10 @@ def _fine_tune_rows(runs: list[dict]) -> list[str]:
     ]
     for p in policies:
         mine = [r for r in runs if r["policy"] == p]
-        accuracy, loss = (_spread([r["test"][key] for r in mine]) for key in ("accuracy", "loss"))
+        accuracy, loss = (spread([r["test"][key] for r in mine]) for key in ("accuracy", "loss"))
         skipped = sum(r["skipped_steps"] for r in mine)
         lines.append(
-            f"| {p} | {mine[0]['batch']} | {_spread([r['samples_per_s'] for r in mine], 1)} | {speed[p] / base:.2f}x "
+            f"| {p} | {mine[0]['batch']} | {spread([r['samples_per_s'] for r in mine], 1)} | {speed[p] / base:.2f}x "
             f"| {accuracy} | {loss} | {skipped} |"
         )
     return lines

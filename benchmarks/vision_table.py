@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bert_table import spread  # the mean and min-max over seeds, as seed 002's table shows it
+
 RESULTS = Path(__file__).parent / "results"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fastai_example.py"
 FASTAI = ["fastai_fp32", "mixed_bf16", "o2_bf16"]  # + fastai_fp16, fastai_bf16 on CUDA
@@ -85,13 +87,6 @@ def _child(system: str, policy: str, seed: int, tiny: bool) -> dict:
     return result
 
 
-def _spread(values: list[float], digits: int = 3) -> str:
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def render(payload: dict) -> str:
     runs = payload["runs"]
     lines = [
@@ -108,7 +103,7 @@ def render(payload: dict) -> str:
         peak = max(run["peak_bytes"] for run in mine) / 2**20
         name = {"fastai_fp32": "FP32", "fastai_fp16": "to_fp16()", "fastai_bf16": "to_bf16()"}.get(policy)
         precision = name or (f"to_mixprec({policy!r})" if system == "fastai" else policy)
-        accuracy = _spread([run["accuracy"] for run in mine])
+        accuracy = spread([run["accuracy"] for run in mine])
         lines.append(f"| {system} | {precision} | {per_epoch:.1f} | {accuracy} | {peak:.0f} MiB |")
     return "\n".join(lines) + "\n"
 
@@ -144,7 +139,8 @@ def main() -> int:
     )
     runs = [_child(system, policy, seed, args.dry_run) for seed in seeds for system, policy in rows]
     info = machine_info()
-    machine = f"{info.get('cpu', 'CPU')}, {info.get('cores', '?')} cores, torch {torch.__version__}"
+    cpu = f"{info.get('cpu', 'CPU')} ({info.get('isa', '?')})"
+    machine = f"{cpu}, {info.get('cores', '?')} cores, torch {torch.__version__}"
     payload = {"machine": machine, "machine_info": info, "seeds": seeds, "runs": runs}
     table = render(payload)
     args.out.mkdir(parents=True, exist_ok=True)
