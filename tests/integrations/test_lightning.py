@@ -535,3 +535,15 @@ def test_under_o2_user_code_sees_and_clips_the_unscaled_gradients():
     _trainer(MixprecPrecision("o2_bf16", fp32_after_fit=True), max_steps=1).fit(clipped, _data())
     moved = torch.cat([(p - s).flatten() for p, s in zip(clipped.parameters(), start, strict=True)]).norm()
     assert 0 < moved <= 0.1 * 1e-3 * 1.01  # the master took the clipped gradient: lr x 1e-3
+
+
+class FailsBeforeTheUpdate(L.Callback):
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        raise KeyError("the user's own error")
+
+
+def test_a_fit_that_fails_mid_step_raises_its_own_error_and_hands_back_fp32():
+    model = Regression()
+    with pytest.raises(KeyError, match="the user's own error"):
+        _trainer(MixprecPrecision("o2_bf16"), callbacks=[FailsBeforeTheUpdate()]).fit(model, _data())
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -193,6 +193,7 @@ class MixprecCallback(Callback):
     def _hand_back(self) -> None:
         if self.mp is None:
             return
+        self.mp.zero_grad()  # a fit cancelled mid-step: its gradients are not an update
         self.carried = self.mixprec_state()
         self.mp.release()  # FP32 parameters with the masters' values; the optimizer back on them
         self.mp = None

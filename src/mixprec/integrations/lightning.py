@@ -284,6 +284,7 @@ class MixprecPrecision(Precision):
         in FP32 with the masters' values (Lightning has moved it to the CPU by now: the values follow it)."""
         super().teardown()
         if self.fp32_after_fit and self._fitting and self._mp is not None and not self._mp.released:
+            self._mp.zero_grad()  # a fit that ended in an exception mid-step: its gradients are not an update
             state = self._mp.state_dict()
             self._carried = {key: value for key, value in state.items() if key != "masters"}
             self._mp.release()
