@@ -73,7 +73,7 @@ def main(policy: str = "o2_bf16") -> None:
     print(f"policy {stats.policy}")
     print(
         f"val_acc {trainer.callback_metrics['val_acc']:.3f}, loss scale {stats.scale:g}, skipped steps "
-        f"{stats.skipped_steps} of {stats.steps}, {stats.bytes_per_param.total:.0f} bytes of state per parameter"
+        f"{stats.skipped_steps} of {stats.steps}, state {stats.bytes_per_param}"
     )
 
 

@@ -62,7 +62,7 @@ def main(policy: str = "o2_bf16") -> None:
     print(f"policy {stats.policy}")
     print(
         f"eval_loss {evaluation['eval_loss']:.3f}, loss scale {stats.scale:g}, skipped steps {stats.skipped_steps} "
-        f"of {stats.steps}, {stats.bytes_per_param.total:.0f} bytes of state per parameter"
+        f"of {stats.steps}, state {stats.bytes_per_param}"
     )
 
 

@@ -24,6 +24,13 @@ class StateBytes:
     def total(self) -> float:
         return self.params + self.grads + self.masters + self.optimizer
 
+    def __str__(self) -> str:
+        """The total and its parts, e.g. ``18 bytes/param: 2 weights + 4 gradients + 4 masters + 8 optimizer``: two
+        runs of one policy differ where one keeps FP32 gradient sums (o2 with gradient accumulation)."""
+        parts = (("weights", self.params), ("gradients", self.grads), ("masters", self.masters))
+        shown = " + ".join(f"{value:.2g} {name}" for name, value in parts if value)
+        return f"{self.total:.3g} bytes/param: {shown} + {self.optimizer:.2g} optimizer"
+
 
 @dataclass(frozen=True)
 class Stats:

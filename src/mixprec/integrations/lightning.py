@@ -450,7 +450,8 @@ def _check_gateable(config: Any) -> None:
         raise ValueError(
             f"MixprecPrecision: the LR scheduler {type(config.scheduler).__name__} steps every "
             f"{config.frequency} batches (interval='step', frequency={config.frequency}); a skipped update "
-            "could then not be kept out of the schedule. Use frequency=1 with a schedule stretched "
+            "could then not be kept out of the schedule (every policy skips an update whose gradients hold inf or "
+            "NaN, bf16 and FP32 included). Use frequency=1 with a schedule stretched "
             f"{config.frequency}x (e.g. StepLR step_size x {config.frequency})."
         )
 
