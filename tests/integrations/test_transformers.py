@@ -299,7 +299,8 @@ def test_a_checkpoint_of_an_earlier_version_resumes_from_its_mixprec_state_pt(tm
 def test_the_trainers_own_half_precision_with_mixprec_is_one_clear_error(tmp_path, flag):
     message = (
         rf"MixprecTrainer: received TrainingArguments\({flag}=True\) together with policy='o2_bf16'; two "
-        r"mixed-precision systems would fight .* set fp16=False and bf16=False"
+        r"mixed-precision systems would fight .* set fp16=False and bf16=False.* bf16=True policy='mixed_bf16' "
+        r".* Not policy='bf16': a lone dtype means it everywhere"
     )
     with pytest.raises(ValueError, match=message):
         MixprecTrainer(model=Regression(), args=_args(tmp_path, **{flag: True}), policy="o2_bf16")

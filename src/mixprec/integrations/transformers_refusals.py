@@ -43,7 +43,8 @@ def argument_problem(args: transformers.TrainingArguments, policy: Any) -> str |
             "mixed-precision systems would fight (Accelerate's autocast and GradScaler, mixprec's region and loss "
             "scaler). The policy is the precision: set fp16=False and bf16=False (and their *_full_eval), and pass "
             "the policy that stands for them: fp16=True is policy='mixed_fp16', bf16=True policy='mixed_bf16' "
-            "(FP32 weights, 16-bit compute; 'o2_bf16', the default, also stores the weights in bf16)."
+            "(FP32 weights, 16-bit compute; 'o2_bf16', the default, also stores the weights in bf16). Not "
+            "policy='bf16': a lone dtype means it everywhere, weights, compute and outputs, with FP32 masters."
         )
     if getattr(args, "mixed_precision", "no") != "no":
         return (
