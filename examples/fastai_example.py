@@ -22,12 +22,13 @@ from fastai.data.load import DataLoader
 
 import mixprec
 import mixprec.integrations.fastai  # adds Learner.to_mixprec
-from mixprec.app.tasks.vision import classification_loss, image_splits, load_efficientnet_lite0
+from mixprec.app.task import classification_loss
+from mixprec.app.tasks.vision import image_splits, load_efficientnet_lite0, pretrained_body
 
 
 def body_and_head(model: torch.nn.Module) -> list:
     """fastai's parameter groups: the pretrained body (frozen first), then the new head."""
-    return [[p for name, p in model.named_parameters() if not name.startswith("_fc.")], params(model._fc)]
+    return [[p for name, p in model.named_parameters() if pretrained_body(name, p)], params(model._fc)]
 
 
 def fine_tune_digits(policy: str, tiny: bool = False, seed: int = 0, device: str = "cpu") -> dict:

@@ -120,7 +120,8 @@ def build_trainer(
         fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
     groups = _parameter_groups(parts, settings["weight_decay"])
     optimizer = adamw_for(policy, groups, device, lr=settings["lr"], weight_decay=settings["weight_decay"])
-    total = settings.get("steps") or settings["epochs"] * (len(parts.train_data) // config.accumulation_steps)
+    per_epoch = len(parts.train_data) // config.accumulation_steps  # updates
+    total = settings.get("steps") or settings["epochs"] * per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, (parts.schedule or _cosine)(max(total, 1)))
     scaler = None
     if config.loss_scale is not None:
@@ -137,7 +138,7 @@ def build_trainer(
             config.accumulation_steps,
             config.reduce_fp32,
             frozen=_frozen(parts) if settings["frozen_epochs"] else (),
-            frozen_updates=settings["frozen_epochs"] * (len(parts.train_data) // config.accumulation_steps),
+            frozen_updates=settings["frozen_epochs"] * per_epoch,
         ),
         run=RunOptions(
             out_dir=run_dir,

@@ -30,6 +30,7 @@ __all__ = [
     "accuracy",
     "bits_per_char",
     "build_task",
+    "classification_loss",
     "warmup_linear",
 ]
 
@@ -59,6 +60,11 @@ def _bits(outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 accuracy = Metric("accuracy", _accuracy, higher_is_better=True)
 bits_per_char = Metric("bits_per_char", _bits, higher_is_better=False)
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy, computed in FP32: the fine-tuning tasks' loss (minilm, vision)."""
+    return nn.functional.cross_entropy(logits.float(), targets)
 
 
 @dataclass(frozen=True)

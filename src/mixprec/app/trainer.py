@@ -146,6 +146,7 @@ class Trainer:
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
         self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
+        self._frozen_phase: bool | None = None  # whether update.frozen was last set frozen (None: not set yet)
         # stop signals (Ctrl-C, SIGTERM, SIGUSR1), the position committed after each update, checkpoints due
         self._lifecycle = RunLifecycle(self, run, self.mp, self.world)
         if self.out_dir is not None:
@@ -325,10 +326,12 @@ class Trainer:
     def _freeze(self, frozen: bool) -> None:
         """The frozen phase's parameters without gradients (so without an update: under o2 their masters get no
         gradient either) while it lasts; from the first update after it, trained. Follows ``updates_done``, so a
-        resumed run is in the same phase."""
+        resumed run is in the same phase; the parameters are set when the phase changes, not at every batch."""
+        if frozen == self._frozen_phase:
+            return
+        self._frozen_phase = frozen
         for param in self.update_options.frozen:
-            if param.requires_grad == frozen:
-                param.requires_grad_(not frozen)
+            param.requires_grad_(not frozen)
 
     def _ready(self, batches: Iterator) -> Iterator[tuple[Any, Any, int]]:
         """Each batch on the device with its sample count, counted in ``batch_in_epoch``: with non-finite inputs

@@ -484,37 +484,42 @@ class MixedPrecision:
             for name, value in self.model.state_dict().items()
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, masters: bool = True) -> dict[str, Any]:
         """Scalers, master weights and counters (the optimizer and model save their own). Host sync.
 
         Save after an update: in the middle of an accumulation window the gradients accumulated so far are not
         part of the state (a warning says so), and a run resumed from it starts the window again without them.
+        ``masters=False``: without them, for ``load_state_dict(state, masters=False)`` where the model's own
+        weights are the exact values (after :meth:`release`, or saved separately in FP32).
         """
         warn_mid_window(self._order.micro_step, self.accumulation_steps, saving=True)
-        return {
+        state = {
             "policy": str(self.policy),
             "scalers": [s.state_dict() for s in self.scalers],
-            "masters": [m.clone() for m in self.masters.state()] if self.masters is not None else [],
             "counters": self._log.state_dict(),
             "micro_step": self._order.micro_step,
             "accumulation_steps": self.accumulation_steps,
             "fp8": self._region.fp8.state_dict() if self._region.fp8 is not None else {},
         }
+        if masters:
+            state["masters"] = [m.clone() for m in self.masters.state()] if self.masters is not None else []
+        return state
 
     @property
     def released(self) -> bool:
         """Whether :meth:`release` handed the model and optimizer back (every training call is refused since)."""
         return self._order.released
 
-    def release(self) -> None:
+    def release(self) -> dict[str, Any]:
         """Hand the model and optimizer back: under o2 the model's parameters FP32 again, holding the masters'
         exact values, and the optimizer's groups and state on them; the output cast and FP8 routing removed.
 
         For a framework whose runs outlive one fit (fastai's ``fine_tune``, a second ``trainer.fit``), or to
-        evaluate or save the trained model as plain FP32. A new MixedPrecision on the same model and optimizer
-        continues where this one stopped with ``load_state_dict(old_state, masters=False)``, ``old_state`` this
-        one's ``state_dict()`` taken before. pure_bf16's parameters stay 16-bit: they are the weights (no FP32
-        copy exists). This MixedPrecision refuses every call afterwards. Call it at an update boundary.
+        evaluate or save the trained model as plain FP32. Returns this MixedPrecision's state without masters
+        (``state_dict(masters=False)``): a new MixedPrecision on the same model and optimizer continues where this
+        one stopped with ``load_state_dict(returned, masters=False)``. pure_bf16's parameters stay 16-bit: they
+        are the weights (no FP32 copy exists). This MixedPrecision refuses every call afterwards. Call it at an
+        update boundary.
         """
         self._order.check_open("release()")
         if self._order.micro_step or self._order.backward_since_step:
@@ -522,6 +527,7 @@ class MixedPrecision:
                 "release() with gradients of an unfinished step: call step() (or zero_grad()) first, so that no "
                 "gradient is dropped or left scaled on the parameters."
             )
+        state = self.state_dict(masters=False)
         self._order.released = True
         self._step_hook.remove()
         self._region.close()
@@ -530,6 +536,7 @@ class MixedPrecision:
             cast_module(self.model, get_policy("fp32"))  # parameters without masters and buffers: widened
             self.masters = None
         self._optimizer_view = OptimizerView(-1, (), None, ())
+        return state
 
     def load_state_dict(self, state: dict[str, Any], *, masters: bool = True) -> None:
         """Restore what ``state_dict()`` returned; refuses state from another policy or model.

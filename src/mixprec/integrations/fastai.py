@@ -48,6 +48,7 @@ except (ImportError, OSError) as error:  # a torchvision built for another torch
     ) from error
 
 import mixprec
+from mixprec.integrations.adapter_arguments import check_adapter_arguments
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
 from mixprec.policy import export_policy
 from mixprec.regions import cast_module
@@ -74,13 +75,7 @@ class MixprecCallback(Callback):
     order = FastaiMixedPrecision.order  # 10: after GradientAccumulation (6), before GradientClip (11)
 
     def __init__(self, policy: mixprec.Policy | str = "auto", scaler: mixprec.LossScaler | None = None) -> None:
-        if not (isinstance(policy, str) and policy.strip().lower() == "auto"):
-            mixprec.get_policy(policy)  # a bad policy fails here, not at fit
-        if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
-            raise TypeError(
-                f"MixprecCallback(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "
-                f"(of type {type(scaler).__name__})."
-            )
+        check_adapter_arguments("MixprecCallback", policy, scaler)  # a bad policy fails here, not at fit
         self.policy_spec, self.scaler = policy, scaler
         self.mp: mixprec.MixedPrecision | None = None  # during a fit's training, from its first batch
         self.carried: dict[str, Any] | None = None  # scalers and counters of the fits before
@@ -155,8 +150,7 @@ class MixprecCallback(Callback):
         """MixedPrecision's state to carry, without the masters (the weights are the model's, FP32, which learn.save
         saves; the next fit's masters are made from them)."""
         if self.mp is not None:
-            state = self.mp.state_dict()  # host sync
-            return {key: value for key, value in state.items() if key != "masters"}
+            return self.mp.state_dict(masters=False)  # host sync
         return dict(self.carried) if self.carried is not None else {}
 
     def load_mixprec_state(self, state: dict[str, Any], pct_lag: float) -> None:
@@ -194,8 +188,7 @@ class MixprecCallback(Callback):
         if self.mp is None:
             return
         self.mp.zero_grad()  # a fit cancelled mid-step: its gradients are not an update
-        self.carried = self.mixprec_state()
-        self.mp.release()  # FP32 parameters with the masters' values; the optimizer back on them
+        self.carried = self.mp.release()  # FP32 parameters with the masters' values; the optimizer back on them
         self.mp = None
 
     def _check_callbacks(self) -> None:

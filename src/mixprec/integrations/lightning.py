@@ -44,6 +44,7 @@ from torch import nn
 
 import mixprec
 from mixprec.compute import dropped_roundings_note
+from mixprec.integrations.adapter_arguments import check_adapter_arguments
 from mixprec.integrations.gated_scheduler import GatedScheduler
 from mixprec.parallel import is_sharded
 
@@ -91,17 +92,13 @@ class MixprecPrecision(Precision):
     ) -> None:
         self._spec = policy
         # resolved now unless 'auto', which depends on the model's device: a bad policy fails here
-        self.policy: mixprec.Policy | None = None if _is_auto(policy) else mixprec.get_policy(policy)
-        if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
-            raise TypeError(
-                f"MixprecPrecision(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "
-                f"(of type {type(scaler).__name__})."
-            )
+        self.policy: mixprec.Policy | None = check_adapter_arguments("MixprecPrecision", policy, scaler)
         self.scaler = scaler
         self.log_stats, self.fp32_after_fit = log_stats, fp32_after_fit
         self._mp: mixprec.MixedPrecision | None = None
         self._carried: dict[str, Any] | None = None  # a released fit's state, without masters: the next one's start
         self._shown = contextlib.ExitStack()  # o2's gradients shown on the module's parameters, while hooks run
+        self._show_gradients = False  # whether user hooks may read p.grad before the update (set at connect)
         self._module: nn.Module | None = None
         self._fitting = False
         self._backward_pending = False  # a backward since the last update: there is something to step
@@ -159,6 +156,7 @@ class MixprecPrecision(Precision):
         self.policy = self._mp.policy
         self.precision = _lightning_precision(self.policy)
         self._last_applied, self._backward_pending = True, False
+        self._show_gradients = _hooks_read_gradients(module)  # the module and the callbacks of this fit
         gated = [_gated(config, self._gate_open) for config in lr_schedulers]
         return model, optimizers, gated
 
@@ -227,7 +225,7 @@ class MixprecPrecision(Precision):
             return closure_result
         mp.unscale_()
         # o2 keeps the gradients on the FP32 masters: hooks that read p.grad see them on the module's parameters
-        if _hooks_read_gradients(model):
+        if self._show_gradients:
             self._shown.enter_context(mp.gradients_on_model())
         with self._shown:  # closed by clip_gradients already where Lightning clips
             self._after_closure(model, optimizer)  # on_before_optimizer_step, then clip_gradients
@@ -265,19 +263,16 @@ class MixprecPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         """MixedPrecision's state (scalers, FP32 masters, counters); empty before ``fit``. After a fit handed the
         module back in FP32, the state without masters (the module's weights are the exact values)."""
-        if self._carried is not None and (self._mp is None or self._mp.released):
-            return {**self._carried, "released": True}
+        if self._mp is not None and self._mp.released:
+            return self._carried
         return self._mp.state_dict() if self._mp is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore MixedPrecision's state when fitting; ignored when only evaluating (the model's own
         weights are then the policy's rounding of the masters)."""
         if self._fitting and self._mp is not None:
-            if state_dict.get("released"):  # saved after a fit that handed back FP32 weights: they are the masters
-                state = {key: value for key, value in state_dict.items() if key != "released"}
-                self._mp.load_state_dict(state, masters=False)
-            else:
-                self._mp.load_state_dict(state_dict)
+            # without masters: saved after a fit that handed the module back, whose FP32 weights are the masters
+            self._mp.load_state_dict(state_dict, masters="masters" in state_dict)
 
     def teardown(self) -> None:
         """The end of a fit (and of validate, test, predict): with ``fp32_after_fit``, the fit's module handed back
@@ -285,9 +280,7 @@ class MixprecPrecision(Precision):
         super().teardown()
         if self.fp32_after_fit and self._fitting and self._mp is not None and not self._mp.released:
             self._mp.zero_grad()  # a fit that ended in an exception mid-step: its gradients are not an update
-            state = self._mp.state_dict()
-            self._carried = {key: value for key, value in state.items() if key != "masters"}
-            self._mp.release()
+            self._carried = self._mp.release()
 
 
 # -- checks and helpers ---------------------------------------------------------------------------
@@ -308,10 +301,6 @@ def _hooks_read_gradients(module: pl.LightningModule) -> bool:
     hooks.append((module, pl.LightningModule, "configure_gradient_clipping"))
     hooks += [(callback, pl.Callback, "on_before_optimizer_step") for callback in module.trainer.callbacks]
     return any(getattr(type(owner), name) is not getattr(base, name) for owner, base, name in hooks)
-
-
-def _is_auto(policy: Any) -> bool:
-    return isinstance(policy, str) and policy.strip().lower() == "auto"
 
 
 def _lightning_precision(policy: mixprec.Policy) -> str:

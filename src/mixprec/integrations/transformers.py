@@ -57,6 +57,7 @@ import mixprec
 from mixprec.compute import dropped_roundings_note
 from mixprec.distributed import copy_from_main, world
 from mixprec.engine import needs_compensated_optimizer
+from mixprec.integrations.adapter_arguments import check_adapter_arguments
 from mixprec.integrations.gated_scheduler import GatedScheduler
 from mixprec.integrations.transformers_refusals import argument_problem, optim_name, setup_problem
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
@@ -177,14 +178,9 @@ class MixprecTrainer(transformers.Trainer):
         scaler: mixprec.LossScaler | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
-            raise TypeError(
-                f"MixprecTrainer(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "
-                f"(of type {type(scaler).__name__})."
-            )
         self._spec = policy
         # resolved now unless 'auto', which depends on the Trainer's device: a bad policy fails here
-        resolved = None if _is_auto(policy) else mixprec.get_policy(policy)
+        resolved = check_adapter_arguments("MixprecTrainer", policy, scaler)
         if args is not None:  # before the Trainer builds its Accelerator from them: one clear error
             _refuse(argument_problem(args, policy))
         self.scaler = scaler
@@ -450,10 +446,6 @@ class MixprecTrainer(transformers.Trainer):
 def _refuse(problem: str | None) -> None:
     if problem is not None:
         raise ValueError(f"MixprecTrainer: {problem}")
-
-
-def _is_auto(policy: Any) -> bool:
-    return isinstance(policy, str) and policy.strip().lower() == "auto"
 
 
 def _keep_casts_when_compiled(plugin: TorchDynamoPlugin) -> None:

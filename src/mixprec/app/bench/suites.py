@@ -103,8 +103,9 @@ def _minilm(batch: int = 16, tokens: int = 128) -> BenchModel:
     length, at most 128). Token values do not change the work, so they are drawn at random."""
     import copy
 
+    from mixprec.app.task import classification_loss
     from mixprec.app.tasks.docstrings import LABELS
-    from mixprec.app.tasks.minilm import MiniLMClassifier, classification_loss, load_encoder, model_folder
+    from mixprec.app.tasks.minilm import MiniLMClassifier, load_encoder, model_folder
 
     torch.manual_seed(0)
     pretrained = MiniLMClassifier(load_encoder(model_folder())[0], len(LABELS))

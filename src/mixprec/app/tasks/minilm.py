@@ -26,11 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from mixprec.app.task import TaskConfig, TaskParts, accuracy, warmup_linear
+from mixprec.app.task import TaskConfig, TaskParts, accuracy, classification_loss, warmup_linear
 from mixprec.app.tasks.docstrings import LABELS, Docstring, stdlib_docstrings
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "LengthGroupedBatches",
     "MiniLMClassifier",
     "build",
-    "classification_loss",
     "load_encoder",
     "model_folder",
 ]
@@ -119,11 +117,6 @@ class MiniLMClassifier(nn.Module):
         pooled = (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1.0)
         # into the head in its weights' dtype: what autocast does anyway, and what a plain model.to(bf16) needs
         return self.head(self.dropout(pooled.to(self.head.weight.dtype)))
-
-
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy, computed in FP32."""
-    return F.cross_entropy(logits.float(), targets)
 
 
 def build(config: TaskConfig) -> TaskParts:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec.app.task import TaskConfig, TaskParts, accuracy, warmup_linear
+from mixprec.app.task import TaskConfig, TaskParts, accuracy, classification_loss, warmup_linear
 from mixprec.app.tasks.digits import load_digits_split
 
 __all__ = [
@@ -34,9 +34,9 @@ __all__ = [
     "IMAGENET_STD",
     "SIZES",
     "build",
-    "classification_loss",
     "image_splits",
     "load_efficientnet_lite0",
+    "pretrained_body",
 ]
 
 EXTRA = "task 'vision' needs the vision extra: pip install 'mixprec[vision]'"
@@ -92,9 +92,9 @@ def _as_photo(images: torch.Tensor, side: int) -> torch.Tensor:
     return (large - mean) / std
 
 
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy, computed in FP32."""
-    return F.cross_entropy(logits.float(), targets)
+def pretrained_body(name: str, parameter: nn.Parameter) -> bool:
+    """Every parameter but the new head's (``_fc``): what fine-tuning freezes first."""
+    return not name.startswith("_fc.")
 
 
 def build(config: TaskConfig) -> TaskParts:
@@ -120,7 +120,7 @@ def build(config: TaskConfig) -> TaskParts:
         loss_fn=classification_loss,
         metric=accuracy,
         defaults={"lr": 3e-3, "weight_decay": 0.01, "epochs": epochs, "max_grad_norm": 1.0, "frozen_epochs": 1},
-        frozen=lambda name, parameter: not name.startswith("_fc."),  # all but the new head, the first epoch
+        frozen=pretrained_body,  # the first epoch
         schedule=warmup_linear(0.1),
         no_weight_decay=lambda name, parameter: parameter.ndim < 2,  # biases, batch-norm weights and biases
         description=(
