@@ -26,14 +26,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bert_table import spread  # the mean and min-max over seeds, as seed 002's table shows it
 
 RESULTS = Path(__file__).parent / "results"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fastai_example.py"
-FASTAI = ["fastai_fp32", "mixed_bf16", "o2_bf16"]  # + fastai_fp16, fastai_bf16 on CUDA
+FASTAI = ["fastai_fp32", "mixed_bf16", "o2_bf16"]
 TRAINER = ["fp32", "mixed_bf16", "o2_bf16"]
+# on CUDA also fp16, where fastai's own to_fp16()/to_bf16() run: (system, policy) rows, in the order they run
+CUDA_FASTAI = ["fastai_fp32", "fastai_fp16", "fastai_bf16", "mixed_fp16", "mixed_bf16", "o2_bf16"]
+CUDA_TRAINER = ["fp32", "mixed_fp16", "mixed_bf16", "o2_bf16"]
 
 
 def one_run(system: str, policy: str, seed: int, tiny: bool) -> dict:
@@ -114,6 +118,9 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, one seed, two rows")
     parser.add_argument("--from-json", type=Path)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds: start no run that the longest one so far would take past it (a GPU machine's "
+                        "10-minute command); what ran is saved after every run")  # fmt: skip
     parser.add_argument("--one", nargs=4, metavar=("SYSTEM", "POLICY", "SEED", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -125,30 +132,51 @@ def main() -> int:
         return 0
     import torch
 
+    seeds = [0] if args.dry_run else [int(s) for s in args.seeds.split(",")]
+    cuda = torch.cuda.is_available()
+    fastai, trainer = (CUDA_FASTAI, CUDA_TRAINER) if cuda else (FASTAI, TRAINER)
+    rows = [("fastai", "o2_bf16"), ("trainer", "o2_bf16")] if args.dry_run else [
+        *(("fastai", p) for p in fastai), *(("trainer", p) for p in trainer)]  # fmt: skip
+    payload = {"machine": _machine(torch, cuda), "machine_info": _machine_info(torch, cuda), "seeds": seeds, "runs": []}
+    stem = "vision_table_dry_run" if args.dry_run else "vision_table"
+    start, longest = time.monotonic(), 0.0
+    for seed in seeds:  # every row of a seed before the next seed: a time limit cuts seeds, not rows
+        for system, policy in rows:
+            if args.time_limit is not None and time.monotonic() - start + longest > args.time_limit:
+                print(f"time limit: {system} {policy} seed {seed} and after not run", flush=True)
+                break
+            began = time.monotonic()
+            payload["runs"].append(_child(system, policy, seed, args.dry_run))
+            longest = max(longest, time.monotonic() - began)
+            _save(payload, args.out, stem)
+    print(_save(payload, args.out, stem), end="")
+    return 0
+
+
+def _machine_info(torch, cuda: bool) -> dict:
     from mixprec.app.machine import machine_info
 
-    seeds = [0] if args.dry_run else [int(s) for s in args.seeds.split(",")]
-    fastai = FASTAI + (["fastai_fp16", "fastai_bf16"] if torch.cuda.is_available() else [])
-    rows = (
-        [("fastai", "o2_bf16"), ("trainer", "o2_bf16")]
-        if args.dry_run
-        else [
-            *(("fastai", p) for p in fastai),
-            *(("trainer", p) for p in TRAINER),
-        ]
-    )
-    runs = [_child(system, policy, seed, args.dry_run) for seed in seeds for system, policy in rows]
     info = machine_info()
-    cpu = f"{info.get('cpu', 'CPU')} ({info.get('isa', '?')})"
-    machine = f"{cpu}, {info.get('cores', '?')} cores, torch {torch.__version__}"
-    payload = {"machine": machine, "machine_info": info, "seeds": seeds, "runs": runs}
-    table = render(payload)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "vision_table_dry_run" if args.dry_run else "vision_table"
-    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    (args.out / f"{stem}.md").write_text(table)
-    print(table, end="")
-    return 0
+    if cuda:
+        info["device_name"] = torch.cuda.get_device_name()
+    return info
+
+
+def _machine(torch, cuda: bool) -> str:
+    info = _machine_info(torch, cuda)
+    where = info["device_name"] if cuda else f"{info.get('cpu', 'CPU')} ({info.get('isa', '?')})"
+    return f"{where}, {info.get('cores', '?')} cores, torch {torch.__version__}"
+
+
+def _save(payload: dict, folder: Path, stem: str) -> str:
+    """The results so far, as JSON and as the Markdown table; returns the table."""
+    seeds = sorted({run["seed"] for run in payload["runs"]})
+    payload = {**payload, "seeds": seeds or payload["seeds"]}
+    table = render(payload) if payload["runs"] else ""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    (folder / f"{stem}.md").write_text(table)
+    return table
 
 
 if __name__ == "__main__":

@@ -120,16 +120,18 @@ def test_accelerates_clip_grad_norm_of_scaled_gradients_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def _train_with_accelerate(steps: range, folder: Path, save_at: int | None, load: bool) -> tuple[list, float]:
+def _train_with_accelerate(steps: range, folder: Path, save_at: int | None, load: bool, policy: str = "o2_fp16",
+                           register: bool = True) -> tuple[list, float]:  # fmt: skip
     AcceleratorState._reset_state(True)
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
     torch.manual_seed(0)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    mp = mixprec.MixedPrecision(model, optimizer, "o2_fp16")
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    accelerator.register_for_checkpointing(mp)
+    if register:
+        accelerator.register_for_checkpointing(mp)
     if load:
         accelerator.load_state(str(folder))
     for step in steps:
@@ -151,3 +153,58 @@ def test_register_for_checkpointing_resumes_the_scale_and_masters_exactly(tmp_pa
     resumed, resumed_scale = _train_with_accelerate(range(3, 6), tmp_path, save_at=None, load=True)
     assert resumed_scale == scale == 2.0**14
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
+
+
+def _prepared_loop(accumulation_steps: int = 1):
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    mp = mixprec.MixedPrecision(model, optimizer, "mixed_fp16", accumulation_steps=accumulation_steps)
+    return accelerator, mp, scheduler, *accelerator.prepare(model, optimizer, scheduler)
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_a_prepared_schedulers_plain_step_follows_the_applied_updates(accumulation_steps):
+    # Accelerate's scheduler asks its optimizer's step_was_skipped, which mixprec's skips now set
+    accelerator, mp, scheduler, prepared, _, prepared_scheduler = _prepared_loop(accumulation_steps)
+    applied, said_skipped = 0, []
+    for step in range(8 * accumulation_steps):
+        with mp.autocast():
+            loss = prepared(torch.randn(8, 4)).square().mean() * (float("inf") if step == 3 else 1.0)
+        mp.backward(loss)
+        applied += bool(mp.step())
+        said_skipped.append(accelerator.optimizer_step_was_skipped)
+        prepared_scheduler.step()  # after every mp.step(), as a plain Accelerate loop steps it
+    assert applied == 7
+    assert scheduler.last_epoch == 7  # was 8: the skipped update advanced the schedule
+    assert said_skipped[3] and said_skipped.count(False) == 7
+
+
+def test_accelerates_clip_grad_norm_of_o2s_16_bit_gradients_is_refused():
+    # no loss scale under o2_bf16, but Accelerate would clip the bf16 copies by a bf16 norm
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16")
+    prepared = accelerator.prepare(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        mp.backward(prepared(torch.randn(8, 4)).float().square().mean())
+    assert accelerator.clip_grad_norm_(prepared.parameters(), 1e-3).dtype == torch.bfloat16
+    refusal = r"on the 16-bit model: .* measures the norm in 16 bits.* Clip with mp\.clip_grad_norm_"
+    with pytest.raises(RuntimeError, match=refusal):
+        mp.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16"])
+def test_a_resume_without_register_for_checkpointing_is_said(tmp_path, policy):
+    # saved and resumed without mp: the scale restarts (said); o2's masters would be stale (refused), both naming it
+    _train_with_accelerate(range(3), tmp_path, save_at=2, load=False, policy=policy, register=False)
+    if policy == "mixed_fp16":
+        said = pytest.warns(UserWarning, match=r"loss scale restarts at 65536.*register_for_checkpointing\(mp\)")
+    else:
+        said = pytest.raises(RuntimeError, match=r"no longer hold their FP32 masters.*register_for_checkpointing\(mp\)")
+    with said:
+        _train_with_accelerate(range(3, 4), tmp_path, save_at=None, load=True, policy=policy, register=False)

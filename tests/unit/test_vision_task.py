@@ -3,6 +3,7 @@ fine-tuned under a policy and exported in 16 bits."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 
@@ -78,3 +79,26 @@ def test_fine_tunes_under_o2_and_exports_half_with_fp32_batch_norms(tiny_run):
     assert norms and {dtypes[k] for k in norms} == {torch.float32}
     assert {d for k, d in dtypes.items() if k not in norms} == {torch.bfloat16}
     assert set(exported.half_eval) == {"loss", "accuracy"}
+
+
+def test_serve_bench_measures_images_per_sample(tiny_run, tmp_path, capsys):
+    from mixprec.app.cli.main import main
+
+    out = tmp_path / "serve.json"
+    args = ["serve-bench", str(tiny_run.run_dir), "--batches", "1,4", "--repeats", "1", "--latency-samples", "2"]
+    assert main([*args, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "latency of one sample, throughput in samples/s" in printed and "batch 4 samples/s" in printed
+    results = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in results][:3] == ["mixprec fp32", "mixprec bf16", "mixprec fp16"]
+    assert all(r["unit"] == "sample" and r["throughput"]["4"] > 0 and 0 <= r["evaluation"]["accuracy"] <= 1
+               for r in results)  # fmt: skip
+
+
+def test_compare_trains_the_vision_task_under_each_policy(vision, tmp_path, capsys):
+    from mixprec.app.cli.main import main
+
+    args = ["compare", "vision", "--size", "tiny", "--steps", "2", "--policies", "fp32,mixed_bf16"]
+    assert main([*args, "--out", str(tmp_path / "cmp"), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "fp32" in printed and "mixed_bf16" in printed and "accuracy" in printed

@@ -16,9 +16,9 @@ per batch size (:mod:`mixprec.app.cuda_graphs`): the same weights and kernels wi
 dominates at small batches. Their accuracy is their eager twin's (the same kernels), not measured again.
 
 For each: the weights' size as safetensors, the task's metric and loss on its held-out test split
-(its validation split for tasks without one), latency of one sequence (p50 and p95 over
-``latency_samples`` forwards), and throughput at each larger batch (sequences per second, median of
-``repeats`` passes). Token inputs are cut from that split's real tokens to exactly ``seq`` tokens;
+(its validation split for tasks without one), latency of one input (p50 and p95 over ``latency_samples``
+forwards), and throughput at each larger batch (inputs per second, median of ``repeats`` passes): an input is a
+sequence for token tasks, a sample (an image) for the others. Token inputs are cut from that split's real tokens to exactly ``seq`` tokens;
 other inputs (images) are its rows.
 """
 
@@ -53,7 +53,7 @@ GRAPHED = ", CUDA graph"  # the suffix of a mode replayed from CUDA graphs
 
 @dataclass
 class ServeResult:
-    """One mode's figures; ``throughput`` maps a batch size to sequences per second."""
+    """One mode's figures; ``throughput`` maps a batch size to inputs (``unit``s) per second."""
 
     mode: str
     size_bytes: int
@@ -62,6 +62,7 @@ class ServeResult:
     latency_p50_ms: float = 0.0
     latency_p95_ms: float = 0.0
     throughput: dict[int, float] = field(default_factory=dict)
+    unit: str = "sequence"  # what one input is: "sequence" (token rows) or "sample" (an image, a feature row)
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,17 @@ def timing_batch(eval_data, batch: int, seq: int | None) -> torch.Tensor:
     """``batch`` inputs for timing: token rows of exactly ``seq`` real tokens (padding, id 0, dropped)
     cut from the evaluation inputs, or the evaluation rows themselves, repeated as needed."""
     inputs = [inputs for inputs, _ in eval_data]
-    if seq is not None and not inputs[0].is_floating_point() and inputs[0].dim() == 2:
+    if seq is not None and _token_rows(inputs[0]):
         tokens = torch.cat([rows[rows != 0] for rows in inputs])  # batches padded to their own lengths
         tokens = tokens.repeat(-(-batch * seq // tokens.numel()))[: batch * seq]
         return tokens.reshape(batch, seq)
     rows = torch.cat(inputs)
     return rows.repeat((-(-batch // rows.shape[0]),) + (1,) * (rows.dim() - 1))[:batch]
+
+
+def _token_rows(inputs: torch.Tensor) -> bool:
+    """Whether a batch of inputs is token ids, one row per sequence."""
+    return not inputs.is_floating_point() and inputs.dim() == 2
 
 
 def _forward(mode: _Mode, inputs: torch.Tensor, device: torch.device) -> float:
@@ -173,15 +179,16 @@ def serve_bench(
     if data is None:
         raise ValueError(f"task {config.task!r} has no evaluation data to measure accuracy on.")
     modes = _modes(fp32_model, trainer.mp.policy, device, cuda_graphs)
+    unit = "sequence" if _token_rows(next(iter(data))[0]) else "sample"
     results = {}
     for name, mode in modes.items():
         if name.endswith(GRAPHED):  # the same weights and kernels as its eager twin, evaluated just before
             twin = results[name.removesuffix(GRAPHED)]
-            results[name] = ServeResult(name, twin.size_bytes, twin.evaluation, split)
+            results[name] = ServeResult(name, twin.size_bytes, twin.evaluation, split, unit=unit)
             continue
         progress(f"evaluating {name}")
         evaluation = evaluate(mode.model, data, parts.loss_fn, parts.metric, mode.region, device)
-        results[name] = ServeResult(name, _stored_bytes(mode.model), evaluation, split)
+        results[name] = ServeResult(name, _stored_bytes(mode.model), evaluation, split, unit=unit)
     for batch in batches:
         inputs = timing_batch(data, batch, seq).to(device)
         progress(f"timing batch {batch}")

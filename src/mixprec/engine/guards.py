@@ -11,11 +11,11 @@
 A call refused for its order (``engine/call_order.py``) is refused before the guards run. A guard is an object
 with any of these four methods (each takes the MixedPrecision); the list keeps, per point, only the guards that
 define it, so a point nobody watches costs one empty loop. The engine's own guards
-are made with each MixedPrecision (:mod:`~mixprec.engine.parameter_guard`, :mod:`~mixprec.engine.scaled_grads`,
+are made with each MixedPrecision (:mod:`~mixprec.engine.parameter_guard`, :mod:`~mixprec.engine.pending_grads`,
 :mod:`~mixprec.engine.master_drift`); a framework's (``mixprec.integrations``) register a factory with
 :func:`register_guard`, so the core never reads another framework's state itself. Guards add no host sync (the
 master drift check reads one flag before the first update, and later only for a weight written since) and no
-device work (the scaled-gradient guard compares a replaced gradient with the one it replaced, the drift guard a
+device work (the pending-gradient guard compares a replaced gradient with the one it replaced, the drift guard a
 written weight with its master), and they raise before the step changes anything: a refused step leaves the
 weights, masters, optimizer state and scale untouched.
 """

@@ -78,11 +78,13 @@ def _message(mp: Any, masters: MasterWeights, drifted: list[int], later: bool) -
         return (
             f"{said} They were written in place since the last update (a model.load_state_dict, a copy_ into a "
             "weight): to restore weights mid-training, load them with mp.load_state_dict (a state saved by "
-            "mp.state_dict), or build a new MixedPrecision after loading them into the model."
+            "mp.state_dict; Accelerate's load_state does with accelerator.register_for_checkpointing(mp)), or build a "
+            "new MixedPrecision after loading them into the model."
         )
     return (
         f"{said} Typical causes: DistributedDataParallel broadcast rank 0's weights to ranks that built different "
         "ones (seed the model's initialization, or call mixprec.distributed.copy_from_main(list(model.parameters()))"
         " before MixedPrecision), or a load_state_dict on the model (load the weights before building "
-        "MixedPrecision, or use mp.load_state_dict)."
+        "MixedPrecision, or use mp.load_state_dict; Accelerate's load_state loads it when "
+        "accelerator.register_for_checkpointing(mp) was called before save_state and load_state)."
     )

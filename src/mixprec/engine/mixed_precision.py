@@ -47,8 +47,9 @@ from mixprec.engine.guards import GuardList, registered_guards
 from mixprec.engine.master_drift import MasterDriftGuard
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
+from mixprec.engine.partial_resume import PartialResumeGuard
+from mixprec.engine.pending_grads import PendingGradsGuard
 from mixprec.engine.saved_state import check_saved_state, warn_mid_window
-from mixprec.engine.scaled_grads import ScaledGradsGuard
 from mixprec.engine.setup import (
     check_arguments,
     check_model_and_optimizer,
@@ -168,7 +169,11 @@ class MixedPrecision:
         # the model's parameters without walking its modules each step (280 us a step on BERT)
         self._parameters = parameters.parameters
         drift = [MasterDriftGuard(self.masters)] if self.masters is not None else []
-        return GuardList([parameters, ScaledGradsGuard(self._with_gradients), *registered_guards(), *drift])
+        scaled = not all(isinstance(scaler, NoOpLossScaler) for scaler in self.scalers)
+        self._resume = PartialResumeGuard(self.optimizer) if scaled else None  # the scale is what a resume loses
+        resume = [self._resume] if self._resume is not None else []
+        guards = [parameters, PendingGradsGuard(self._with_gradients), *registered_guards(), *drift, *resume]
+        return GuardList(guards)
 
     def _with_gradients(self) -> tuple[torch.Tensor, ...]:
         """The tensors gradients land on: the model's parameters and the optimizer's (o2's masters), each once."""
@@ -203,6 +208,11 @@ class MixedPrecision:
         """Micro-batches of the current accumulation window already stepped: 0 right after an update, the
         moment to save a checkpoint (the window's gradients are not part of one)."""
         return self._order.micro_step
+
+    @property
+    def last_step(self) -> StepResult | None:
+        """What the last ``step()`` returned (truthy when it applied an update), None before the first."""
+        return self._last
 
     @property
     def at_update_boundary(self) -> bool:
@@ -557,3 +567,5 @@ class MixedPrecision:
         self._order.micro_step = 0
         if self._region.fp8 is not None:
             self._region.fp8.load_state_dict(state.get("fp8", {}))
+        if self._resume is not None:
+            self._resume.restored()

@@ -7,7 +7,9 @@ policy (needs transformers 5 and Accelerate). Both gate LR schedulers with
 
 Importing this package (``import mixprec`` does) registers the framework probes that need no adapter with the
 engine's guard list (:mod:`mixprec.engine.guards`): :mod:`mixprec.integrations.accelerate`, the guard against
-an update inside ``accelerator.accumulate()``. It imports no framework and no torch.
+an update inside ``accelerator.accumulate()``, and :mod:`mixprec.integrations.accelerate_skipped`, which makes
+Accelerate's ``step_was_skipped`` (read by a prepared scheduler) report MixedPrecision's skips. Neither imports a
+framework or torch.
 """
 
-from mixprec.integrations import accelerate  # noqa: F401  (registers its guard)
+from mixprec.integrations import accelerate, accelerate_skipped  # noqa: F401  (register their guards)

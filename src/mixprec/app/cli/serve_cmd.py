@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     base = results[0]
     headers = ["mode", "size MB", *([metric] if metric else []), "loss"]
     headers += ["latency p50 ms", "p95 ms"] if 1 in batches else []
-    headers += [f"batch {b} seq/s" for b in larger] + [f"vs fp32 @{b}" for b in larger]
+    unit = base.unit
+    headers += [f"batch {b} {unit}s/s" for b in larger] + [f"vs fp32 @{b}" for b in larger]
     rows = []
     for r in results:
         row = [r.mode, f"{r.size_bytes / 2**20:.1f}", *([f"{r.evaluation[metric]:.4f}"] if metric else [])]
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         row += [f"{r.throughput[b]:,.1f}" for b in larger]
         row += [f"{r.throughput[b] / base.throughput[b]:.2f}x" for b in larger]
         rows.append(row)
-    print(f"{metric or 'loss'} on the {base.split} split; latency of one sequence, throughput in sequences/s")
+    print(f"{metric or 'loss'} on the {base.split} split; latency of one {unit}, throughput in {unit}s/s")
     print(render_table(headers, rows))
     payload = stamped(
         {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}, KIND

@@ -1,5 +1,6 @@
-"""Gradients changed while they still carry the loss scale (torch's or Accelerate's clip_grad_norm_ between
-mp.backward() and mp.step()) are refused before anything is applied; unscaled gradients are the caller's."""
+"""Gradients changed before the unscale, while they still carry the loss scale or are o2's 16-bit copies
+(torch's or Accelerate's clip_grad_norm_ between mp.backward() and mp.step()), are refused before anything is
+applied; unscaled gradients are the caller's."""
 
 import pytest
 import torch
@@ -95,3 +96,37 @@ def test_a_refusal_drops_the_window_so_a_retry_applies_nothing(device):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     _backward(mp, model, device, seed=1)  # the next window trains as usual
     assert mp.step()
+
+
+def test_a_clip_of_o2s_16_bit_gradients_before_the_unscale_is_refused(device):
+    # no loss scale, but the update takes the masters' FP32 gradients: torch's clip here measures in bf16
+    model, mp = _setup("o2_bf16", device)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(mp, model, device)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert norm.dtype == torch.bfloat16  # what the clip would have used
+    with pytest.raises(RuntimeError, match=r"before the unscale, on the 16-bit model: .* measures the norm in 16 bits"):
+        mp.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def _o2_masters_clipped(device: str, on_model: bool) -> list[torch.Tensor]:
+    model, mp = _setup("o2_bf16", device)
+    for seed in range(3):
+        _backward(mp, model, device, seed)
+        if on_model:  # the fix the refusal names: unscale_(), then edit the model's gradients inside
+            mp.unscale_()
+            with mp.gradients_on_model():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        else:
+            mp.clip_grad_norm_(0.05)
+        assert mp.step()
+    return list(mp.fp32_state_dict().values())
+
+
+def test_o2s_gradients_are_the_callers_on_the_model_after_the_unscale(device):
+    # the clip on the model runs on bf16 roundings of the FP32 gradients: its updates are within bf16's rounding
+    # of mixprec's FP32 clip (measured 1e-5 apart at most; unclipped they would be 1.8e-2 apart)
+    expected = _o2_masters_clipped(device, on_model=False)
+    for a, b in zip(expected, _o2_masters_clipped(device, on_model=True), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
