@@ -193,3 +193,14 @@ def test_demo_trains_under_each_policy(mixprec_cli):
 )
 def test_bad_input_is_one_line_and_exit_2(mixprec_cli, args, needles):
     assert_one_line_error(mixprec_cli(*args), *needles)
+
+
+def test_policy_command_reads_a_policy_file(mixprec_cli, tmp_path):
+    spec = "base=mixed_bf16,fp8=hybrid(scaling=current,only=*.mlp.*),fp32_names=lm_head"
+    advice = mixprec.doctor.PolicyAdvice(spec, loss_scale=1024.0, reasons=("per-layer",))
+    path = mixprec.doctor.write_policy_file(advice, tmp_path / "policy.json")
+    shown = json.loads(mixprec_cli("policy", str(path), "--task", "charlm", "--size", "tiny", "--json").stdout)
+    assert shown["policy"] == str(mixprec.get_policy(spec))
+    assert shown["fp8_layers"].startswith("2 of 5 GEMM layers in FP8; kept: lm_head (Linear): inside an FP32 module")
+    assert "blocks.0.attn.qkv (Linear): left out by the recipe (only=*.mlp.*)" in shown["fp8_layers"]
+    assert shown["loss_scale"] == "1024 (the policy file's)"

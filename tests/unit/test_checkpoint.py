@@ -270,16 +270,14 @@ def test_files_written_atomically_follow_the_umask_like_any_other_file(tmp_path)
     # a temporary file made by tempfile is 0600; an export or a policy file must stay readable by a
     # serving user or a colleague where the umask says so
     import stat
-    from types import SimpleNamespace
 
-    from mixprec.doctor.policy_file import write_policy_file
+    from mixprec.doctor.policy_file import PolicyAdvice, write_policy_file
     from mixprec.persist import write_atomically
 
     previous = os.umask(0o022)
     try:
         write_atomically(tmp_path / "data.bin", b"x")
-        diagnosis = SimpleNamespace(policy="mixed_bf16", loss_scale=None, reasons=("r",))  # what the file holds
-        write_policy_file(diagnosis, tmp_path / "mixprec-policy.json")
+        write_policy_file(PolicyAdvice("mixed_bf16", reasons=("r",)), tmp_path / "mixprec-policy.json")
     finally:
         os.umask(previous)
     for name in ("data.bin", "mixprec-policy.json"):

@@ -3,6 +3,7 @@ the layers kept out, each with its reason, in the compute plan."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -147,3 +148,51 @@ def test_an_fp8_policy_that_reaches_no_layer_says_so(caplog):
         mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")
     assert "none of this model's layers in FP8: 0 of 0 GEMM layers in FP8; not supported: 0 (Conv2d)" in caplog.text
     assert "0 of 0 GEMM layers in FP8" in mp.compute_plan.reason
+
+
+def _block() -> nn.Module:
+    return nn.ModuleDict({"attn": nn.Linear(16, 16), "mlp": nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))})
+
+
+def _blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"blocks": nn.ModuleList([_block(), _block()]), "lm_head": nn.Linear(16, 8)})
+
+
+def test_a_per_layer_policy_puts_only_the_matched_layers_in_fp8_the_head_in_fp32_and_round_trips():
+    # FP8 for the MLP projections, the compute dtype (bf16) for attention, FP32 for the head
+    spec = "base=mixed_bf16,fp8=hybrid(scaling=current,only=*.mlp.*),fp32_names=lm_head"
+    policy = mixprec.get_policy(spec)
+    assert policy.fp8.only == ("*.mlp.*",) and mixprec.get_policy(str(policy)) == policy
+    model = _blocks()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+    reason = mp.compute_plan.reason
+    assert "4 of 7 GEMM layers in FP8" in reason
+    assert "blocks.0.attn (Linear): left out by the recipe (only=*.mlp.*)" in reason
+    assert "lm_head (Linear): inside an FP32 module of the policy" in reason
+    routed = sorted(name for name, module in model.named_modules() if "forward" in vars(module))
+    assert routed == [f"blocks.{b}.mlp.{i}" for b in (0, 1) for i in (0, 1)]
+    seen = {}
+
+    def note(module, inputs, output, name):  # returns None: the output stays
+        seen[name] = output.dtype
+
+    for name in ("blocks.0.attn", "blocks.0.mlp.0", "lm_head"):
+        model.get_submodule(name).register_forward_hook(functools.partial(note, name=name))
+    with mp.autocast():
+        x = torch.randn(4, 16)
+        for block in model["blocks"]:
+            x = block["mlp"](block["attn"](x))
+        model["lm_head"](x)
+    assert seen == {"blocks.0.attn": torch.bfloat16, "blocks.0.mlp.0": torch.bfloat16, "lm_head": torch.float32}
+
+
+def test_only_and_keep_together_and_bad_globs_are_refused():
+    selection = select_gemm_layers(_blocks(), keep=("blocks.1.*",), only=("*.mlp.*",))
+    assert [name for name, _, _ in selection.fp8] == ["blocks.0.mlp.0", "blocks.0.mlp.1"]
+    assert str(Fp8Recipe(only=("*.mlp.*", "*.fc"))) == "hybrid(only=*.mlp.*+*.fc)"
+    assert mixprec.get_policy("base=fp8,fp8=(only=all)").fp8.only == ()
+    with pytest.raises(ValueError, match=r"Fp8Recipe\(only=...\): \['a,b'\] contain separators"):
+        Fp8Recipe(only=("a,b",))
+    with pytest.raises(TypeError, match=r"Fp8Recipe\(only=...\) takes a tuple of name globs; received '\*.mlp'"):
+        Fp8Recipe(only="*.mlp")

@@ -18,8 +18,8 @@ dominates at small batches. Their accuracy is their eager twin's (the same kerne
 For each: the weights' size as safetensors, the task's metric and loss on its held-out test split
 (its validation split for tasks without one), latency of one input (p50 and p95 over ``latency_samples``
 forwards), and throughput at each larger batch (inputs per second, median of ``repeats`` passes): an input is a
-sequence for token tasks, a sample (an image) for the others. Token inputs are cut from that split's real tokens to exactly ``seq`` tokens;
-other inputs (images) are its rows.
+sequence for token tasks, a sample (an image) for the others. Token inputs are cut from that split's real
+tokens to exactly ``seq`` tokens; other inputs (images) are its rows.
 """
 
 from __future__ import annotations

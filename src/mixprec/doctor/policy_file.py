@@ -8,6 +8,7 @@ Reading parses JSON only (no code runs) and checks every key.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from mixprec.checks import positive_number, unique_keys
@@ -15,10 +16,20 @@ from mixprec.doctor.advice import Diagnosis
 from mixprec.persist import WRITTEN_BY, check_overwrite, stamped, write_atomically
 from mixprec.policy.parse import get_policy
 
-__all__ = ["check_policy_target", "read_policy_file", "write_policy_file"]
+__all__ = ["PolicyAdvice", "check_policy_target", "read_policy_file", "write_policy_file"]
 
 
-def write_policy_file(diagnosis: Diagnosis, path: str | Path, source: str = "") -> Path:
+@dataclass(frozen=True)
+class PolicyAdvice:
+    """What a policy file holds: the policy string, the loss scale to start from (None: the policy's own) and
+    the reasons. The doctor's :class:`~mixprec.doctor.advice.Diagnosis` has the same three fields."""
+
+    policy: str
+    loss_scale: float | None = None
+    reasons: tuple[str, ...] = ()
+
+
+def write_policy_file(diagnosis: Diagnosis | PolicyAdvice, path: str | Path, source: str = "") -> Path:
     """Write the recommended policy and loss scale to ``path`` (atomically); a file there that mixprec did not
     write is refused, never written over."""
     path = check_policy_target(path)

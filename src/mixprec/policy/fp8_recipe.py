@@ -17,6 +17,10 @@
                 first and last GEMM layers in the model's registration order, and "head" for the
                 language-model head (a layer whose weight is an embedding's, else one named lm_head);
                 default "head", as FP8 training recipes keep it; "none" keeps none
+    only        name globs: only the GEMM layers matching one run FP8 (less those ``keep`` keeps), the others
+                stay in the compute dtype; default: every GEMM layer ("all"). A per-layer policy: FP8 for the
+                MLP projections (``only=*.mlp.*``), the compute dtype for the rest, FP32 where the policy's
+                ``fp32_names`` say
     gemm        "auto" (PyTorch's FP8 GEMM on CUDA devices that have it, the emulation elsewhere),
                 "scaled_mm" (the kernel wherever PyTorch has one, the CPU included) or "emulated"
 
@@ -51,7 +55,7 @@ SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8")
 AMAX_REDUCTIONS = ("max", "recent")
 _SEPARATORS = ",+=() "  # the policy grammar's
 _FORMAT_NAMES = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3"), "e5m2": ("fp8_e5m2", "fp8_e5m2")}
-_OPTIONS = ("scaling", "history", "amax", "margin", "keep", "gemm")  # the keys inside the parentheses
+_OPTIONS = ("scaling", "history", "amax", "margin", "keep", "only", "gemm")  # the keys inside the parentheses
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Fp8Recipe:
     amax: str = "max"
     margin: int = 0
     keep: tuple[str, ...] = ("head",)
+    only: tuple[str, ...] = ()  # every GEMM layer
     gemm: str = "auto"
 
     def __post_init__(self) -> None:
@@ -82,14 +87,8 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe(history=...): received {self.history!r}; use a positive number of steps.")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
             raise ValueError(f"Fp8Recipe(margin=...): received {self.margin!r}; use 0 or more powers of two.")
-        if isinstance(self.keep, str) or not all(isinstance(k, str) and k.strip() for k in self.keep):
-            raise TypeError(f"Fp8Recipe(keep=...) takes a tuple of name globs; received {self.keep!r}.")
-        bad = [k for k in self.keep if any(c in k for c in _SEPARATORS)]
-        if bad:
-            raise ValueError(
-                f"Fp8Recipe(keep=...): {bad!r} contain separators of the policy grammar ({_SEPARATORS!r})."
-            )
-        object.__setattr__(self, "keep", tuple(dict.fromkeys(k.strip() for k in self.keep)))
+        for name in ("keep", "only"):
+            object.__setattr__(self, name, _globs(name, getattr(self, name)))
 
     @property
     def format_name(self) -> str:
@@ -103,14 +102,31 @@ class Fp8Recipe:
     def __str__(self) -> str:
         default = Fp8Recipe()
         changed = [name for name in _OPTIONS if getattr(self, name) != getattr(default, name)]
-        options = ",".join(f"{name}={_spelled(getattr(self, name))}" for name in changed)
+        options = ",".join(f"{name}={_spelled(name, getattr(self, name))}" for name in changed)
         return f"{self.format_name}({options})" if options else self.format_name
 
 
-def _spelled(value: object) -> str:
+def _globs(name: str, value: object) -> tuple[str, ...]:
+    """``keep``'s or ``only``'s entries, checked: a tuple of name globs without the grammar's separators."""
+    if (
+        isinstance(value, str)
+        or not isinstance(value, tuple)
+        or not all(isinstance(k, str) and k.strip() for k in value)
+    ):
+        raise TypeError(f"Fp8Recipe({name}=...) takes a tuple of name globs; received {value!r}.")
+    bad = [k for k in value if any(c in k for c in _SEPARATORS)]
+    if bad:
+        raise ValueError(f"Fp8Recipe({name}=...): {bad!r} contain separators of the policy grammar ({_SEPARATORS!r}).")
+    return tuple(dict.fromkeys(k.strip() for k in value))
+
+
+def _spelled(name: str, value: object) -> str:
     if isinstance(value, tuple):
-        return "+".join(value) if value else "none"
+        return "+".join(value) if value else _EMPTY[name]
     return str(value)
+
+
+_EMPTY = {"keep": "none", "only": "all"}  # an empty tuple: keep none; FP8 for every GEMM layer
 
 
 def parse_recipe(text: str, base: Fp8Recipe | None = None) -> Fp8Recipe:
@@ -157,8 +173,8 @@ def _formats(name: str, text: str) -> tuple[str, str]:
 
 
 def _option_value(key: str, value: str, text: str) -> object:
-    if key == "keep":
-        return tuple(v for v in value.split("+") if v.strip()) if value.lower() != "none" else ()
+    if key in _EMPTY:
+        return tuple(v for v in value.split("+") if v.strip()) if value.lower() != _EMPTY[key] else ()
     if key in ("history", "margin"):
         try:
             return int(value)

@@ -14,7 +14,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="explain a policy: preset name or string such as 'p=f32,c=bf16,o=f32'",
         description="Explain a precision policy; without SPEC, list the presets.",
     )
-    parser.add_argument("spec", nargs="?", help="a preset name (mixed_bf16, auto, ...) or a policy string")
+    parser.add_argument(
+        "spec",
+        nargs="?",
+        help="a preset name (mixed_bf16, auto, ...), a policy string, or a policy file (FILE.json, written by "
+        "mixprec doctor --apply or mixprec tune)",
+    )
     parser.add_argument(
         "--device", help="device to resolve 'auto' and check support for (default: cuda if present, else cpu)"
     )
@@ -42,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
         aliases = ", ".join(f"{alias} = {name}" for alias, name in PRESET_ALIASES.items())
         print(f"\nalso accepted (Keras, Apex opt levels, Lightning; '-' reads as '_'): {aliases}")
         return 0
+    loss_scale = None
+    if args.spec.endswith(".json"):  # a policy file: its policy, and the loss scale it recommends
+        from mixprec.doctor import read_policy_file
+
+        args.spec, loss_scale = read_policy_file(args.spec)
     prepared = prepare(None, args.spec, device=device_type)  # parsed and checked once, with its compute plan
     policy, plan = prepared.policy, prepared.plan
     record = {
@@ -58,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         "device": device_caps(device_type).description,
         "compute_plan": f"{plan.mode}: {plan.reason}",
     }
+    if loss_scale is not None:
+        record["loss_scale"] = f"{loss_scale:g} (the policy file's)"
     if args.task is not None:
         record["task"] = args.task
         record["fp8_layers"] = _fp8_layers(args, device_type)

@@ -15,7 +15,8 @@ convolutions, ``nn.Bilinear``, and the projections of ``nn.MultiheadAttention`` 
 
 :func:`select_gemm_layers` walks a model and sorts its GEMM layers into those computed in FP8 and those kept
 in the compute dtype, each with the reason: inside an FP32 module of the policy; kept by the recipe ("first",
-"last", "head" — the language-model head, a layer whose weight is an embedding's — or a name glob); and,
+"last", "head" — the language-model head, a layer whose weight is an embedding's — or a name glob); left out
+by the recipe's ``only`` globs (a per-layer policy: FP8 for the layers they match alone); and,
 where the FP8 GEMM kernel runs, a shape whose in or out features are not multiples of 16 (the kernel's
 requirement; the emulation takes any shape).
 """
@@ -138,11 +139,16 @@ def _attention_projections(model: nn.Module) -> set[str]:
 
 
 def select_gemm_layers(
-    model: nn.Module, keep: Collection[str], fp32: Collection[str] = (), kernel: bool = False
+    model: nn.Module,
+    keep: Collection[str],
+    fp32: Collection[str] = (),
+    kernel: bool = False,
+    only: Collection[str] = (),
 ) -> GemmSelection:
     """Sort ``model``'s GEMM layers into FP8 and kept (see the module docstring). ``keep``: the recipe's
     entries ("first", "last", "head", name globs); ``fp32``: the policy's FP32 modules by name; ``kernel``:
-    whether the FP8 GEMM kernel runs (then shapes it refuses are kept)."""
+    whether the FP8 GEMM kernel runs (then shapes it refuses are kept); ``only``: name globs, the layers
+    that match none are kept (empty: every layer may run FP8)."""
     selection = GemmSelection()
     in_mha = _attention_projections(model)
     gemms: list[tuple[str, nn.Module, Operands]] = []
@@ -172,6 +178,8 @@ def select_gemm_layers(
         glob = next((g for g in globs if fnmatch.fnmatchcase(name, g)), None)
         if glob is not None:
             by_recipe.setdefault(name, f"kept by the recipe (matches {glob!r})")
+        if only and not any(fnmatch.fnmatchcase(name, g) for g in only):
+            by_recipe.setdefault(name, f"left out by the recipe (only={'+'.join(only)})")
         if name in by_recipe:
             selection.kept.append(KeptLayer(name, type(module).__name__, by_recipe[name]))
             continue

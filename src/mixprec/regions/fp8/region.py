@@ -35,7 +35,8 @@ _STATES: weakref.WeakKeyDictionary[nn.Module, Fp8State] = weakref.WeakKeyDiction
 def fp8_layers(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
     """The GEMM layers computed in FP8 (:mod:`mixprec.regions.fp8.gemm_layers`: ``nn.Linear``, transformers'
     ``Conv1D``, the ``mixprec_gemm`` protocol): all of them, less those ``recipe.keep`` keeps ("first" and
-    "last" in the model's registration order, "head", name globs), those in the modules named in ``fp32`` (the
+    "last" in the model's registration order, "head", name globs) and those ``recipe.only``'s globs leave out,
+    those in the modules named in ``fp32`` (the
     policy's FP32 modules, with everything inside them) and, where the FP8 GEMM kernel runs, shapes it refuses.
     :func:`gemm_selection` gives the kept ones with their reasons."""
     return [(name, module) for name, module, _ in gemm_selection(model, recipe, fp32).fp8]
@@ -45,7 +46,7 @@ def gemm_selection(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = 
     """The model's GEMM layers in FP8 and those kept, each with the reason, for ``recipe`` on the model's device."""
     param = next(model.parameters(), None)
     kernel = param is not None and recipe_uses_kernel(recipe, param.device)
-    return select_gemm_layers(model, recipe.keep, fp32, kernel)
+    return select_gemm_layers(model, recipe.keep, fp32, kernel, only=recipe.only)
 
 
 class Fp8State:
