@@ -27,6 +27,7 @@ __all__ = [
     "EXPORT",
     "MARKER",
     "RUN",
+    "TUNE",
     "WRITTEN_BY",
     "check_folder",
     "check_overwrite",
@@ -42,6 +43,7 @@ RUN = "a training run"
 COMPARISON = "a comparison of policies"
 DOCTOR_REPORT = "a doctor report"
 EXPORT = "an export of a run's weights"
+TUNE = "a tune of per-layer precision"
 # what one of mixprec's folders may hold inside it: a comparison its runs, a run its export; nothing else
 _MAY_HOLD = {COMPARISON: {RUN}, RUN: {EXPORT}}
 _LEGACY_CHECKPOINT = re.compile(r"step-\d{8}\.(safetensors|sharded)")

@@ -69,6 +69,15 @@ def fraction(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "a fraction in (0, 1], e.g. 0.999")
 
 
+def tolerance(text: str) -> float:
+    """A relative tolerance: ``0.5%`` or ``0.005``, at least 0 and below 1."""
+    number = text.strip()
+    percent = number.endswith("%")
+    value = _number(number.removesuffix("%"), lambda v: 0 <= (v / 100 if percent else v) < 1,
+                    "a share such as 0.5% or 0.005")  # fmt: skip
+    return value / 100 if percent else value
+
+
 def loss_scale(text: str) -> float:
     """An initial dynamic loss scale that FP32 stores as a normal number (beyond it the scaler could not hold
     it: 1e39 crashed, 1e-50 became 0). Above the growth ceiling (2^24) is allowed: it backs off as usual."""

@@ -33,6 +33,7 @@ from mixprec.app.cli import (
     policy_cmd,
     serve_cmd,
     train_cmd,
+    tune_cmd,
 )
 from mixprec.app.cli.output import surviving_output
 from mixprec.app.failures import BadBatchError
@@ -63,7 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", parser_class=_Parser)
-    commands = (formats_cmd, policy_cmd, train_cmd, compare_cmd, doctor_cmd, export_cmd, serve_cmd, bench_cmd, demo)
+    commands = (
+        formats_cmd,
+        policy_cmd,
+        train_cmd,
+        compare_cmd,
+        doctor_cmd,
+        export_cmd,
+        serve_cmd,
+        bench_cmd,
+        tune_cmd,
+        demo,
+    )
     for command in commands:
         command.add_parser(subparsers)
     return parser

@@ -1,0 +1,229 @@
+"""The cost model: predicted step time and activation memory of a per-layer policy, from measured GEMM layers.
+
+A device profile holds, for GEMM layer shapes (rows ``m`` = tokens or samples per batch, ``k`` in features,
+``n`` out features), the milliseconds of one training pass of such a layer (forward, input gradient and weight
+gradient: three GEMMs) in each per-layer format, measured through mixprec's own regions, so the casts, the FP8
+scaling passes and the kernels the compute plan picked are all in the figure:
+
+    fp32    the layer in FP32 (``fp32_names`` of the policy)
+    bf16    the base policy's 16-bit compute (or fp16: the profile's ``base``)
+    fp8     FP8 with current tensorwise scaling (``fp8=hybrid(scaling=current)``), on the kernel where the device
+            has one, emulated exactly elsewhere (a CPU: slower than 16 bits, which the profile then says)
+
+:func:`measure_profile` times the shapes of the model at hand on the device at hand (a few seconds; the layers
+of one shape are timed once). A profile measured elsewhere (``--device-profile FILE``: the GPU check writes one
+on each GPU it runs on) is read from JSON; a shape it lacks is predicted from the entry nearest in FLOPs, at
+that entry's throughput (said in the prediction). The predicted step of a policy is the measured step of the
+uniform base policy with each layer's time replaced by its format's; from a foreign profile, where no step was
+measured, the prediction covers the GEMM layers alone and says so. Activation memory counts the input each GEMM
+layer saves for its backward: 4 bytes a value in FP32, 2 in 16 bits, 1 in FP8 (the FP8 layer saves its
+quantized input).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.persist import check_overwrite, stamped, write_atomically
+from mixprec.regions import Region
+
+__all__ = ["FORMATS", "DeviceProfile", "GemmShape", "Prediction", "layer_policy", "measure_profile", "predict"]
+
+FORMATS = ("fp32", "16", "fp8")  # per layer: FP32, the base policy's 16-bit compute, FP8
+SAVED_BYTES = {"fp32": 4, "16": 2, "fp8": 1}  # per value of the input a GEMM layer saves for its backward
+KIND = "device profile"
+_TARGET_MS = 5.0  # each timed sample repeats the pass until it takes about this long
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One GEMM layer's product in training: ``m`` rows (tokens or samples per batch) of ``k`` in features
+    to ``n`` out features."""
+
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> int:
+        return 6 * self.m * self.k * self.n  # forward, input gradient, weight gradient
+
+    def key(self) -> str:
+        return f"{self.m}x{self.k}x{self.n}"
+
+
+def layer_policy(base: str, fmt: str) -> str:
+    """The policy one layer of format ``fmt`` runs under, on top of ``base`` (a 16-bit preset)."""
+    if fmt == "fp32":
+        return "fp32"
+    if fmt == "fp8":
+        return f"base={base},fp8=hybrid(scaling=current,keep=none)"
+    return base
+
+
+@dataclass
+class DeviceProfile:
+    """Measured milliseconds of one training pass per GEMM layer shape and format, on one device."""
+
+    device: str
+    base: str  # the 16-bit preset the "16" format stands for (mixed_bf16 or mixed_fp16)
+    entries: dict[str, dict[str, float]] = field(default_factory=dict)  # shape key -> format -> ms
+    source: str = "measured here"
+
+    def layer_ms(self, shape: GemmShape, fmt: str) -> tuple[float, str | None]:
+        """Milliseconds of ``shape`` in ``fmt``, and how it was had when not measured (None if measured)."""
+        if shape.key() in self.entries and fmt in self.entries[shape.key()]:
+            return self.entries[shape.key()][fmt], None
+        known = [(k, v[fmt]) for k, v in self.entries.items() if fmt in v]
+        if not known:
+            raise ValueError(f"the device profile ({self.source}) has no {fmt} timing; measure one with this format.")
+        nearest, ms = min(known, key=lambda item: abs(math.log(_flops(item[0]) / shape.flops)))
+        return ms * shape.flops / _flops(nearest), f"scaled from {nearest} at its throughput"
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON (atomically; a file mixprec did not write is refused)."""
+        path = check_overwrite(path, "--device-profile", KIND)
+        payload = stamped(
+            {"device": self.device, "base": self.base, "source": self.source, "layers": self.entries}, KIND
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(payload, indent=1).encode())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        """Read a profile :meth:`save` wrote (JSON only: nothing in the file runs).
+
+        Raises:
+            ValueError: unreadable, not a profile, or malformed entries.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            entries = {
+                str(shape): {f: float(ms) for f, ms in timings.items() if f in FORMATS}
+                for shape, timings in data["layers"].items()
+            }
+            if not entries or any(_flops(shape) <= 0 for shape in entries):
+                raise ValueError("no layer timings")
+            return cls(str(data["device"]), str(data["base"]), entries, f"{path}")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"--device-profile {path}: not a device profile mixprec wrote ({exc}); write one with mixprec tune "
+                "--save-profile FILE on that device, or the GPU check's profile part."
+            ) from None
+
+
+def _flops(key: str) -> int:
+    m, k, n = (int(v) for v in key.split("x"))
+    return GemmShape(m, k, n).flops
+
+
+def measure_profile(
+    shapes: Iterable[GemmShape],
+    base: str,
+    device: torch.device,
+    repeats: int = 3,
+    progress: Callable[[str], None] = lambda message: None,
+    formats: Iterable[str] = FORMATS,
+) -> DeviceProfile:
+    """Time one training pass of a Linear layer of each shape in each format through mixprec's region on
+    ``device``; the formats take turns, ``repeats`` samples each, the median kept."""
+    from mixprec.compute import device_caps
+
+    shapes, formats = list(dict.fromkeys(shapes)), list(formats)
+    profile = DeviceProfile(device_caps(device.type).description, base)
+    for index, shape in enumerate(shapes, 1):
+        progress(f"cost model: timing GEMM layer shape {shape.key()} ({index}/{len(shapes)})")
+        passes = {fmt: _pass(shape, layer_policy(base, fmt), device) for fmt in formats}
+        for run in passes.values():
+            run(1)  # warm-up: kernels, caches, the FP8 state
+        counts = {fmt: _repeats_for(run) for fmt, run in passes.items()}
+        samples: dict[str, list[float]] = {fmt: [] for fmt in formats}
+        for _ in range(repeats):
+            for fmt, run in passes.items():
+                samples[fmt].append(run(counts[fmt]) / counts[fmt])
+        profile.entries[shape.key()] = {fmt: round(statistics.median(ms), 5) for fmt, ms in samples.items()}
+    return profile
+
+
+def _pass(shape: GemmShape, policy: str, device: torch.device) -> Callable[[int], float]:
+    """A function timing ``count`` forward + backward passes of a fresh Linear layer of ``shape`` under ``policy``
+    (milliseconds, the device synchronized)."""
+    generator = torch.Generator().manual_seed(0)
+    layer = nn.Linear(shape.k, shape.n).to(device)
+    x = torch.randn(shape.m, shape.k, generator=generator).to(device).requires_grad_()
+    region = Region(policy, layer)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(count: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(count):
+            with region.enter():
+                out = layer(x)
+            out.float().sum().backward()
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    return run
+
+
+def _repeats_for(run: Callable[[int], float]) -> int:
+    """Passes per timed sample: enough for about ``_TARGET_MS`` (tiny layers take microseconds)."""
+    once = max(run(1), 1e-3)
+    return max(1, min(1000, round(_TARGET_MS / once)))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A per-layer policy's predicted cost against the uniform base policy's."""
+
+    step_ms: float
+    speedup: float  # the base policy's predicted step over this one's
+    activation_ratio: float  # saved GEMM-layer inputs against the base policy's
+    scope: str  # "step" (measured base step, layer times replaced) or "GEMM layers" (a foreign profile)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def predict(
+    assignment: dict[str, str],
+    shapes: dict[str, GemmShape],
+    profile: DeviceProfile,
+    base_step_ms: float | None,
+) -> Prediction:
+    """The cost of running each GEMM layer ``name`` in ``assignment[name]`` (a layer left out: the base's 16 bits);
+    ``base_step_ms``: the uniform base policy's measured step on the profile's device, None for a foreign one."""
+    notes, base_ms, ms, base_bytes, saved = [], 0.0, 0.0, 0, 0
+    for name, shape in shapes.items():
+        fmt = assignment.get(name, "16")
+        here, how = profile.layer_ms(shape, fmt)
+        uniform, how_base = profile.layer_ms(shape, "16")
+        notes += [f"{name} {f}: {h}" for f, h in {fmt: how, "16": how_base}.items() if h]
+        ms, base_ms = ms + here, base_ms + uniform
+        saved += SAVED_BYTES[fmt] * shape.m * shape.k
+        base_bytes += SAVED_BYTES["16"] * shape.m * shape.k
+    if base_step_ms is not None:
+        step, scope = base_step_ms - base_ms + ms, "step"
+        base = base_step_ms
+    else:
+        step, scope, base = ms, "GEMM layers", base_ms
+    return Prediction(
+        round(step, 4),
+        round(base / step, 4) if step > 0 else 1.0,
+        round(saved / base_bytes, 4) if base_bytes else 1.0,
+        scope,
+        tuple(dict.fromkeys(notes)),
+    )

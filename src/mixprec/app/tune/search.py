@@ -1,0 +1,344 @@
+"""``mixprec tune``: the fastest per-layer precision that keeps the accuracy, found by cost model and trials.
+
+    1. shapes and allowed formats of every GEMM layer (:mod:`mixprec.app.tune.layers`: the doctor's statistics)
+    2. the cost of each layer in each format (:mod:`mixprec.app.tune.cost`: measured here, or a device profile)
+    3. trials: short runs from the same seed and data under the uniform base policy, FP32, and each candidate
+       (emulated exactly where the device lacks a format: a CPU tunes for a GPU); a candidate's loss change is
+       its validation loss against the uniform base's
+    4. greedy, in sensitivity order (the doctor's FP8 error, smallest first): each layer that the cost model
+       says runs faster in FP8 is tried in FP8 on top of those accepted so far, kept when the loss change stays
+       within the tolerance; a layer the cost model finds faster in FP32 than in 16 bits takes FP32 at no risk
+       to the loss; layers the doctor keeps in FP32 stay there
+    5. verification: the chosen policy, the uniform base and FP32, each over ``seeds`` seeds, longer runs
+
+Every trial prints a progress line; a budget stops the greedy search early (the verification still runs).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mixprec.app.config import TrainConfig
+from mixprec.app.tune.cost import DeviceProfile, GemmShape, Prediction, measure_profile, predict
+from mixprec.app.tune.layers import LayerChoice
+
+__all__ = ["Candidate", "TuneOptions", "assignment_policy", "pareto_front", "search"]
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """How to search: the base 16-bit preset, the accuracy tolerance, the run lengths, the time budget."""
+
+    base: str = "mixed_bf16"
+    tolerance: float = 0.005  # relative validation-loss change allowed against the uniform base
+    trial_steps: int = 60
+    verify_steps: int = 180
+    seeds: int = 3
+    budget_minutes: float | None = None
+
+
+@dataclass
+class Candidate:
+    """One per-layer policy tried: its layers' formats, the prediction, and the trial's loss change."""
+
+    policy: str
+    assignment: dict[str, str]
+    prediction: dict[str, Any]
+    loss: float
+    loss_change: float  # relative, against the uniform base's trial loss
+    accepted: bool
+    note: str = ""
+
+
+def assignment_policy(base: str, assignment: dict[str, str]) -> str:
+    """The policy string of a per-layer assignment: FP32 layers as ``names=``, FP8 ones as ``fp8=(only=...)``."""
+    fp32 = sorted(name for name, fmt in assignment.items() if fmt == "fp32")
+    fp8 = sorted(name for name, fmt in assignment.items() if fmt == "fp8")
+    parts = [f"base={base}"]
+    if fp32:
+        parts.append("names=" + "+".join(fp32))
+    if fp8:
+        parts.append("fp8=hybrid(scaling=current,keep=none,only=" + "+".join(fp8) + ")")
+    return ",".join(parts)
+
+
+def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates no other beats on both predicted speed-up (higher) and loss change (lower)."""
+    finite = [c for c in candidates if math.isfinite(c.loss_change)]
+
+    def beaten(c: Candidate) -> bool:
+        s, d = c.prediction["speedup"], c.loss_change
+        return any(
+            o is not c and o.prediction["speedup"] >= s and o.loss_change <= d
+            and (o.prediction["speedup"] > s or o.loss_change < d)
+            for o in finite
+        )  # fmt: skip
+
+    return sorted((c for c in finite if not beaten(c)), key=lambda c: c.prediction["speedup"])
+
+
+@dataclass
+class SearchState:
+    """What the search has measured so far."""
+
+    config: TrainConfig
+    options: TuneOptions
+    choices: dict[str, LayerChoice]
+    profile: DeviceProfile
+    base_step_ms: float | None
+    progress: Callable[[str], None]
+    started: float = field(default_factory=time.monotonic)
+    candidates: list[Candidate] = field(default_factory=list)
+    trial_seconds: list[float] = field(default_factory=list)
+
+    def shapes(self) -> dict[str, GemmShape]:
+        return {name: choice.shape for name, choice in self.choices.items()}
+
+    def predict(self, assignment: dict[str, str]) -> Prediction:
+        return predict(assignment, self.shapes(), self.profile, self.base_step_ms)
+
+    def trial(self, policy: str, seed: int | None = None, steps: int | None = None) -> tuple[float, float]:
+        """(validation loss, ms per step) of a short run under ``policy``."""
+        start = time.monotonic()
+        loss, ms = run_trial(self.config, policy, seed if seed is not None else self.config.seed,
+                             steps or self.options.trial_steps)  # fmt: skip
+        self.trial_seconds.append(time.monotonic() - start)
+        return loss, ms
+
+    def out_of_budget(self, runs_left_after: int) -> bool:
+        """Whether one more trial, then the verification's runs, would pass the budget."""
+        if self.options.budget_minutes is None or not self.trial_seconds:
+            return False
+        trial = max(self.trial_seconds)
+        verify = trial * self.options.verify_steps / self.options.trial_steps * runs_left_after
+        return time.monotonic() - self.started + trial + verify > 60 * self.options.budget_minutes
+
+
+def run_trial(config: TrainConfig, policy: str, seed: int, steps: int) -> tuple[float, float]:
+    """Train ``steps`` updates of ``config``'s task under ``policy`` from ``seed`` (no run folder); the
+    validation loss after them and the measured ms per step."""
+    from mixprec.app.failures import BadBatchError
+    from mixprec.app.run import build_trainer
+
+    trainer, _, _ = build_trainer(config.replace(policy=policy, seed=seed, steps=steps, epochs=None), None, False)
+    try:
+        result = trainer.fit(steps=steps)
+    except BadBatchError:  # a forward or loss made inf/NaN under this policy: no loss to compare, never chosen
+        return math.inf, math.nan
+    loss = float(result.eval.get("loss", result.train_loss))
+    return loss, result.ms_per_step
+
+
+def search(
+    config: TrainConfig,
+    options: TuneOptions,
+    choices: dict[str, LayerChoice],
+    profile: DeviceProfile | None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict[str, Any]:
+    """Steps 2-5 of the module docstring; returns what ``tune.json`` holds."""
+    base = options.base
+    state = SearchState(config, options, choices, profile or DeviceProfile("", base), None, progress)
+    progress(f"tune: trial of the uniform base ({base}) and of FP32, {options.trial_steps} steps each")
+    base_loss, base_ms = state.trial(base)
+    fp32_loss, _ = state.trial("fp32")
+    forced = {name: "fp32" for name, choice in choices.items() if choice.formats == ("fp32",)}
+    reference_loss, reference_ms = base_loss, base_ms
+    if not math.isfinite(base_loss) and forced:  # the doctor foresaw it: the base with its FP32 layers instead
+        progress("tune: the uniform base made inf/NaN; the reference is the base with the doctor's FP32 layers")
+        reference_loss, reference_ms = state.trial(assignment_policy(base, forced))
+    if profile is None:  # measured here: the step of the uniform base is this device's
+        state.profile = measure_profile(state.shapes().values(), base, _device(config), progress=progress)
+        state.base_step_ms = reference_ms - sum(_fp32_extra(state, name) for name in forced)
+    reference = reference_loss if math.isfinite(reference_loss) else fp32_loss
+    accepted = _first_moves(state, reference)
+    accepted += _greedy(state, accepted[-1], reference)
+    assignment, verification = _verify(state, accepted)
+    return {
+        "base": base,
+        "tolerance": options.tolerance,
+        "device_profile": {"device": state.profile.device, "source": state.profile.source},
+        "trials": {
+            "steps": options.trial_steps,
+            "base_loss": base_loss,
+            "fp32_loss": fp32_loss,
+            "base_ms_per_step": base_ms,
+            "reference_loss": reference_loss,
+        },
+        "layers": [_layer_record(c, state) for c in choices.values()],
+        "candidates": [asdict(c) for c in state.candidates],
+        "pareto": [asdict(c) for c in pareto_front(state.candidates)],
+        "chosen": {
+            "policy": assignment_policy(base, assignment),
+            "assignment": assignment,
+            "prediction": state.predict(assignment).to_dict(),
+        },
+        "verification": verification,
+        "seconds": round(time.monotonic() - state.started, 1),
+    }
+
+
+def _device(config: TrainConfig) -> Any:
+    import torch
+
+    from mixprec.app.run import resolve_device
+
+    return torch.device(resolve_device(config.device))
+
+
+def _fp32_extra(state: SearchState, name: str) -> float:
+    """What running layer ``name`` in FP32 adds to a step over its 16 bits (milliseconds, the profile's)."""
+    shape = state.choices[name].shape
+    return state.profile.layer_ms(shape, "fp32")[0] - state.profile.layer_ms(shape, "16")[0]
+
+
+def _first_moves(state: SearchState, reference: float) -> list[dict[str, str]]:
+    """The layers the doctor keeps in FP32 (no trial: the 16-bit compute would overflow), then, as a trial, those
+    the cost model finds faster in FP32 than in 16 bits."""
+    forced = {name: "fp32" for name, choice in state.choices.items() if choice.formats == ("fp32",)}
+    faster = {
+        name: "fp32"
+        for name, choice in state.choices.items()
+        if name not in forced
+        and state.profile.layer_ms(choice.shape, "fp32")[0] < state.profile.layer_ms(choice.shape, "16")[0]
+    }
+    moves = [forced]
+    if forced:
+        kept = ", ".join(f"{n} ({state.choices[n].reasons['16']})" for n in forced)
+        state.progress(f"tune: kept in FP32 by the doctor: {kept}")
+    if faster:
+        candidate = _record(state, {**forced, **faster}, reference, note="the layers faster in FP32 than in 16 bits")
+        if candidate.accepted:
+            moves.append({**forced, **faster})
+    return moves
+
+
+def _greedy(state: SearchState, assignment: dict[str, str], reference: float) -> list[dict[str, str]]:
+    """FP8 for each layer the cost model finds faster there, least sensitive first, while the loss holds; the
+    accepted assignments in order, each one layer more than the one before."""
+    order = sorted(state.choices.values(), key=lambda c: (c.fp8_error, c.name))
+    accepted, tried = [], 0
+    for choice in order:
+        if "fp8" not in choice.formats:
+            continue
+        now = state.profile.layer_ms(choice.shape, assignment.get(choice.name, "16"))[0]
+        if state.profile.layer_ms(choice.shape, "fp8")[0] >= now:
+            continue  # FP8 does not pay on this layer here: not worth a trial
+        if state.out_of_budget(runs_left_after=3 * state.options.seeds):
+            state.progress(f"tune: budget reached after {tried} FP8 trials; verifying what was accepted")
+            break
+        tried += 1
+        trying = {**assignment, choice.name: "fp8"}
+        if _record(state, trying, reference, note=f"+ {choice.name} in FP8").accepted:
+            assignment = trying
+            accepted.append(trying)
+    return accepted
+
+
+def _record(
+    state: SearchState, assignment: dict[str, str], reference: float, note: str, accepted: bool | None = None
+) -> Candidate:
+    policy = assignment_policy(state.options.base, assignment)
+    loss, _ = state.trial(policy)
+    change = (loss - reference) / abs(reference) if math.isfinite(loss) and reference else math.inf
+    ok = change <= state.options.tolerance if accepted is None else accepted
+    prediction = state.predict(assignment)
+    candidate = Candidate(policy, dict(assignment), prediction.to_dict(), loss, change, ok, note)
+    state.candidates.append(candidate)
+    verdict = "kept" if ok else "refused"
+    state.progress(
+        f"tune: [{len(state.candidates)}] {note}: loss {loss:.4f} ({100 * change:+.3f}%), predicted "
+        f"{prediction.speedup:.3f}x {state.options.base} ({prediction.scope}) -> {verdict}"
+    )
+    return candidate
+
+
+def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The uniform base and FP32 over ``seeds`` seeds, ``verify_steps`` each; then the accepted assignments,
+    fastest first, until one keeps the mean validation loss within the tolerance of the base's (the first one,
+    the doctor's FP32 layers alone, is the base itself when there are none). With a cost model measured here, its
+    predicted steps against the measured ones."""
+    runs = {name: _seeded(state, name, policy) for name, policy in (("base", state.options.base), ("fp32", "fp32"))}
+    means = {name: statistics.fmean(loss for loss, _ in results) for name, results in runs.items()}
+    reference = means["base"] if math.isfinite(means["base"]) else means["fp32"]
+    tried = []
+    for index, assignment in enumerate(reversed(accepted)):
+        last = index == len(accepted) - 1
+        if not last and state.out_of_budget(runs_left_after=state.options.seeds - 1):
+            continue  # no time to verify this one: fall back towards the base
+        policy = assignment_policy(state.options.base, assignment)
+        chosen = runs["base"] if not assignment else _seeded(state, "chosen", policy)
+        mean = statistics.fmean(loss for loss, _ in chosen)
+        change = (mean - reference) / abs(reference)
+        tried.append({"policy": policy, "mean": mean, "loss_change": change})
+        if change <= state.options.tolerance or last:
+            break
+        state.progress(f"tune: {policy} verified at {100 * change:+.3f}%, past the tolerance: falling back")
+    runs["chosen"] = chosen
+    summary: dict[str, Any] = {
+        name: {
+            "losses": [loss for loss, _ in results],
+            "mean": statistics.fmean(loss for loss, _ in results),
+            "ms_per_step": statistics.median(ms for _, ms in results),
+        }
+        for name, results in runs.items()
+    }
+    base = summary["base"]["losses"]
+    summary["tried"] = tried
+    summary["verdict"] = {
+        "reference": "base" if math.isfinite(means["base"]) else "FP32 run (the base made inf/NaN)",
+        "loss_change": change,
+        "base_seed_spread": max(base) - min(base),
+        "within_tolerance": change <= state.options.tolerance,
+        "within_base_spread": abs(mean - summary["base"]["mean"]) <= max(base) - min(base),
+    }
+    if state.base_step_ms is not None:
+        summary["cost_model"] = _cost_model_check(state, assignment, summary)
+    return assignment, summary
+
+
+def _seeded(state: SearchState, name: str, policy: str) -> list[tuple[float, float]]:
+    """(validation loss, ms per step) of ``verify_steps`` under ``policy`` from each of ``seeds`` seeds."""
+    results = []
+    steps = state.options.verify_steps
+    for seed in range(state.config.seed, state.config.seed + state.options.seeds):
+        state.progress(f"tune: verification, {name} seed {seed} ({steps} steps)")
+        results.append(state.trial(policy, seed=seed, steps=steps))
+    return results
+
+
+def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: dict[str, Any]) -> dict[str, Any]:
+    """Predicted against measured ms per step for the verified policies (FP32 predicted as every GEMM layer in
+    FP32 on top of the base: the rest of an FP32 step, outside the GEMM layers, is the base's in the model)."""
+    every_fp32 = {name: "fp32" for name in state.choices}
+    predicted = {"chosen": state.predict(assignment).step_ms, "base": state.base_step_ms,
+                 "fp32": state.predict(every_fp32).step_ms}  # fmt: skip
+    measured = {name: summary[name]["ms_per_step"] for name in predicted}
+    predicted = {name: ms for name, ms in predicted.items() if math.isfinite(measured[name])}  # a run that failed
+    measured = {name: measured[name] for name in predicted}
+    order = sorted(predicted, key=predicted.get)
+    return {
+        "predicted_ms": predicted,
+        "measured_ms": measured,
+        "predicted_over_measured": {n: predicted[n] / measured[n] for n in predicted if measured[n] > 0},
+        "ranking_predicted": order,
+        "ranking_measured": sorted(measured, key=measured.get),
+        "ranking_agrees": order == sorted(measured, key=measured.get),
+    }
+
+
+def _layer_record(choice: LayerChoice, state: SearchState) -> dict[str, Any]:
+    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in ("fp32", "16", "fp8")}
+    return {
+        "name": choice.name,
+        "shape": asdict(choice.shape),
+        "formats": list(choice.formats),
+        "reasons": choice.reasons,
+        "fp8_error": choice.fp8_error,
+        "ms": timings,
+    }

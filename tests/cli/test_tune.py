@@ -1,0 +1,152 @@
+"""mixprec tune: per-layer policies found by cost model and trials, verified, written; deterministic for a seed
+and a device profile; the fragile layer kept in FP32 with the doctor's reason; the budget respected."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import mixprec
+from mixprec.app.tune.cost import DeviceProfile, GemmShape, predict
+from mixprec.app.tune.search import Candidate, assignment_policy, pareto_front
+
+TINY = ("--size", "tiny", "--trial-steps", "8", "--verify-steps", "12", "--seeds", "2")
+CHARLM = {  # charlm tiny's GEMM layers: (m, k, n)
+    "blocks.0.attn.qkv": (256, 32, 96),
+    "blocks.0.attn.proj": (256, 32, 32),
+    "blocks.0.mlp.0": (256, 32, 128),
+    "blocks.0.mlp.2": (256, 128, 32),
+    "lm_head": (256, 32, 256),
+}
+
+
+def _profile(tmp_path, fp8_over_16: float = 0.5) -> DeviceProfile:
+    """A profile as a GPU's would read: FP8 at ``fp8_over_16`` of 16 bits' time, FP32 at twice it (made here: the
+    search's logic on a device where FP8 pays, which this CPU is not)."""
+    entries = {}
+    for m, k, n in CHARLM.values():
+        ms = GemmShape(m, k, n).flops / 1e9
+        entries[f"{m}x{k}x{n}"] = {"fp32": 2 * ms, "16": ms, "fp8": fp8_over_16 * ms}
+    path = DeviceProfile("a GPU (test profile)", "mixed_bf16", entries).save(tmp_path / "profile.json")
+    return path
+
+
+def _tune(mixprec_cli, out, *args):
+    finished = mixprec_cli("tune", "charlm", *TINY, "--out", out, *args)
+    assert finished.returncode == 0, finished.stderr
+    return finished, json.loads((out / "tune.json").read_text())
+
+
+def test_fp8_where_the_profile_says_it_pays_deterministic_and_within_the_tolerance(tmp_path, mixprec_cli):
+    profile = _profile(tmp_path)
+    finished, first = _tune(mixprec_cli, tmp_path / "a", "--device-profile", profile, "--tolerance", "50%")
+    assert "tune: [1] + " in finished.stderr and "in FP8" in finished.stderr  # a progress line per trial
+    fp8_trials = [c for c in first["candidates"] if c["note"].endswith("in FP8")]
+    assert len(fp8_trials) == 5 and all(c["accepted"] for c in fp8_trials)  # a loose tolerance keeps every one
+    # least sensitive first: the doctor's FP8 error orders the trials
+    errors = {layer["name"]: layer["fp8_error"] for layer in first["layers"]}
+    order = [c["note"].removeprefix("+ ").removesuffix(" in FP8") for c in fp8_trials]
+    assert order == sorted(order, key=lambda name: (errors[name], name))
+    assert first["chosen"]["prediction"]["scope"] == "GEMM layers"  # a foreign profile: no step measured there
+    assert first["chosen"]["prediction"]["speedup"] == pytest.approx(2.0, rel=1e-3)  # every layer at half the time
+    assert first["chosen"]["prediction"]["activation_ratio"] == 0.5
+    assert first["pareto"] and all(c["prediction"]["speedup"] > 0 for c in first["pareto"])
+    verdict = first["verification"]["verdict"]
+    assert verdict["within_tolerance"] and verdict["loss_change"] <= 0.5
+    _, again = _tune(mixprec_cli, tmp_path / "b", "--device-profile", profile, "--tolerance", "50%")
+    assert [c["loss"] for c in again["candidates"]] == [c["loss"] for c in first["candidates"]]
+    assert again["chosen"] == first["chosen"]
+
+
+def test_a_tight_tolerance_refuses_and_the_verification_never_exceeds_it(tmp_path, mixprec_cli):
+    _, result = _tune(mixprec_cli, tmp_path / "t", "--device-profile", _profile(tmp_path), "--tolerance", "0")
+    fp8_trials = [c for c in result["candidates"] if c["note"].endswith("in FP8")]
+    assert len(fp8_trials) == 5  # tried, each kept only if its loss did not rise at all
+    assert all(c["accepted"] == (c["loss_change"] <= 0) for c in fp8_trials)
+    verdict = result["verification"]["verdict"]
+    assert verdict["loss_change"] <= 0 and verdict["within_tolerance"]
+
+
+def test_the_chosen_policy_file_loads_in_policy_and_train(tmp_path, mixprec_cli):
+    out = tmp_path / "tuned"
+    _, result = _tune(mixprec_cli, out, "--device-profile", _profile(tmp_path), "--tolerance", "50%")
+    shown = json.loads(mixprec_cli("policy", str(out / "policy.json"), "--json").stdout)
+    assert shown["policy"] == str(mixprec.get_policy(result["chosen"]["policy"]))
+    trained = mixprec_cli("train", "charlm", "--size", "tiny", "--steps", "2", "--policy", out / "policy.json",
+                          "--out", tmp_path / "run")  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    for name in ("front.png", "report.md"):
+        assert (out / name).stat().st_size > 0
+    assert "Chosen: `" in (out / "report.md").read_text()
+
+
+FRAGILE = """
+import torch
+from torch import nn
+from mixprec.app import TaskParts
+
+def build(config):
+    torch.manual_seed(config.seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight.mul_(1e6)  # its outputs reach ~1e6: past fp16's 65504, inside bf16 and FP32
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)) for _ in range(8)]
+    return TaskParts(model=model, train_data=batches, eval_data=batches[:2],
+                     loss_fn=nn.functional.cross_entropy, defaults={"lr": 1e-3})
+"""
+
+
+def test_the_layer_that_overflows_fp16_stays_fp32_and_says_why(tmp_path, mixprec_cli):
+    (tmp_path / "fragile.py").write_text(FRAGILE)
+    out = tmp_path / "out"
+    args = ("tune", "--model", "fragile:build", "--base", "mixed_fp16", "--trial-steps", "4", "--verify-steps", "6",
+            "--seeds", "2", "--out", out)  # fmt: skip
+    finished = mixprec_cli(*args, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr
+    result = json.loads((out / "tune.json").read_text())
+    layer = next(layer for layer in result["layers"] if layer["name"] == "2")
+    assert layer["formats"] == ["fp32"] and "past fp16's largest 65504: kept in FP32" in layer["reasons"]["16"]
+    assert result["chosen"]["assignment"]["2"] == "fp32"
+    assert "kept in FP32 by the doctor: 2 (its values reach" in finished.stderr
+    assert all(layer["formats"] != ["fp32"] for layer in result["layers"] if layer["name"] != "2")
+
+
+def test_the_budget_stops_the_trials_and_the_verification_still_runs(tmp_path, mixprec_cli):
+    start = time.monotonic()
+    finished, result = _tune(mixprec_cli, tmp_path / "b", "--device-profile", _profile(tmp_path),
+                             "--budget-minutes", "0.001")  # fmt: skip
+    assert time.monotonic() - start < 60
+    assert "tune: budget reached after 0 FP8 trials" in finished.stderr
+    assert not [c for c in result["candidates"] if c["note"].endswith("in FP8")]
+    assert result["chosen"]["policy"] == "base=mixed_bf16" and result["verification"]["verdict"]["within_tolerance"]
+
+
+def test_profiles_round_trip_predict_unmeasured_shapes_and_refuse_other_files(tmp_path, mixprec_cli):
+    path = _profile(tmp_path)
+    profile = DeviceProfile.load(path)
+    shape = GemmShape(512, 32, 96)  # twice the rows of a measured one: twice its time, at its throughput
+    ms, how = profile.layer_ms(shape, "fp8")
+    assert ms == pytest.approx(2 * profile.layer_ms(GemmShape(256, 32, 96), "fp8")[0]) and "scaled from" in how
+    shapes = {name: GemmShape(*mkn) for name, mkn in CHARLM.items()}
+    assert predict({}, shapes, profile, base_step_ms=None).speedup == 1.0
+    assert predict({"lm_head": "fp32"}, shapes, profile, base_step_ms=100.0).step_ms > 100.0
+    (tmp_path / "other.json").write_text('{"something": 1}')
+    refused = mixprec_cli("tune", "charlm", *TINY, "--device-profile", tmp_path / "other.json", "--out", tmp_path / "o")
+    assert refused.returncode != 0 and "not a device profile mixprec wrote" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_policies_of_assignments_parse_back_and_the_front_drops_what_is_beaten():
+    policy = assignment_policy("mixed_bf16", {"lm_head": "fp32", "blocks.0.mlp.0": "fp8", "blocks.0.attn.qkv": "16"})
+    assert policy == "base=mixed_bf16,names=lm_head,fp8=hybrid(scaling=current,keep=none,only=blocks.0.mlp.0)"
+    parsed = mixprec.get_policy(policy)
+    assert parsed.fp32_names == ("lm_head",) and parsed.fp8.only == ("blocks.0.mlp.0",)
+
+    def candidate(speedup, change):
+        return Candidate("p", {}, {"speedup": speedup}, 1.0, change, True)
+
+    a, b, c = candidate(1.0, 0.0), candidate(1.2, 0.001), candidate(1.1, 0.002)  # c: slower and worse than b
+    assert pareto_front([a, b, c]) == [a, b]
