@@ -82,6 +82,7 @@ _SOURCES = {
     "LossScaler": "mixprec.scaling",
     "NoOpLossScaler": "mixprec.scaling",
     "StaticLossScaler": "mixprec.scaling",
+    "tune": "mixprec.app.tune.run",  # the application's search (loads mixprec.app, and torch, on first use)
 }
 
 

@@ -4,6 +4,7 @@ and a device profile; the fragile layer kept in FP32 with the doctor's reason; t
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -42,7 +43,10 @@ def _tune(mixprec_cli, out, *args):
 def test_fp8_where_the_profile_says_it_pays_deterministic_and_within_the_tolerance(tmp_path, mixprec_cli):
     profile = _profile(tmp_path)
     finished, first = _tune(mixprec_cli, tmp_path / "a", "--device-profile", profile, "--tolerance", "50%")
-    assert "tune: [1] + " in finished.stderr and "in FP8" in finished.stderr  # a progress line per trial
+    assert re.search(r"tune: \[3\] \+ \S+ in FP8: loss", finished.stderr)  # a progress line per trial
+    uniform = [c for c in first["candidates"] if c["note"].startswith("uniform")]
+    assert [c["policy"] for c in uniform] == ["mixed_bf16", "fp32"]  # the front's two ends, tried first
+    assert uniform[0]["loss_change"] == 0 and uniform[1]["prediction"]["speedup"] == pytest.approx(0.5, rel=1e-3)
     fp8_trials = [c for c in first["candidates"] if c["note"].endswith("in FP8")]
     assert len(fp8_trials) == 5 and all(c["accepted"] for c in fp8_trials)  # a loose tolerance keeps every one
     # least sensitive first: the doctor's FP8 error orders the trials
@@ -150,3 +154,34 @@ def test_policies_of_assignments_parse_back_and_the_front_drops_what_is_beaten()
 
     a, b, c = candidate(1.0, 0.0), candidate(1.2, 0.001), candidate(1.1, 0.002)  # c: slower and worse than b
     assert pareto_front([a, b, c]) == [a, b]
+
+
+def test_tune_from_python_takes_a_factory_of_ones_own_and_refuses_a_lambda(tmp_path, monkeypatch):
+    (tmp_path / "fragile_task.py").write_text(FRAGILE)
+    monkeypatch.syspath_prepend(tmp_path)
+    import fragile_task
+
+    said = []
+    result = mixprec.tune(fragile_task.build, out=tmp_path / "out", base="mixed_fp16", trial_steps=4, verify_steps=6,
+                          seeds=2, progress=said.append)  # fmt: skip
+    assert result["task"] == "fragile_task:build" and result["chosen"]["assignment"]["2"] == "fp32"
+    assert any(line.startswith("tune: verification") for line in said)
+    with pytest.raises(ValueError, match=r"cannot be imported again by its module and name"):
+        mixprec.tune(lambda config: fragile_task.build(config), out=tmp_path / "other")
+    with pytest.raises(ValueError, match=r"tune\(tolerance=...\): received 2"):
+        mixprec.tune("digits", out=tmp_path / "other", tolerance=2)
+
+
+def test_a_profile_saved_here_predicts_a_later_tune(tmp_path, mixprec_cli):
+    saved = tmp_path / "here.json"
+    _, measured = _tune(mixprec_cli, tmp_path / "a", "--save-profile", saved)
+    assert measured["device_profile"]["source"] == "measured here"
+    assert "cost_model" in measured["verification"]  # predicted against measured steps, measured here
+    profile = DeviceProfile.load(saved)
+    assert set(profile.entries) == {f"{m}x{k}x{n}" for m, k, n in CHARLM.values()}
+    _, predicted = _tune(mixprec_cli, tmp_path / "b", "--device-profile", saved)
+    assert [layer["ms"] for layer in predicted["layers"]] == [layer["ms"] for layer in measured["layers"]]
+    assert predicted["chosen"]["prediction"]["scope"] == "GEMM layers"
+    both = mixprec_cli("tune", "charlm", *TINY, "--device-profile", saved, "--save-profile", tmp_path / "c.json",
+                       "--out", tmp_path / "c")  # fmt: skip
+    assert both.returncode != 0 and "--save-profile writes the timings measured here" in both.stderr

@@ -105,17 +105,26 @@ def test_an_update_inside_accelerates_accumulate_is_refused_and_mixprecs_own_acc
     assert applied == [False, True]
 
 
-def test_accelerates_clip_grad_norm_of_scaled_gradients_is_refused():
-    # with mixed_precision="no" Accelerate unscales nothing: it would clip gradients 2^16 times too large
+@pytest.mark.parametrize(
+    ("policy", "refusal"),
+    [
+        # with mixed_precision="no" Accelerate unscales nothing: it would clip gradients 2^16 times too large
+        ("mixed_fp16", r"changed after mp.backward\(\) while still multiplied by the loss scale"),
+        # no loss scale under o2_bf16, but Accelerate would clip the bf16 copies by a bf16 norm
+        ("o2_bf16", r"on the 16-bit model: .* measures the norm in 16 bits.* Clip with mp\.clip_grad_norm_"),
+    ],
+)
+def test_accelerates_clip_grad_norm_before_the_unscale_is_refused(policy, refusal):
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
     model = _model()
-    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_fp16")
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy)
     prepared = accelerator.prepare(model)
     before = [p.detach().clone() for p in model.parameters()]
     with mp.autocast():
-        mp.backward(prepared(torch.randn(8, 4)).square().mean())
-    accelerator.clip_grad_norm_(prepared.parameters(), 1.0)
-    with pytest.raises(RuntimeError, match=r"changed after mp.backward\(\) while still multiplied by the loss scale"):
+        mp.backward(prepared(torch.randn(8, 4)).float().square().mean())
+    norm = accelerator.clip_grad_norm_(prepared.parameters(), 1e-3)
+    assert norm.dtype == (torch.bfloat16 if policy == "o2_bf16" else torch.float32)  # what it would clip by
+    with pytest.raises(RuntimeError, match=refusal):
         mp.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
@@ -180,22 +189,6 @@ def test_a_prepared_schedulers_plain_step_follows_the_applied_updates(accumulati
     assert applied == 7
     assert scheduler.last_epoch == 7  # was 8: the skipped update advanced the schedule
     assert said_skipped[3] and said_skipped.count(False) == 7
-
-
-def test_accelerates_clip_grad_norm_of_o2s_16_bit_gradients_is_refused():
-    # no loss scale under o2_bf16, but Accelerate would clip the bf16 copies by a bf16 norm
-    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
-    model = _model()
-    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16")
-    prepared = accelerator.prepare(model)
-    before = [p.detach().clone() for p in model.parameters()]
-    with mp.autocast():
-        mp.backward(prepared(torch.randn(8, 4)).float().square().mean())
-    assert accelerator.clip_grad_norm_(prepared.parameters(), 1e-3).dtype == torch.bfloat16
-    refusal = r"on the 16-bit model: .* measures the norm in 16 bits.* Clip with mp\.clip_grad_norm_"
-    with pytest.raises(RuntimeError, match=refusal):
-        mp.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("policy", ["mixed_fp16", "o2_fp16"])

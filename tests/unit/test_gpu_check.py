@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["tests", "syncs", "gpt", "fp8", "bert", "gpt2"]
+PARTS = ["tests", "syncs", "gpt", "fp8", "bert", "gpt2", "profile"]
 
 
 @pytest.fixture
@@ -57,6 +57,7 @@ def test_the_dry_run_runs_every_part_or_says_why_not(tmp_path):
     _check_gpt(parts["gpt2"])
     _check_fp8(parts["fp8"])
     _check_bert(parts["bert"])
+    _check_profile(parts["profile"], folder)
     summary = (folder / "summary.md").read_text()
     assert all(f"## {name}: " in summary for name in PARTS) and "Dry run" in summary
 
@@ -302,3 +303,13 @@ def test_a_mode_that_fails_does_not_cut_the_others_repeats(gpu_check):
     timings, failed = time_modes(prepared, repeats=6, warmup=2)
     assert list(failed) == ["broken"] and failed["broken"]["type"] == "RuntimeError"
     assert timings["fine"].repeats == 6 and calls["fine"] == 8
+
+
+def _check_profile(part: dict, folder) -> None:
+    # the device profile mixprec tune reads, timed per shape and format, and written beside the results
+    from mixprec.app.tune.cost import DeviceProfile
+
+    assert {r["shape"] for r in part["records"]} == {"32x16x48", "32x48x16"}
+    assert all(r[f"{fmt}_ms"] > 0 for r in part["records"] for fmt in ("fp32", "16", "fp8"))
+    profile = DeviceProfile.load(folder / "device_profile.json")
+    assert profile.base == "mixed_bf16" and set(profile.entries) == {"32x16x48", "32x48x16"}

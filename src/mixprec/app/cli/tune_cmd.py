@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from mixprec.app.cli.arg_types import file_path, positive_number, seed, tolerance, whole_number
@@ -45,25 +44,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     spec = task_spec(args)  # the flags first: a mistake is said before torch loads
-    from mixprec.app.config import TrainConfig
-    from mixprec.app.tune.cost import DeviceProfile
-    from mixprec.app.tune.run import tune_task
-    from mixprec.app.tune.search import TuneOptions
+    from mixprec.app.tune.cost import KIND
+    from mixprec.app.tune.run import tune
+    from mixprec.persist import check_overwrite
 
-    profile = DeviceProfile.load(args.device_profile) if args.device_profile is not None else None
-    if profile is not None and profile.base != args.base:
-        raise ValueError(
-            f"--device-profile {args.device_profile}: measured for {profile.base}, not --base {args.base}; pass "
-            f"--base {profile.base} or a profile measured for {args.base}."
-        )
-    options = TuneOptions(
-        args.base, args.tolerance, args.trial_steps, args.verify_steps, args.seeds, args.budget_minutes
-    )
-    config = TrainConfig(
-        task=spec, policy=args.base, seed=args.seed, size=args.size, device=args.device, batch_size=args.batch_size
-    )
+    if args.save_profile is not None:  # before the minutes of tuning
+        if args.device_profile is not None:
+            raise ValueError("--save-profile writes the timings measured here: with --device-profile none are.")
+        check_overwrite(args.save_profile, "--save-profile", KIND)
     out = args.out or Path("runs") / f"tune-{spec.replace(':', '-').replace('.', '-')}"
-    result = tune_task(config, options, out, profile, args.save_profile, progress=_progress)
+    result = tune(
+        spec,
+        out=out,
+        base=args.base,
+        tolerance=args.tolerance,
+        trial_steps=args.trial_steps,
+        verify_steps=args.verify_steps,
+        seeds=args.seeds,
+        budget_minutes=args.budget_minutes,
+        device_profile=args.device_profile,
+        seed=args.seed,
+        size=args.size,
+        device=args.device,
+        batch_size=args.batch_size,
+    )
+    if args.save_profile is not None:
+        from mixprec.app.tune.run import measured_profile
+
+        measured_profile(result).save(args.save_profile)
     chosen, verdict = result["chosen"], result["verification"]["verdict"]
     predicted = chosen["prediction"]
     print(f"chosen: {chosen['policy']}")
@@ -75,7 +83,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'tune.json'}, {out / 'policy.json'}, {out / 'front.png'}, {out / 'report.md'}")
     print(f"train with: mixprec train {spec} --policy {out / 'policy.json'}")
     return 0
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -215,8 +215,14 @@ def predict(
         ms, base_ms = ms + here, base_ms + uniform
         saved += SAVED_BYTES[fmt] * shape.m * shape.k
         base_bytes += SAVED_BYTES["16"] * shape.m * shape.k
+    if base_step_ms is not None and base_ms > base_step_ms:
+        notes.append(
+            f"the GEMM layers timed alone add up to {base_ms:.1f} ms in 16 bits, more than the whole measured step "
+            f"({base_step_ms:.1f} ms): the machine was busy while they were timed, or alone they run slower than "
+            "inside the model; this prediction is not to be trusted"
+        )
     if base_step_ms is not None:
-        step, scope = base_step_ms - base_ms + ms, "step"
+        step, scope = max(base_step_ms - base_ms + ms, 1e-9), "step"
         base = base_step_ms
     else:
         step, scope, base = ms, "GEMM layers", base_ms

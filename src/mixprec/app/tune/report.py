@@ -22,6 +22,10 @@ def plot_front(result: dict[str, Any], path: Path) -> Path:
         chosen = [(s, d) for s, d, a in points if a == accepted and d == d and abs(d) != float("inf")]
         if chosen:
             axes.scatter(*zip(*chosen, strict=True), color=colour, label=label, zorder=3)
+    for c in result["candidates"]:
+        if c["note"].startswith("uniform") and abs(c["loss_change"]) != float("inf"):
+            axes.annotate(c["note"], (c["prediction"]["speedup"], 100 * c["loss_change"]), fontsize=8,
+                          textcoords="offset points", xytext=(4, 4))  # fmt: skip
     front = [(c["prediction"]["speedup"], 100 * c["loss_change"]) for c in result["pareto"]]
     if front:
         axes.plot(*zip(*front, strict=True), color="grey", linestyle="--", label="Pareto front")
@@ -41,49 +45,24 @@ def plot_front(result: dict[str, Any], path: Path) -> Path:
 
 def report_text(result: dict[str, Any]) -> str:
     """The tune in Markdown: the layers, the candidates, the chosen policy and its verification."""
-    chosen, verification = result["chosen"], result["verification"]
     lines = [
         f"# mixprec tune {result['task']}",
         "",
         f"Base policy {result['base']}, tolerance {100 * result['tolerance']:.2f}% of its validation loss; "
         f"cost model: {result['device_profile']['source']} ({result['device_profile']['device']}).",
         "",
-        "| layer | shape (m x k x n) | ms fp32 / 16-bit / fp8 | FP8 error | allowed | chosen |",
-        "|---|---|---|---|---|---|",
-    ]
-    for layer in result["layers"]:
-        shape, ms = layer["shape"], layer["ms"]
-        why = "; ".join(f"not {f}: {r}" for f, r in layer["reasons"].items())
-        allowed = ", ".join(layer["formats"]) + (f" ({why})" if why else "")
-        picked = chosen["assignment"].get(layer["name"], "16")
-        lines.append(
-            f"| {layer['name']} | {shape['m']} x {shape['k']} x {shape['n']} | {ms['fp32']:.3f} / {ms['16']:.3f} / "
-            f"{ms['fp8']:.3f} | {100 * layer['fp8_error']:.2f}% | {allowed} | {picked} |"
-        )
-    lines += [
+        *_layer_table(result),
         "",
-        "| candidate | predicted speed-up | activation memory | loss change | kept |",
-        "|---|---|---|---|---|",
-    ]
-    for c in result["candidates"]:
-        p = c["prediction"]
-        lines.append(
-            f"| {c['note']} | {p['speedup']:.3f}x | {p['activation_ratio']:.2f}x | {100 * c['loss_change']:+.3f}% "
-            f"| {'yes' if c['accepted'] else 'no'} |"
-        )
-    verdict = verification["verdict"]
-    means = ", ".join(f"{name} {verification[name]['mean']:.4f}" for name in ("chosen", "base", "fp32"))
-    lines += [
+        *_candidate_table(result),
         "",
-        f"Chosen: `{chosen['policy']}`, predicted {chosen['prediction']['speedup']:.3f}x "
-        f"{result['base']} ({chosen['prediction']['scope']}), activation memory "
-        f"{chosen['prediction']['activation_ratio']:.2f}x.",
-        "",
-        f"Verification over {len(verification['base']['losses'])} seeds: mean validation loss {means}; change "
-        f"{100 * verdict['loss_change']:+.3f}% against the {verdict['reference']} (tolerance "
-        f"{100 * result['tolerance']:.2f}%), the base's own seed spread {verdict['base_seed_spread']:.4f}.",
+        *_chosen_lines(result),
     ]
-    check = verification.get("cost_model")
+    if result["fp8_not_tried"]:
+        lines += ["", "FP8 not tried:"]
+        lines += [f"- {name}: {why}" for name, why in result["fp8_not_tried"].items()]
+    for note in result["chosen"]["prediction"]["notes"]:
+        lines += ["", f"Note: {note}."]
+    check = result["verification"].get("cost_model")
     if check is not None:
         pairs = ", ".join(
             f"{name} {check['predicted_ms'][name]:.2f} / {check['measured_ms'][name]:.2f} ms"
@@ -96,3 +75,46 @@ def report_text(result: dict[str, Any]) -> str:
             f"{agrees} the measured one ({' < '.join(check['ranking_measured'])}).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _layer_table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "| layer | shape (m x k x n) | ms fp32 / 16-bit / fp8 | FP8 error | allowed | chosen |",
+        "|---|---|---|---|---|---|",
+    ]
+    for layer in result["layers"]:
+        shape, ms = layer["shape"], layer["ms"]
+        why = "; ".join(f"not {f}: {r}" for f, r in layer["reasons"].items())
+        allowed = ", ".join(layer["formats"]) + (f" ({why})" if why else "")
+        picked = result["chosen"]["assignment"].get(layer["name"], "16")
+        lines.append(
+            f"| {layer['name']} | {shape['m']} x {shape['k']} x {shape['n']} | {ms['fp32']:.3f} / {ms['16']:.3f} / "
+            f"{ms['fp8']:.3f} | {100 * layer['fp8_error']:.2f}% | {allowed} | {picked} |"
+        )
+    return lines
+
+
+def _candidate_table(result: dict[str, Any]) -> list[str]:
+    lines = ["| candidate | predicted speed-up | activation memory | loss change | kept |", "|---|---|---|---|---|"]
+    for c in result["candidates"]:
+        p = c["prediction"]
+        lines.append(
+            f"| {c['note']} | {p['speedup']:.3f}x | {p['activation_ratio']:.2f}x | {100 * c['loss_change']:+.3f}% "
+            f"| {'yes' if c['accepted'] else 'no'} |"
+        )
+    return lines
+
+
+def _chosen_lines(result: dict[str, Any]) -> list[str]:
+    chosen, verification = result["chosen"], result["verification"]
+    verdict = verification["verdict"]
+    means = ", ".join(f"{name} {verification[name]['mean']:.4f}" for name in ("chosen", "base", "fp32"))
+    return [
+        f"Chosen: `{chosen['policy']}`, predicted {chosen['prediction']['speedup']:.3f}x "
+        f"{result['base']} ({chosen['prediction']['scope']}), activation memory "
+        f"{chosen['prediction']['activation_ratio']:.2f}x.",
+        "",
+        f"Verification over {len(verification['base']['losses'])} seeds: mean validation loss {means}; change "
+        f"{100 * verdict['loss_change']:+.3f}% against the {verdict['reference']} (tolerance "
+        f"{100 * result['tolerance']:.2f}%), the base's own seed spread {verdict['base_seed_spread']:.4f}.",
+    ]

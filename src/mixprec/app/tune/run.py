@@ -10,6 +10,7 @@ DIR/report.md      the same in words, with the verification over seeds
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from mixprec.app.config import TrainConfig
 from mixprec.app.tune.cost import DeviceProfile
 from mixprec.app.tune.search import TuneOptions, search
 
-__all__ = ["tune_task"]
+__all__ = ["measured_profile", "tune", "tune_task"]
 
 
 def tune_task(
@@ -26,7 +27,6 @@ def tune_task(
     options: TuneOptions,
     out: Path,
     profile: DeviceProfile | None = None,
-    save_profile: Path | None = None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
     """Tune ``config``'s task (see :mod:`mixprec.app.tune.search`); writes the files above into ``out``."""
@@ -56,9 +56,55 @@ def tune_task(
     result["task"] = config.task
     claim_folder(out, TUNE, "--out")
     _write(out, result, config)
-    if save_profile is not None and profile is None:
-        _measured_profile(result, options.base).save(save_profile)
     return result
+
+
+def tune(
+    task: str | Callable[..., Any],
+    *,
+    out: str | Path,
+    base: str = "mixed_bf16",
+    tolerance: float = 0.005,
+    trial_steps: int = 60,
+    verify_steps: int = 180,
+    seeds: int = 3,
+    budget_minutes: float | None = None,
+    device_profile: str | Path | None = None,
+    seed: int = 0,
+    size: str = "default",
+    device: str = "auto",
+    batch_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """``mixprec tune`` from Python, for a built-in task or a model and loss of one's own: ``task`` is a built-in
+    name, a ``"package.module:factory"`` path, or that factory itself (a module-level function taking a
+    :class:`~mixprec.app.TaskConfig` and returning :class:`~mixprec.app.TaskParts`: the model, its data and its
+    loss). Writes ``out``'s files and returns what ``tune.json`` holds (see docs/tune.md).
+
+    Raises:
+        ValueError: a factory that cannot be found again by its module and name (a lambda, a closure), a base
+            that is not mixed_bf16 or mixed_fp16, a tolerance outside [0, 1), a profile for another base.
+    """
+    if callable(task):
+        module, name = getattr(task, "__module__", None), getattr(task, "__qualname__", "")
+        if not module or not name.isidentifier() or getattr(sys.modules.get(module), name, None) is not task:
+            raise ValueError(
+                f"tune(task=...): received {task!r}, which cannot be imported again by its module and name (each "
+                "trial builds the task anew); define the factory at the top level of a module, or pass "
+                "'package.module:factory'."
+            )
+        task = f"{module}:{name}"
+    if base not in ("mixed_bf16", "mixed_fp16"):
+        raise ValueError(f"tune(base=...): received {base!r}; use mixed_bf16 or mixed_fp16.")
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tune(tolerance=...): received {tolerance!r}; use a share in [0, 1), e.g. 0.005 for 0.5%.")
+    profile = DeviceProfile.load(device_profile) if device_profile is not None else None
+    if profile is not None and profile.base != base:
+        raise ValueError(f"tune(device_profile=...): measured for {profile.base}, not base={base!r}.")
+    options = TuneOptions(base, tolerance, trial_steps, verify_steps, seeds, budget_minutes)
+    config = TrainConfig(task=task, policy=base, seed=seed, size=size, device=device, batch_size=batch_size)
+    say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+    return tune_task(config, options, Path(out), profile, progress=say)
 
 
 def _first(data: Any, count: int) -> list[Any]:
@@ -70,9 +116,13 @@ def _first(data: Any, count: int) -> list[Any]:
     return batches
 
 
-def _measured_profile(result: dict[str, Any], base: str) -> DeviceProfile:
+def measured_profile(result: dict[str, Any]) -> DeviceProfile:
+    """The layer timings a tune measured here, as a device profile (``--save-profile``): another tune of a model
+    with these shapes, on another machine, predicts this device's speed from it."""
+    if result["device_profile"]["source"] != "measured here":
+        raise ValueError("--save-profile: this tune read its timings from a profile; it measured none here.")
     entries = {"{m}x{k}x{n}".format(**layer["shape"]): layer["ms"] for layer in result["layers"]}
-    return DeviceProfile(result["device_profile"]["device"], base, entries)
+    return DeviceProfile(result["device_profile"]["device"], result["base"], entries)
 
 
 def _write(out: Path, result: dict[str, Any], config: TrainConfig) -> None:

@@ -94,7 +94,8 @@ class SearchState:
     progress: Callable[[str], None]
     started: float = field(default_factory=time.monotonic)
     candidates: list[Candidate] = field(default_factory=list)
-    trial_seconds: list[float] = field(default_factory=list)
+    not_tried: dict[str, str] = field(default_factory=dict)  # layer -> why FP8 was not tried on it
+    seconds_per_step: float = 0.0  # the slowest run's so far, set-up included: what the budget plans with
 
     def shapes(self) -> dict[str, GemmShape]:
         return {name: choice.shape for name, choice in self.choices.items()}
@@ -104,19 +105,18 @@ class SearchState:
 
     def trial(self, policy: str, seed: int | None = None, steps: int | None = None) -> tuple[float, float]:
         """(validation loss, ms per step) of a short run under ``policy``."""
-        start = time.monotonic()
-        loss, ms = run_trial(self.config, policy, seed if seed is not None else self.config.seed,
-                             steps or self.options.trial_steps)  # fmt: skip
-        self.trial_seconds.append(time.monotonic() - start)
+        start, steps = time.monotonic(), steps or self.options.trial_steps
+        loss, ms = run_trial(self.config, policy, seed if seed is not None else self.config.seed, steps)
+        self.seconds_per_step = max(self.seconds_per_step, (time.monotonic() - start) / steps)
         return loss, ms
 
-    def out_of_budget(self, runs_left_after: int) -> bool:
-        """Whether one more trial, then the verification's runs, would pass the budget."""
-        if self.options.budget_minutes is None or not self.trial_seconds:
+    def out_of_budget(self, trials: int = 0, verifications: int = 0) -> bool:
+        """Whether ``trials`` more trial runs and ``verifications`` more verification runs would pass the budget."""
+        if self.options.budget_minutes is None:
             return False
-        trial = max(self.trial_seconds)
-        verify = trial * self.options.verify_steps / self.options.trial_steps * runs_left_after
-        return time.monotonic() - self.started + trial + verify > 60 * self.options.budget_minutes
+        steps = trials * self.options.trial_steps + verifications * self.options.verify_steps
+        left = 60 * self.options.budget_minutes - (time.monotonic() - self.started)
+        return self.seconds_per_step * steps > left
 
 
 def run_trial(config: TrainConfig, policy: str, seed: int, steps: int) -> tuple[float, float]:
@@ -156,8 +156,15 @@ def search(
         state.profile = measure_profile(state.shapes().values(), base, _device(config), progress=progress)
         state.base_step_ms = reference_ms - sum(_fp32_extra(state, name) for name in forced)
     reference = reference_loss if math.isfinite(reference_loss) else fp32_loss
+    _references(state, base_loss, fp32_loss, reference)
     accepted = _first_moves(state, reference)
     accepted += _greedy(state, accepted[-1], reference)
+    if state.not_tried:
+        slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
+        progress(
+            f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
+            "slower than their current format by the cost model; the others ruled out by the doctor)"
+        )
     assignment, verification = _verify(state, accepted)
     return {
         "base": base,
@@ -173,6 +180,7 @@ def search(
         "layers": [_layer_record(c, state) for c in choices.values()],
         "candidates": [asdict(c) for c in state.candidates],
         "pareto": [asdict(c) for c in pareto_front(state.candidates)],
+        "fp8_not_tried": state.not_tried,
         "chosen": {
             "policy": assignment_policy(base, assignment),
             "assignment": assignment,
@@ -189,6 +197,19 @@ def _device(config: TrainConfig) -> Any:
     from mixprec.app.run import resolve_device
 
     return torch.device(resolve_device(config.device))
+
+
+def _references(state: SearchState, base_loss: float, fp32_loss: float, reference: float) -> None:
+    """The uniform base and FP32, tried first, as candidates (the front's two ends); FP32 predicted as every GEMM
+    layer in FP32 on top of the base."""
+    every_fp32 = {name: "fp32" for name in state.choices}
+    for note, policy, assignment, loss in (("uniform base", state.options.base, {}, base_loss),
+                                            ("uniform FP32", "fp32", every_fp32, fp32_loss)):  # fmt: skip
+        change = (loss - reference) / abs(reference) if math.isfinite(loss) else math.inf
+        prediction = state.predict(assignment).to_dict()
+        state.candidates.append(
+            Candidate(policy, assignment, prediction, loss, change, change <= state.options.tolerance, note)
+        )
 
 
 def _fp32_extra(state: SearchState, name: str) -> float:
@@ -225,11 +246,15 @@ def _greedy(state: SearchState, assignment: dict[str, str], reference: float) ->
     accepted, tried = [], 0
     for choice in order:
         if "fp8" not in choice.formats:
+            state.not_tried[choice.name] = choice.reasons["fp8"]
             continue
-        now = state.profile.layer_ms(choice.shape, assignment.get(choice.name, "16"))[0]
-        if state.profile.layer_ms(choice.shape, "fp8")[0] >= now:
-            continue  # FP8 does not pay on this layer here: not worth a trial
-        if state.out_of_budget(runs_left_after=3 * state.options.seeds):
+        current = assignment.get(choice.name, "16")
+        now, fp8 = state.profile.layer_ms(choice.shape, current)[0], state.profile.layer_ms(choice.shape, "fp8")[0]
+        if fp8 >= now:  # FP8 does not pay on this layer here: not worth a trial
+            shown = {"16": state.options.base.removeprefix("mixed_"), "fp32": "FP32"}[current]
+            state.not_tried[choice.name] = f"FP8 predicted slower: {fp8:.3f} ms against {now:.3f} in {shown}"
+            continue
+        if state.out_of_budget(trials=1, verifications=3 * state.options.seeds):
             state.progress(f"tune: budget reached after {tried} FP8 trials; verifying what was accepted")
             break
         tried += 1
@@ -269,8 +294,9 @@ def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[st
     tried = []
     for index, assignment in enumerate(reversed(accepted)):
         last = index == len(accepted) - 1
-        if not last and state.out_of_budget(runs_left_after=state.options.seeds - 1):
-            continue  # no time to verify this one: fall back towards the base
+        if not last and state.out_of_budget(verifications=state.options.seeds):
+            state.progress(f"tune: no time left to verify {assignment_policy(state.options.base, assignment)}")
+            continue  # fall back towards the base
         policy = assignment_policy(state.options.base, assignment)
         chosen = runs["base"] if not assignment else _seeded(state, "chosen", policy)
         mean = statistics.fmean(loss for loss, _ in chosen)
@@ -316,8 +342,11 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
     """Predicted against measured ms per step for the verified policies (FP32 predicted as every GEMM layer in
     FP32 on top of the base: the rest of an FP32 step, outside the GEMM layers, is the base's in the model)."""
     every_fp32 = {name: "fp32" for name in state.choices}
+    same_as_base = not assignment  # then "chosen" is the base's own runs: one policy, ranked once
     predicted = {"chosen": state.predict(assignment).step_ms, "base": state.base_step_ms,
                  "fp32": state.predict(every_fp32).step_ms}  # fmt: skip
+    if same_as_base:
+        del predicted["chosen"]
     measured = {name: summary[name]["ms_per_step"] for name in predicted}
     predicted = {name: ms for name, ms in predicted.items() if math.isfinite(measured[name])}  # a run that failed
     measured = {name: measured[name] for name in predicted}
