@@ -185,3 +185,17 @@ def test_a_profile_saved_here_predicts_a_later_tune(tmp_path, mixprec_cli):
     both = mixprec_cli("tune", "charlm", *TINY, "--device-profile", saved, "--save-profile", tmp_path / "c.json",
                        "--out", tmp_path / "c")  # fmt: skip
     assert both.returncode != 0 and "--save-profile writes the timings measured here" in both.stderr
+
+
+def test_base_auto_tries_both_16_bit_bases_and_says_which_and_why(tmp_path, mixprec_cli):
+    finished, result = _tune(mixprec_cli, tmp_path / "auto", "--base", "auto", "--tolerance", "1%")
+    bases = result["bases"]
+    bf16, fp16 = bases["trials"]["mixed_bf16"], bases["trials"]["mixed_fp16"]
+    change = (fp16["loss"] - bf16["loss"]) / abs(bf16["loss"])
+    expected = "mixed_fp16" if fp16["ms_per_step"] < bf16["ms_per_step"] and change <= 0.01 else "mixed_bf16"
+    assert bases["chosen"] == result["base"] == expected  # by the rule, whichever this machine made faster
+    assert f"tune: base auto: mixed_fp16 {fp16['ms_per_step']:.2f} ms a step" in finished.stderr
+    assert result["chosen"]["policy"].startswith(f"base={expected}")
+    refused = mixprec_cli("tune", "charlm", *TINY, "--base", "auto", "--device-profile", _profile(tmp_path),
+                          "--out", tmp_path / "x")  # fmt: skip
+    assert refused.returncode != 0 and "auto measures both bases on the device at hand" in refused.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 from mixprec.app.cli.arg_types import file_path, positive_number, seed, tolerance, whole_number
 from mixprec.app.cli.train_cmd import task_spec
 
-BASES = ("mixed_bf16", "mixed_fp16")
+BASES = ("mixed_bf16", "mixed_fp16", "auto")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("task", nargs="?", help="a built-in task (digits, charlm, hf, minilm, vision)")
     parser.add_argument("--model", metavar="MODULE:FACTORY", help="your own task: a factory returning TaskParts")
-    parser.add_argument("--base", choices=BASES, default="mixed_bf16", help="the uniform 16-bit policy to beat")
+    parser.add_argument(
+        "--base",
+        choices=BASES,
+        default="mixed_bf16",
+        help="the uniform 16-bit policy to beat; auto: a trial of each, fp16 where faster and the loss holds",
+    )
     parser.add_argument("--tolerance", type=tolerance, default=0.005,
                         help="validation-loss change allowed against the base: 0.5%% (default) or 0.005")  # fmt: skip
     parser.add_argument("--budget-minutes", type=positive_number, help="stop trying layers past this (then verify)")
@@ -76,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     predicted = chosen["prediction"]
     print(f"chosen: {chosen['policy']}")
     print(
-        f"predicted {predicted['speedup']:.3f}x {args.base} ({predicted['scope']}), activation memory "
+        f"predicted {predicted['speedup']:.3f}x {result['base']} ({predicted['scope']}), activation memory "
         f"{predicted['activation_ratio']:.2f}x; verified loss change {100 * verdict['loss_change']:+.3f}% over "
         f"{args.seeds} seeds (tolerance {100 * args.tolerance:.2f}%)"
     )

@@ -50,6 +50,7 @@ def report_text(result: dict[str, Any]) -> str:
         "",
         f"Base policy {result['base']}, tolerance {100 * result['tolerance']:.2f}% of its validation loss; "
         f"cost model: {result['device_profile']['source']} ({result['device_profile']['device']}).",
+        *([f"Base chosen by --base auto: {result['bases']['why']}."] if "bases" in result else []),
         "",
         *_layer_table(result),
         "",

@@ -10,6 +10,7 @@ DIR/report.md      the same in words, with the verification over seeds
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,9 @@ from mixprec.app.config import TrainConfig
 from mixprec.app.tune.cost import DeviceProfile
 from mixprec.app.tune.search import TuneOptions, search
 
-__all__ = ["measured_profile", "tune", "tune_task"]
+__all__ = ["BASES", "choose_base", "measured_profile", "tune", "tune_task"]
+
+BASES = ("mixed_bf16", "mixed_fp16")  # the uniform 16-bit policies a tune starts from
 
 
 def tune_task(
@@ -28,6 +31,7 @@ def tune_task(
     out: Path,
     profile: DeviceProfile | None = None,
     progress: Callable[[str], None] = lambda message: None,
+    bases: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Tune ``config``'s task (see :mod:`mixprec.app.tune.search`); writes the files above into ``out``."""
     import torch
@@ -54,6 +58,8 @@ def tune_task(
     choices = layer_choices(parts.model, batches, parts.loss_fn, shapes, sixteen, steps=len(batches))
     result = search(config, options, choices, profile, progress)
     result["task"] = config.task
+    if bases is not None:  # --base auto: both bases' trials and why this one
+        result["bases"] = bases
     claim_folder(out, TUNE, "--out")
     _write(out, result, config)
     return result
@@ -94,17 +100,50 @@ def tune(
                 "'package.module:factory'."
             )
         task = f"{module}:{name}"
-    if base not in ("mixed_bf16", "mixed_fp16"):
-        raise ValueError(f"tune(base=...): received {base!r}; use mixed_bf16 or mixed_fp16.")
+    if base not in (*BASES, "auto"):
+        raise ValueError(f"tune(base=...): received {base!r}; use mixed_bf16, mixed_fp16 or auto.")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tune(tolerance=...): received {tolerance!r}; use a share in [0, 1), e.g. 0.005 for 0.5%.")
     profile = DeviceProfile.load(device_profile) if device_profile is not None else None
     if profile is not None and profile.base != base:
-        raise ValueError(f"tune(device_profile=...): measured for {profile.base}, not base={base!r}.")
-    options = TuneOptions(base, tolerance, trial_steps, verify_steps, seeds, budget_minutes)
-    config = TrainConfig(task=task, policy=base, seed=seed, size=size, device=device, batch_size=batch_size)
+        raise ValueError(
+            f"tune(device_profile=...): measured for {profile.base}, not base={base!r} (auto measures both bases "
+            "on the device at hand)."
+        )
+    config = TrainConfig(task=task, policy="mixed_bf16", seed=seed, size=size, device=device, batch_size=batch_size)
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
-    return tune_task(config, options, Path(out), profile, progress=say)
+    bases = None
+    if base == "auto":
+        base, bases = choose_base(config, trial_steps, tolerance, say)
+    options = TuneOptions(base, tolerance, trial_steps, verify_steps, seeds, budget_minutes)
+    result = tune_task(config.replace(policy=base), options, Path(out), profile, progress=say, bases=bases)
+    return result
+
+
+def choose_base(
+    config: TrainConfig, steps: int, tolerance: float, progress: Callable[[str], None]
+) -> tuple[str, dict[str, Any]]:
+    """``--base auto``: a trial of each uniform 16-bit base here; mixed_fp16 is taken when its step is faster
+    and its loss within the tolerance of mixed_bf16's, else mixed_bf16 (range to spare, no loss scale)."""
+    from mixprec.app.tune.search import run_trial
+
+    progress(f"tune: base auto, a warm-up run ({min(steps, 5)} steps): a process's first run pays one-time costs")
+    run_trial(config, BASES[0], config.seed, min(steps, 5))
+    trials = {}
+    for base in BASES:
+        progress(f"tune: base auto, trial of {base} ({steps} steps)")
+        loss, ms = run_trial(config, base, config.seed, steps)
+        trials[base] = {"loss": loss, "ms_per_step": ms}
+    bf16, fp16 = trials["mixed_bf16"], trials["mixed_fp16"]
+    change = (fp16["loss"] - bf16["loss"]) / abs(bf16["loss"]) if math.isfinite(fp16["loss"]) else math.inf
+    faster = fp16["ms_per_step"] < bf16["ms_per_step"]
+    chosen = "mixed_fp16" if faster and change <= tolerance else "mixed_bf16"
+    why = (
+        f"mixed_fp16 {fp16['ms_per_step']:.2f} ms a step against mixed_bf16's {bf16['ms_per_step']:.2f}, "
+        f"loss change {100 * change:+.3f}% (tolerance {100 * tolerance:.2f}%): {chosen}"
+    )
+    progress(f"tune: base auto: {why}")
+    return chosen, {"trials": trials, "chosen": chosen, "why": why}
 
 
 def _first(data: Any, count: int) -> list[Any]:
