@@ -70,11 +70,18 @@ def report_text(result: dict[str, Any]) -> str:
             for name in check["predicted_ms"]
         )
         agrees = "agrees with" if check["ranking_agrees"] else "differs from"
+        ratios = ", ".join(
+            f"{name} {check['speedup_vs_base_predicted'][name]:.3f}x / {check['speedup_vs_base_measured'][name]:.3f}x"
+            for name in check.get("speedup_vs_base_measured", {})
+            if name != "base"
+        )
         lines += [
             "",
             f"Cost model, predicted / measured step: {pairs}; its ranking ({' < '.join(check['ranking_predicted'])}) "
             f"{agrees} the measured one ({' < '.join(check['ranking_measured'])}).",
         ]
+        if ratios:
+            lines.append(f"Speed-up against the base, predicted / measured: {ratios}.")
     return "\n".join(lines) + "\n"
 
 

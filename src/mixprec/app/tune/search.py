@@ -355,6 +355,9 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
         "predicted_ms": predicted,
         "measured_ms": measured,
         "predicted_over_measured": {n: predicted[n] / measured[n] for n in predicted if measured[n] > 0},
+        # against the base: a machine that drifts between the timing and the runs moves both steps alike
+        "speedup_vs_base_predicted": {n: predicted["base"] / predicted[n] for n in predicted if "base" in predicted},
+        "speedup_vs_base_measured": {n: measured["base"] / measured[n] for n in measured if "base" in measured},
         "ranking_predicted": order,
         "ranking_measured": sorted(measured, key=measured.get),
         "ranking_agrees": order == sorted(measured, key=measured.get),
