@@ -11,7 +11,7 @@ import mixprec
 import mixprec.compute
 
 # FP8: delayed scaling (an amax history updated in place) and current scaling (keep=first+last)
-FP8_POLICIES = ["base=fp8", "base=fp8_hybrid,fp8=(scaling=current)"]
+FP8_POLICIES = ["base=fp8,fp8=(scaling=delayed)", "base=fp8_hybrid"]
 POLICIES = ["fp32", "mixed_bf16", "o2_bf16", "pure_bf16", "mixed_fp16", "o2_fp16", *FP8_POLICIES]
 
 
@@ -110,10 +110,10 @@ def test_a_compiled_model_inside_the_region_has_no_graph_breaks_and_equals_eager
         for name, layer in compiled_fp8.items()
         for key, role in layer.items()
     ]
-    assert counts == [int("scaling=current" not in policy)] * len(counts)  # current scaling records nothing
+    assert counts == [int("scaling=delayed" in policy)] * len(counts)  # current scaling (the default) records nothing
 
 
-@pytest.mark.parametrize("policy", ["base=fp8,fp8=(history=2)", "base=fp8_hybrid,fp8=(scaling=current)"])
+@pytest.mark.parametrize("policy", ["base=fp8,fp8=(scaling=delayed,history=2)", "base=fp8_hybrid"])
 def test_compiled_fp8_training_equals_eager_bit_for_bit(policy):
     # The whole forward step compiled, region included, for four steps: the delayed history (two entries)
     # rolls over in place. FP8 values are exact and the scales powers of two; the MLP's only other

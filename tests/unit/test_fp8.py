@@ -235,7 +235,7 @@ def test_layers_routed_through_fp8_run_their_own_forward_outside_the_region_and_
         assert all("forward" in vars(plain[i]) for i in (0, 2, 4))
     assert all("forward" not in vars(plain[i]) for i in (0, 2, 4))  # a one-off region leaves them as it found them
     routed = vars(model[2])["forward"]
-    with mixprec.autocast("base=fp8,fp8=(scaling=current)", model):  # another recipe, then the engine's again
+    with mixprec.autocast("base=fp8,fp8=(scaling=delayed)", model):  # another recipe, then the engine's again
         assert vars(model[2])["forward"] is not routed
     assert vars(model[2])["forward"] is routed
 
@@ -260,13 +260,13 @@ def _train(mp: mixprec.MixedPrecision, steps: int) -> list[float]:
 
 def test_fp8_policies_train_and_checkpoint_their_scale_state():
     model = _mlp()
-    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "fp8")
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "base=fp8,fp8=(scaling=delayed)")
     losses = _train(mp, 60)
     assert losses[-1] < 0.7 * losses[0]
     state = mp.state_dict()
     assert set(state["fp8"]) == {"0", "2", "4"}
     assert state["fp8"]["2"]["input"]["recorded"] == 60 and type(state["fp8"]["2"]["input"]["recorded"]) is int
-    other = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")
+    other = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "base=fp8,fp8=(scaling=delayed)")
     other.load_state_dict(state)
     assert torch.equal(other.state_dict()["fp8"]["2"]["grad"]["history"], state["fp8"]["2"]["grad"]["history"])
 
@@ -284,9 +284,9 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
     assert mixprec.get_policy("fp8_hybrid").fp8.keep == ("first", "last")
     assert mixprec.get_policy("fp8").fp8.backward == "fp8_e5m2"
     # with a base, the options named change the preset's recipe and keep the rest
-    changed = mixprec.get_policy("base=fp8_hybrid,fp8=(scaling=current)").fp8
-    assert changed == Fp8Recipe(scaling="current", keep=("first", "last"))
-    assert str(changed) == "hybrid(scaling=current,keep=first+last)"
+    changed = mixprec.get_policy("base=fp8_hybrid,fp8=(scaling=delayed)").fp8
+    assert changed == Fp8Recipe(scaling="delayed", keep=("first", "last"))
+    assert str(changed) == "hybrid(scaling=delayed,keep=first+last)"
     assert mixprec.get_policy("base=fp8,fp8=none").fp8 is None
     for spec, message in (
         ("fp8=e5m3", "unknown formats 'e5m3'; use hybrid"),

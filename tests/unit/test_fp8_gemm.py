@@ -137,7 +137,7 @@ def test_the_compute_plan_says_which_fp8_gemm_runs():
 
 
 def test_a_delayed_history_loaded_on_the_cpu_is_kept_on_the_tensors_device(device):
-    recipe = Fp8Recipe(history=4)
+    recipe = Fp8Recipe(scaling="delayed", history=4)
     state = ScaleState("fp8_e4m3", recipe)
     state.load_state_dict({"history": torch.tensor([3.0, 2.0, 1.0, 0.0]), "recorded": 3})
     scale = state.scale_for(torch.full((8,), 5.0, device=device))
@@ -149,7 +149,7 @@ def test_a_delayed_history_loaded_on_the_cpu_is_kept_on_the_tensors_device(devic
 
 def test_only_the_recorded_amaxes_of_a_loaded_history_count(device):
     # 2 recorded: the 9.0 after them was never recorded (a hand-made or tampered state) and must not set the scale
-    state = ScaleState("fp8_e4m3", Fp8Recipe(history=4))
+    state = ScaleState("fp8_e4m3", Fp8Recipe(scaling="delayed", history=4))
     state.load_state_dict({"history": torch.tensor([3.0, 2.0, 9.0, 7.0]), "recorded": 2})
     scale = state.scale_for(torch.full((8,), 0.5, device=device))
     assert scale.item() == 2.0 ** math.floor(math.log2(448.0 / 3.0))

@@ -2,7 +2,7 @@
 
     forward     format of a Linear layer's inputs and weights (fp8_e4m3)
     backward    format of the gradients flowing into it: fp8_e5m2 ("hybrid", more range) or fp8_e4m3
-    scaling     "current": each tensor is scaled by its own amax, measured just before the cast;
+    scaling     "current" (default): each tensor is scaled by its own amax, measured just before the cast;
                 "delayed": by the amax history of earlier steps (``history`` entries, reduced by
                 ``amax`` = "max" or "recent"), as Transformer Engine does; the first call, with no
                 history yet, uses the current amax;
@@ -32,8 +32,8 @@ fields above (``keep`` entries joined by ``+``). ``str(recipe)`` writes only the
 the defaults, and parses back to the same recipe.
 
 Example:
-    >>> str(Fp8Recipe(scaling="current", keep=("first", "last")))
-    'hybrid(scaling=current,keep=first+last)'
+    >>> str(Fp8Recipe(scaling="delayed", keep=("first", "last")))
+    'hybrid(scaling=delayed,keep=first+last)'
     >>> str(Fp8Recipe(keep=()))
     'hybrid(keep=none)'
     >>> parse_recipe("e4m3(history=4)") == Fp8Recipe(backward="fp8_e4m3", history=4)
@@ -62,7 +62,7 @@ _OPTIONS = ("scaling", "history", "amax", "margin", "keep", "only", "gemm")  # t
 class Fp8Recipe:
     forward: str = "fp8_e4m3"
     backward: str = "fp8_e5m2"
-    scaling: str = "delayed"
+    scaling: str = "current"
     history: int = 16
     amax: str = "max"
     margin: int = 0

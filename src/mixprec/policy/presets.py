@@ -59,7 +59,7 @@ PRESETS: dict[str, Policy] = {
         output_dtype=F32,
         fp8=Fp8Recipe(),
         reason=(
-            "every GEMM layer in FP8 but the language-model head (e4m3 inputs and weights, e5m2 gradients, delayed "
+            "every GEMM layer in FP8 but the language-model head (e4m3 inputs and weights, e5m2 gradients, current "
             "scaling), bf16 elsewhere"
         ),
     ),
@@ -68,7 +68,7 @@ PRESETS: dict[str, Policy] = {
         compute_dtype=BF16,
         output_dtype=F32,
         fp8=Fp8Recipe(keep=("first", "last")),
-        reason="GEMM layers in FP8 (e4m3/e5m2, delayed scaling) except the first and last, which stay bf16",
+        reason="GEMM layers in FP8 (e4m3/e5m2, current scaling) except the first and last, which stay bf16",
     ),
 }
 
