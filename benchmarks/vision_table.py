@@ -137,7 +137,8 @@ def main() -> int:
     fastai, trainer = (CUDA_FASTAI, CUDA_TRAINER) if cuda else (FASTAI, TRAINER)
     rows = [("fastai", "o2_bf16"), ("trainer", "o2_bf16")] if args.dry_run else [
         *(("fastai", p) for p in fastai), *(("trainer", p) for p in trainer)]  # fmt: skip
-    payload = {"machine": _machine(torch, cuda), "machine_info": _machine_info(torch, cuda), "seeds": seeds, "runs": []}
+    info = _machine_info(torch, cuda)
+    payload = {"machine": _machine(torch, info), "machine_info": info, "seeds": seeds, "runs": []}
     stem = "vision_table_dry_run" if args.dry_run else "vision_table"
     start, longest = time.monotonic(), 0.0
     for seed in seeds:  # every row of a seed before the next seed: a time limit cuts seeds, not rows
@@ -162,9 +163,8 @@ def _machine_info(torch, cuda: bool) -> dict:
     return info
 
 
-def _machine(torch, cuda: bool) -> str:
-    info = _machine_info(torch, cuda)
-    where = info["device_name"] if cuda else f"{info.get('cpu', 'CPU')} ({info.get('isa', '?')})"
+def _machine(torch, info: dict) -> str:
+    where = info["device_name"] if "device_name" in info else f"{info.get('cpu', 'CPU')} ({info.get('isa', '?')})"
     return f"{where}, {info.get('cores', '?')} cores, torch {torch.__version__}"
 
 

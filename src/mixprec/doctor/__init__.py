@@ -11,7 +11,13 @@ The histograms as a PNG are drawn by the application: :func:`mixprec.app.histogr
 
 from mixprec.doctor.advice import Diagnosis, FormatAdvice, diagnose, recommend_scale
 from mixprec.doctor.fp8_recipes import FP8_RECIPES, Fp8RecipeReport, RecipeFit, fp8_recipe_report
-from mixprec.doctor.policy_file import PolicyAdvice, check_policy_target, read_policy_file, write_policy_file
+from mixprec.doctor.policy_file import (
+    PolicyAdvice,
+    check_policy_target,
+    policy_and_scale,
+    read_policy_file,
+    write_policy_file,
+)
 from mixprec.doctor.report import PHASES, DoctorReport, FormatRange, Histogram, ModuleStats
 from mixprec.doctor.trace import NonFiniteEvent, NonFiniteTracer
 from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
@@ -35,6 +41,7 @@ __all__ = [
     "check_policy_target",
     "diagnose",
     "fp8_recipe_report",
+    "policy_and_scale",
     "read_policy_file",
     "recommend_scale",
     "write_policy_file",

@@ -16,7 +16,7 @@ from mixprec.doctor.advice import Diagnosis
 from mixprec.persist import WRITTEN_BY, check_overwrite, stamped, write_atomically
 from mixprec.policy.parse import get_policy
 
-__all__ = ["PolicyAdvice", "check_policy_target", "read_policy_file", "write_policy_file"]
+__all__ = ["PolicyAdvice", "check_policy_target", "policy_and_scale", "read_policy_file", "write_policy_file"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,16 @@ def check_policy_target(path: str | Path) -> Path:
         ValueError: a folder, or a file mixprec did not write as advice (named as ``--apply``).
     """
     return check_overwrite(path, "--apply", KIND, earlier_keys=frozenset({"policy", "loss_scale", "reasons", "source"}))
+
+
+def policy_and_scale(spec: str) -> tuple[str, float | None]:
+    """A ``--policy`` as the commands take it: a policy file (``FILE.json``, written by the doctor or the tuner)
+    read for its policy string and the loss scale it recommends; anything else is the policy itself, no scale.
+
+    Raises:
+        ValueError: a policy file :func:`read_policy_file` refuses.
+    """
+    return read_policy_file(spec) if spec.endswith(".json") else (spec, None)
 
 
 def read_policy_file(path: str | Path) -> tuple[str, float | None]:

@@ -36,7 +36,7 @@ class PartialResumeGuard:
             if (me := guard()) is not None and loaded.state:  # an empty state: a fresh optimizer (Accelerate's
                 me.optimizer_loaded = True  # prepare() reloads it to place it on the device)
 
-        self._hook = optimizer.register_load_state_dict_post_hook(after_optimizer_load)
+        self._hook: Any = optimizer.register_load_state_dict_post_hook(after_optimizer_load)
 
     def restored(self) -> None:
         """``mp.load_state_dict`` ran: the resume carries MixedPrecision's state."""
@@ -56,7 +56,10 @@ class PartialResumeGuard:
             )
 
     def before_update(self, mp: Any) -> None:
+        if self._hook is None:  # past the first update: nothing left to watch, nothing to do per step
+            return
         self.before_forward(mp)
         if mp.at_update_boundary:  # a load from now on is mid-training, with MixedPrecision's state live
             self._hook.remove()
+            self._hook = None
             self.mixprec_loaded = True

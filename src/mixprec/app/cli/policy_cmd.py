@@ -47,11 +47,9 @@ def run(args: argparse.Namespace) -> int:
         aliases = ", ".join(f"{alias} = {name}" for alias, name in PRESET_ALIASES.items())
         print(f"\nalso accepted (Keras, Apex opt levels, Lightning; '-' reads as '_'): {aliases}")
         return 0
-    loss_scale = None
-    if args.spec.endswith(".json"):  # a policy file: its policy, and the loss scale it recommends
-        from mixprec.doctor import read_policy_file
+    from mixprec.doctor import policy_and_scale
 
-        args.spec, loss_scale = read_policy_file(args.spec)
+    args.spec, loss_scale = policy_and_scale(args.spec)  # a policy file: its policy and recommended loss scale
     prepared = prepare(None, args.spec, device=device_type)  # parsed and checked once, with its compute plan
     policy, plan = prepared.policy, prepared.plan
     record = {

@@ -139,13 +139,10 @@ def task_spec(args: argparse.Namespace) -> str:
 
 def config_from(args: argparse.Namespace, policy: str) -> TrainConfig:
     from mixprec.app.config import TrainConfig
+    from mixprec.doctor import policy_and_scale
 
-    loss_scale = args.loss_scale
-    if policy.endswith(".json"):  # the doctor's advice: a policy and the loss scale it recommends
-        from mixprec.doctor import read_policy_file
-
-        policy, advised_scale = read_policy_file(policy)
-        loss_scale = loss_scale if loss_scale is not None else advised_scale
+    policy, advised_scale = policy_and_scale(policy)  # a policy file: its policy and recommended loss scale
+    loss_scale = args.loss_scale if args.loss_scale is not None else advised_scale
     return TrainConfig(
         task=task_spec(args),
         policy=policy,

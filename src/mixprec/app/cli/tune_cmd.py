@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from mixprec.app.cli.arg_types import file_path, positive_number, seed, tolerance, whole_number
-from mixprec.app.cli.train_cmd import task_spec
+from mixprec.app.cli.train_cmd import slug, task_spec
 
 BASES = ("mixed_bf16", "mixed_fp16", "auto")
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         if args.device_profile is not None:
             raise ValueError("--save-profile writes the timings measured here: with --device-profile none are.")
         check_overwrite(args.save_profile, "--save-profile", KIND)
-    out = args.out or Path("runs") / f"tune-{spec.replace(':', '-').replace('.', '-')}"
+    out = args.out or Path("runs") / slug(f"tune-{spec}")
     result = tune(
         spec,
         out=out,

@@ -61,6 +61,12 @@ class GemmShape:
     def key(self) -> str:
         return f"{self.m}x{self.k}x{self.n}"
 
+    @classmethod
+    def from_key(cls, key: str) -> GemmShape:
+        """The shape :meth:`key` wrote (``"3072x192x576"``)."""
+        m, k, n = (int(v) for v in key.split("x"))
+        return cls(m, k, n)
+
 
 def layer_policy(base: str, fmt: str) -> str:
     """The policy one layer of format ``fmt`` runs under, on top of ``base`` (a 16-bit preset)."""
@@ -124,8 +130,7 @@ class DeviceProfile:
 
 
 def _flops(key: str) -> int:
-    m, k, n = (int(v) for v in key.split("x"))
-    return GemmShape(m, k, n).flops
+    return GemmShape.from_key(key).flops
 
 
 def measure_profile(

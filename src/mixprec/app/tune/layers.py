@@ -13,6 +13,7 @@ The shapes come from one FP32 forward of a training batch (hooks on every layer 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +78,7 @@ def layer_choices(
 ) -> dict[str, LayerChoice]:
     """Each layer's allowed formats from the doctor's statistics over ``steps`` of ``batches`` ((inputs, targets)
     pairs): ``sixteen`` is the base policy's 16-bit format (bf16 or fp16)."""
-    batches = list(_first(batches, steps))
+    batches = list(itertools.islice(batches, steps))
     report = diagnose(model, iter(batches), loss_fn, steps=steps, formats=[sixteen, "fp8_e4m3"]).report
     fp8 = fp8_recipe_report(model, (x for x, _ in batches), lambda m, x: m(x), steps, ("tensorwise",), outlier)
     top = get_format(sixteen).max
@@ -111,10 +112,3 @@ def _forward_stats(report: Any, name: str) -> Any:
         return report.get(name, "forward")
     except KeyError:  # a layer the recorded batches never reached
         return None
-
-
-def _first(batches: Iterable[Any], count: int) -> Iterable[Any]:
-    for index, batch in enumerate(batches):
-        if index >= count:
-            return
-        yield batch

@@ -9,6 +9,7 @@ DIR/report.md      the same in words, with the verification over seeds
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import DeviceProfile
+from mixprec.app.tune.cost import DeviceProfile, GemmShape
 from mixprec.app.tune.search import TuneOptions, search
 
 __all__ = ["BASES", "choose_base", "measured_profile", "tune", "tune_task"]
@@ -47,7 +48,7 @@ def tune_task(
     torch.manual_seed(config.seed)
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
     parts.model.to(device)
-    batches = [(to_device(x, device), to_device(y, device)) for x, y in _first(parts.train_data, 4)]
+    batches = [(to_device(x, device), to_device(y, device)) for x, y in itertools.islice(parts.train_data, 4)]
     if not batches:
         raise ValueError(f"task {config.task!r} has no training batch to tune on.")
     shapes = gemm_shapes(parts.model, batches[0][0], lambda model, x: model(x))
@@ -146,21 +147,12 @@ def choose_base(
     return chosen, {"trials": trials, "chosen": chosen, "why": why}
 
 
-def _first(data: Any, count: int) -> list[Any]:
-    batches = []
-    for batch in data:
-        batches.append(batch)
-        if len(batches) == count:
-            break
-    return batches
-
-
 def measured_profile(result: dict[str, Any]) -> DeviceProfile:
     """The layer timings a tune measured here, as a device profile (``--save-profile``): another tune of a model
     with these shapes, on another machine, predicts this device's speed from it."""
     if result["device_profile"]["source"] != "measured here":
         raise ValueError("--save-profile: this tune read its timings from a profile; it measured none here.")
-    entries = {"{m}x{k}x{n}".format(**layer["shape"]): layer["ms"] for layer in result["layers"]}
+    entries = {GemmShape(**layer["shape"]).key(): layer["ms"] for layer in result["layers"]}
     return DeviceProfile(result["device_profile"]["device"], result["base"], entries)
 
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import DeviceProfile, GemmShape, Prediction, measure_profile, predict
+from mixprec.app.tune.cost import FORMATS, DeviceProfile, GemmShape, Prediction, measure_profile, predict
 from mixprec.app.tune.layers import LayerChoice
 
 __all__ = ["Candidate", "TuneOptions", "assignment_policy", "pareto_front", "search"]
@@ -147,7 +147,7 @@ def search(
     progress(f"tune: trial of the uniform base ({base}) and of FP32, {options.trial_steps} steps each")
     base_loss, base_ms = state.trial(base)
     fp32_loss, _ = state.trial("fp32")
-    forced = {name: "fp32" for name, choice in choices.items() if choice.formats == ("fp32",)}
+    forced = _forced(choices)
     reference_loss, reference_ms = base_loss, base_ms
     if not math.isfinite(base_loss) and forced:  # the doctor foresaw it: the base with its FP32 layers instead
         progress("tune: the uniform base made inf/NaN; the reference is the base with the doctor's FP32 layers")
@@ -199,13 +199,23 @@ def _device(config: TrainConfig) -> Any:
     return torch.device(resolve_device(config.device))
 
 
+def _forced(choices: dict[str, LayerChoice]) -> dict[str, str]:
+    """The layers the doctor keeps in FP32 (the base's 16 bits would overflow there), as an assignment."""
+    return {name: "fp32" for name, choice in choices.items() if choice.formats == ("fp32",)}
+
+
+def _change(loss: float, reference: float) -> float:
+    """``loss`` relative to ``reference``: inf for a run that made inf/NaN (never within a tolerance)."""
+    return (loss - reference) / abs(reference) if math.isfinite(loss) and reference else math.inf
+
+
 def _references(state: SearchState, base_loss: float, fp32_loss: float, reference: float) -> None:
     """The uniform base and FP32, tried first, as candidates (the front's two ends); FP32 predicted as every GEMM
     layer in FP32 on top of the base."""
     every_fp32 = {name: "fp32" for name in state.choices}
     for note, policy, assignment, loss in (("uniform base", state.options.base, {}, base_loss),
                                             ("uniform FP32", "fp32", every_fp32, fp32_loss)):  # fmt: skip
-        change = (loss - reference) / abs(reference) if math.isfinite(loss) else math.inf
+        change = _change(loss, reference)
         prediction = state.predict(assignment).to_dict()
         state.candidates.append(
             Candidate(policy, assignment, prediction, loss, change, change <= state.options.tolerance, note)
@@ -221,13 +231,8 @@ def _fp32_extra(state: SearchState, name: str) -> float:
 def _first_moves(state: SearchState, reference: float) -> list[dict[str, str]]:
     """The layers the doctor keeps in FP32 (no trial: the 16-bit compute would overflow), then, as a trial, those
     the cost model finds faster in FP32 than in 16 bits."""
-    forced = {name: "fp32" for name, choice in state.choices.items() if choice.formats == ("fp32",)}
-    faster = {
-        name: "fp32"
-        for name, choice in state.choices.items()
-        if name not in forced
-        and state.profile.layer_ms(choice.shape, "fp32")[0] < state.profile.layer_ms(choice.shape, "16")[0]
-    }
+    forced = _forced(state.choices)
+    faster = {name: "fp32" for name in state.choices if name not in forced and _fp32_extra(state, name) < 0}
     moves = [forced]
     if forced:
         kept = ", ".join(f"{n} ({state.choices[n].reasons['16']})" for n in forced)
@@ -265,13 +270,12 @@ def _greedy(state: SearchState, assignment: dict[str, str], reference: float) ->
     return accepted
 
 
-def _record(
-    state: SearchState, assignment: dict[str, str], reference: float, note: str, accepted: bool | None = None
-) -> Candidate:
+def _record(state: SearchState, assignment: dict[str, str], reference: float, note: str) -> Candidate:
+    """A trial of ``assignment``, kept when its loss change is within the tolerance; said in a progress line."""
     policy = assignment_policy(state.options.base, assignment)
     loss, _ = state.trial(policy)
-    change = (loss - reference) / abs(reference) if math.isfinite(loss) and reference else math.inf
-    ok = change <= state.options.tolerance if accepted is None else accepted
+    change = _change(loss, reference)
+    ok = change <= state.options.tolerance
     prediction = state.predict(assignment)
     candidate = Candidate(policy, dict(assignment), prediction.to_dict(), loss, change, ok, note)
     state.candidates.append(candidate)
@@ -293,14 +297,13 @@ def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[st
     reference = means["base"] if math.isfinite(means["base"]) else means["fp32"]
     tried = []
     for index, assignment in enumerate(reversed(accepted)):
-        last = index == len(accepted) - 1
+        last, policy = index == len(accepted) - 1, assignment_policy(state.options.base, assignment)
         if not last and state.out_of_budget(verifications=state.options.seeds):
-            state.progress(f"tune: no time left to verify {assignment_policy(state.options.base, assignment)}")
+            state.progress(f"tune: no time left to verify {policy}")
             continue  # fall back towards the base
-        policy = assignment_policy(state.options.base, assignment)
         chosen = runs["base"] if not assignment else _seeded(state, "chosen", policy)
         mean = statistics.fmean(loss for loss, _ in chosen)
-        change = (mean - reference) / abs(reference)
+        change = _change(mean, reference)
         tried.append({"policy": policy, "mean": mean, "loss_change": change})
         if change <= state.options.tolerance or last:
             break
@@ -365,7 +368,7 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
 
 
 def _layer_record(choice: LayerChoice, state: SearchState) -> dict[str, Any]:
-    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in ("fp32", "16", "fp8")}
+    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in FORMATS}
     return {
         "name": choice.name,
         "shape": asdict(choice.shape),
