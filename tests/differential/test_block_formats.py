@@ -32,11 +32,11 @@ def _fp8(value: float, kind: str) -> float:
     return torch.tensor(value, dtype=torch.float64).clamp(-top, top).to(dtype).item()  # saturating, RNE
 
 
-def _element(value: float, kind: str) -> float:
-    return _fp4(value) if kind == "e2m1" else _fp8(value, kind)
+def _element(value: float, kind: str, fp4) -> float:
+    return fp4(value) if kind == "e2m1" else _fp8(value, kind)
 
 
-def _mx_reference(block: list[float], name: str, rule: str) -> list[float]:
+def _mx_reference(block: list[float], name: str, rule: str, fp4=_fp4) -> list[float]:
     kind, top, emax = ELEMENTS[name]
     if not all(math.isfinite(v) for v in block):  # (Python's max does not propagate NaN)
         return [math.nan] * len(block)
@@ -47,10 +47,10 @@ def _mx_reference(block: list[float], name: str, rule: str) -> list[float]:
     if rule == "ceil" and amax > top * 2.0**shared:
         shared += 1
     scale = 2.0 ** min(max(shared, -127), 127)
-    return [_element(v / scale, kind) * scale for v in block]
+    return [_element(v / scale, kind, fp4) * scale for v in block]
 
 
-def _nvfp4_reference(values: np.ndarray) -> np.ndarray:
+def _nvfp4_reference(values: np.ndarray, fp4=_fp4) -> np.ndarray:
     f32 = np.float32
     finite = np.abs(values[np.isfinite(values)])
     amax = f32(finite.max()) if finite.size else f32(0)
@@ -65,7 +65,7 @@ def _nvfp4_reference(values: np.ndarray) -> np.ndarray:
         block_scale = f32(_fp8(float(block_amax / f32(6) / tensor_scale), "e4m3"))
         denominator = f32(block_scale * tensor_scale)
         for i, v in enumerate(block):
-            q = f32(_fp4(float(v / denominator))) if denominator > 0 else f32(0)
+            q = f32(fp4(float(v / denominator))) if denominator > 0 else f32(0)
             out[start + i] = f32(q * denominator)
     return out
 
@@ -126,7 +126,47 @@ def test_bad_block_format_arguments_say_what_to_do():
         mixprec.quantize(x, "mxfp4", scale_rule="floor")
     with pytest.raises(ValueError, match=r"scale_rule='ceil' applies to the MX formats' power-of-two scales"):
         mixprec.quantize(x, "nvfp4", scale_rule="ceil")
-    with pytest.raises(ValueError, match=r"block format 'mxfp4' rounds to nearest"):
-        mixprec.quantize(x, "mxfp4", rounding="stochastic")
+    with pytest.raises(ValueError, match=r"rounding=\.\.\.\): received 'up'; use one of 'nearest', 'stochastic'"):
+        mixprec.quantize(x, "mxfp4", rounding="up")
     with pytest.raises(ValueError, match=r"scale_rule=\.\.\.\) applies to the MX block formats"):
         mixprec.quantize(x, "fp16", scale_rule="ceil")
+
+
+def _directed_fp4(pick):
+    """e2m1 rounding of the magnitude down (``pick=max``) or up (``min``), saturating at 6."""
+
+    def rounded(value: float) -> float:
+        magnitude = min(abs(value), 6.0)
+        grid = [v for v in FP4 if (v <= magnitude if pick is max else v >= magnitude)]
+        return math.copysign(pick(grid), value)
+
+    return rounded
+
+
+def _neighbours(x: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """The two values of ``name``'s grid around each value of ``x``, at the block scales that rounding to nearest
+    picks (stochastic rounding keeps the scales): the reference, its elements rounded down and up instead."""
+    bounds = []
+    for pick in (max, min):
+        fp4 = _directed_fp4(pick)
+        if name == "nvfp4":
+            bounds.append(torch.from_numpy(_nvfp4_reference(x.numpy().astype(np.float32), fp4)))
+        else:
+            blocks = x.double().reshape(-1, 32).tolist()
+            bounds.append(torch.tensor([v for b in blocks for v in _mx_reference(b, name, "ocp", fp4)]))
+    return bounds
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_stochastic_block_rounding_picks_a_grid_neighbour_and_is_unbiased(name):
+    block = 32 if name == "mxfp4" else 16
+    x = torch.randn(8 * block, generator=torch.Generator().manual_seed(3)) * 5
+    low, high = _neighbours(x, name)
+    gen = torch.Generator().manual_seed(4)
+    draws = torch.stack([mixprec.quantize(x, name, rounding="stochastic", generator=gen) for _ in range(4000)])
+    assert ((draws == low) | (draws == high)).all()  # each draw one of the two neighbours at the same scale
+    inside = (high != low) & (x.abs() <= high.abs())  # values the grid brackets (not saturated)
+    mean, width = draws.mean(0), (high - low).abs()
+    # E[draw] = x; 4000 draws of a two-point variable of range `width`: sd of the mean <= width / 2 / sqrt(4000)
+    assert ((mean - x).abs()[inside] <= 5 * width[inside] / 2 / math.sqrt(4000)).all()
+    assert torch.equal(mixprec.quantize(x, name, rounding="nearest"), mixprec.quantize(x, name))

@@ -124,7 +124,7 @@ def test_rowwise_fp8_linear_equals_the_reference(formats, device):
     assert row_error(y.detach()) < 0.1 < row_error(tensorwise)
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"])
 def test_a_model_trains_under_finer_scaling_and_the_plan_says_it_is_emulated(scaling, train_mlp):
     mp, losses = train_mlp(f"base=fp8,fp8=(scaling={scaling})", steps=30, samples=128, classes=16)
     assert "GEMM layers in FP8 emulated with FP32 arithmetic" in mp.compute_plan.reason
@@ -294,7 +294,10 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
         ("fp8=hybrid(colour=red)", "unknown option 'colour=red'"),
         ("fp8=hybrid(history=4", "one pair of parentheses"),
         ("fp8=hybrid(history=four)", "history='four' is not a whole number"),
-        ("fp8=hybrid(scaling=later)", "received 'later'; use one of current, delayed, rowwise, blockwise, mxfp8"),
+        (
+            "fp8=hybrid(scaling=later)",
+            "received 'later'; use one of current, delayed, rowwise, blockwise, mxfp8, mxfp4",
+        ),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             mixprec.get_policy(spec)

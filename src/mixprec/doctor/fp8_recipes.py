@@ -10,7 +10,8 @@ from bf16 operands (what the layer computes without FP8):
     rowwise      fp8_e4m3, a power-of-two scale per row of the input and per output row of the weight
     blockwise    fp8_e4m3, power-of-two scales per 1x128 tile of the input and 128x128 tile of the weight
     mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4    the block-scaled formats (:mod:`mixprec.numerics.block_formats`),
-                 blocks along the reduction dimension of both operands
+                 blocks along the reduction dimension of both operands; nvfp4's weight in 16x16 tiles, as the
+                 training recipe ``scaling=nvfp4`` holds it (:mod:`mixprec.regions.fp8.fp4`)
 
 Per layer and recipe: the output's relative error, per row (token or sample: the norm of the row's difference
 over the bf16 row's norm, averaged over the rows; a norm over the whole output would let one outlier row hide
@@ -35,6 +36,7 @@ from mixprec.numerics.block_formats import BLOCK_FORMATS
 from mixprec.numerics.formats import get_format
 from mixprec.numerics.quantize import quantize
 from mixprec.regions.fp8.blockwise import BLOCK, round_tiles
+from mixprec.regions.fp8.fp4 import NVFP4_TILES, nvfp4_weight, tiles
 from mixprec.regions.fp8.gemm_layers import select_gemm_layers
 
 __all__ = ["FP8_RECIPES", "Fp8RecipeReport", "RecipeFit", "fp8_recipe_report"]
@@ -87,10 +89,10 @@ def _round(t: torch.Tensor, recipe: str, weight: bool) -> torch.Tensor:
     """``t`` (rows, K) as ``recipe`` rounds an input (``weight`` False) or a weight, in FP32: the training
     recipes' own casts (:func:`~mixprec.regions.fp8.blockwise.round_tiles`) and block formats."""
     rows, k = t.shape
-    tiles = {"tensorwise": (rows, k), "rowwise": (1, k), "blockwise": (BLOCK if weight else 1, BLOCK)}
-    if recipe in tiles:
-        return round_tiles(t, _E4M3, *tiles[recipe])
-    return quantize(t, recipe)
+    shapes = {"tensorwise": (rows, k), "rowwise": (1, k), "blockwise": (BLOCK if weight else 1, BLOCK)}
+    if recipe in shapes:
+        return round_tiles(t, _E4M3, *shapes[recipe])
+    return nvfp4_weight(t) if recipe == "nvfp4" and weight else quantize(t, recipe)
 
 
 def _top_gap(recipe: str) -> float:
@@ -98,11 +100,13 @@ def _top_gap(recipe: str) -> float:
     return 1 + element.eps / 2
 
 
-def _saturated(t: torch.Tensor, rounded: torch.Tensor, recipe: str) -> int:
+def _saturated(t: torch.Tensor, rounded: torch.Tensor, recipe: str, weight: bool) -> int:
     """Elements more than the format's rounding past the largest magnitude their block kept."""
     if recipe not in BLOCK_FORMATS:  # scales from the amax: nothing passes the top by construction
         return 0
-    block = BLOCK_FORMATS[recipe].block
+    if recipe == "nvfp4" and weight:  # a block is a 16x16 tile: laid out as a row of 256
+        t, rounded = tiles(t), tiles(rounded)
+    block = NVFP4_TILES.block if recipe == "nvfp4" and weight else BLOCK_FORMATS[recipe].block
     k = t.shape[-1]
     pad = (0, -k % block)
     values = torch.nn.functional.pad(t.abs(), pad).reshape(t.shape[0], -1, block)
@@ -162,12 +166,12 @@ def fp8_recipe_report(
                 relative = (xq @ wq.t() - reference).norm(dim=-1)[counted] / norms[counted]
                 tally.errors += float(relative.sum())
                 tally.rows += int(counted.sum())
-                for t, q in ((x, xq), (weight, wq)):
+                for t, q, is_weight in ((x, xq, False), (weight, wq, True)):
                     nonzero = t != 0
                     tally.nonzero += int(nonzero.sum())
                     tally.flushed += int((nonzero & (q == 0)).sum())
                     tally.elements += t.numel()
-                    tally.saturated += _saturated(t, q, recipe)
+                    tally.saturated += _saturated(t, q, recipe, is_weight)
 
         handles.append(module.register_forward_pre_hook(measure))
     try:

@@ -18,6 +18,10 @@ MX scale (OCP Microscaling Formats v1.0, section 6.3), ``scale_rule="ocp"`` (def
 max)), the smallest power of two under which nothing saturates. The exponent is clamped to E8M0's range.
 All of it is exact: scales are powers of two, applied in float64.
 
+``rounding="stochastic"`` rounds the elements stochastically (unbiased, :func:`mixprec.quantize`'s rule) under the
+same block scales, which are always computed from the amax as above: what FP4 training recipes do to
+gradients.
+
 NVFP4, in FP32 arithmetic in this order (NVIDIA's two-level recipe, as torchao's per-tensor-scaled NVFP4):
     s_t = amax(|x|) / (448 * 6)                     the tensor's scale, from its finite values (1 if all 0)
     s_b = e4m3(amax_block / 6 / s_t)                each block's scale, rounded to nearest even, saturating
@@ -71,10 +75,19 @@ BLOCK_FORMATS: MappingProxyType[str, BlockFormat] = MappingProxyType(
 )
 
 
-def quantize_blocks(x: torch.Tensor, fmt: str | BlockFormat, scale_rule: str = "ocp") -> torch.Tensor:
+def quantize_blocks(
+    x: torch.Tensor,
+    fmt: str | BlockFormat,
+    scale_rule: str = "ocp",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """The values ``x`` holds after a round trip through the block format ``fmt`` (see the module docstring),
-    in ``x``'s dtype and shape; blocks run along the last dimension."""
-    from mixprec.numerics.quantize import quantize  # the element rounding
+    in ``x``'s dtype and shape; blocks run along the last dimension. ``rounding`` ("nearest" or "stochastic",
+    with ``generator``) applies to the elements."""
+    from functools import partial
+
+    from mixprec.numerics.quantize import quantize as quantize_elements  # the element rounding
 
     if isinstance(fmt, str):
         if fmt.strip().lower() not in BLOCK_FORMATS:
@@ -84,8 +97,9 @@ def quantize_blocks(x: torch.Tensor, fmt: str | BlockFormat, scale_rule: str = "
         raise ValueError(f"scale_rule: received {scale_rule!r}; use one of {', '.join(map(repr, SCALE_RULES))}.")
     if scale_rule != "ocp" and fmt.scale != "e8m0":
         raise ValueError(f"scale_rule={scale_rule!r} applies to the MX formats' power-of-two scales, not {fmt.name}.")
+    quantize = partial(quantize_elements, rounding=rounding, generator=generator)  # scales round to nearest below
     if x.dim() == 0:
-        return quantize_blocks(x.reshape(1), fmt, scale_rule).reshape(())
+        return quantize_blocks(x.reshape(1), fmt, scale_rule, rounding, generator).reshape(())
     size = x.shape[-1]
     padded = F.pad(x, (0, -size % fmt.block)) if size % fmt.block else x
     blocks = padded.reshape(*padded.shape[:-1], -1, fmt.block)
@@ -116,7 +130,7 @@ def _nvfp4(blocks: torch.Tensor, element: Format, quantize) -> torch.Tensor:
     tensor_amax = torch.where(torch.isfinite(magnitudes), magnitudes, 0.0).amax()  # of the finite values
     tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (e4m3.max * element.max), 1.0)
     block_amax = magnitudes.amax(dim=-1, keepdim=True)
-    block_scale = quantize(block_amax / element.max / tensor_scale, e4m3, saturate=True)
+    block_scale = quantize(block_amax / element.max / tensor_scale, e4m3, saturate=True, rounding="nearest")
     block_scale = torch.where(torch.isfinite(block_amax), block_scale, math.nan)  # inf or NaN: the block NaN
     denominator = block_scale * tensor_scale
     safe = torch.where(denominator > 0, denominator, 1.0)

@@ -59,8 +59,8 @@ def quantize(
         x: a floating-point tensor (float16, bfloat16, float32 or float64) on any device.
         fmt: the target format: a name (``"fp16"``, ``"e4m3"``, ``"e3m2"``), a torch dtype or a Format; or a
             block-scaled format by name (``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"nvfp4"``: blocks
-            along the last dimension, :mod:`mixprec.numerics.block_formats`), which rounds to nearest and
-            saturates.
+            along the last dimension, :mod:`mixprec.numerics.block_formats`), which saturates; ``rounding``
+            applies to its elements (the block scales round to nearest).
         rounding: ``"nearest"`` (round half to even, as hardware casts do) or ``"stochastic"``
             (unbiased: the expected result equals ``x`` inside the representable range).
         saturate: clamp overflowing values (and infinities) to ``±max`` instead of ``±inf``.
@@ -85,17 +85,15 @@ def quantize(
             f"quantize(x=...) needs a floating-point tensor (float16, bfloat16, float32 or float64); "
             f"received dtype {x.dtype}. Convert first, e.g. x.float()."
         )
-    if isinstance(fmt, str) and fmt.strip().lower() in BLOCK_FORMATS:
-        if rounding != "nearest":
-            raise ValueError(f"quantize(rounding=...): block format {fmt!r} rounds to nearest; received {rounding!r}.")
-        return quantize_blocks(x, fmt, scale_rule)
-    if scale_rule != "ocp":
-        raise ValueError(f"quantize(scale_rule=...) applies to the MX block formats; fmt={fmt!r} has no block scale.")
-    fmt = get_format(fmt, argument="fmt")
     if rounding not in ROUNDING_MODES:
         raise ValueError(
             f"quantize(rounding=...): received {rounding!r}; use one of {', '.join(map(repr, ROUNDING_MODES))}."
         )
+    if isinstance(fmt, str) and fmt.strip().lower() in BLOCK_FORMATS:
+        return quantize_blocks(x, fmt, scale_rule, rounding, generator)
+    if scale_rule != "ocp":
+        raise ValueError(f"quantize(scale_rule=...) applies to the MX block formats; fmt={fmt!r} has no block scale.")
+    fmt = get_format(fmt, argument="fmt")
     working = _WORKING[x.dtype]
     mantissa_bits, min_exponent, max_exponent, _, _ = _LAYOUT[working]
     if fmt.mantissa_bits >= mantissa_bits and fmt.min_exponent <= min_exponent and fmt.max_exponent >= max_exponent:

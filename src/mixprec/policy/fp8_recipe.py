@@ -11,7 +11,12 @@
                 "blockwise": a current scale per 1x128 tile of activations and gradients and per 128x128
                 tile of weights, DeepSeek-V3's recipe; emulated;
                 "mxfp8": blocks of 32 along each product's reduction with an E8M0 scale (OCP MX v1.0),
-                elements in the recipe's formats; emulated
+                elements in the recipe's formats; emulated;
+                "mxfp4", "nvfp4": FP4 training, every operand in fp4_e2m1 (so FORMATS stays ``hybrid``):
+                MXFP4 blocks of 32 with E8M0 scales, or NVFP4 blocks of 16 with e4m3 scales times an FP32
+                tensor scale (weights in 16x16 tiles), as NVIDIA's NVFP4 recipe, gradients rounded
+                stochastically, the weight gradient's operands rotated by a random Hadamard transform;
+                emulated (:mod:`mixprec.regions.fp8.fp4`)
     margin      extra powers of two of headroom below the format's largest value
     keep        GEMM layers left in the policy's compute dtype: name globs, plus "first" and "last" for the
                 first and last GEMM layers in the model's registration order, and "head" for the
@@ -47,11 +52,12 @@ from dataclasses import dataclass
 
 from mixprec.checks import shown
 
-__all__ = ["AMAX_REDUCTIONS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe", "parse_recipe"]
+__all__ = ["AMAX_REDUCTIONS", "FP4_SCALINGS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe", "parse_recipe"]
 
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
-SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8")
+SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
+FP4_SCALINGS = ("mxfp4", "nvfp4")  # every operand in fp4_e2m1: the FP8 formats do not apply
 AMAX_REDUCTIONS = ("max", "recent")
 _SEPARATORS = ",+=() "  # the policy grammar's
 _FORMAT_NAMES = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3"), "e5m2": ("fp8_e5m2", "fp8_e5m2")}
@@ -79,6 +85,11 @@ class Fp8Recipe:
                 )
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe(scaling=...): received {self.scaling!r}; use one of {', '.join(SCALINGS)}.")
+        if self.scaling in FP4_SCALINGS and (self.forward, self.backward) != ("fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(
+                f"Fp8Recipe(scaling={self.scaling!r}) computes every operand in fp4_e2m1, so the FP8 formats "
+                f"{self.format_name} would be ignored; write hybrid(scaling={self.scaling})."
+            )
         if self.amax not in AMAX_REDUCTIONS:
             raise ValueError(f"Fp8Recipe(amax=...): received {self.amax!r}; use one of {', '.join(AMAX_REDUCTIONS)}.")
         if self.gemm not in GEMM_CHOICES:

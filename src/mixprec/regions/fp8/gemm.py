@@ -79,7 +79,7 @@ def recipe_uses_kernel(recipe, device: torch.device) -> bool:
     return recipe.scaling not in EMULATED_SCALINGS and uses_kernel(recipe.gemm, device)
 
 
-EMULATED_SCALINGS = ("rowwise", "blockwise", "mxfp8")  # scalings without a kernel path yet
+EMULATED_SCALINGS = ("rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")  # scalings without a kernel path yet
 
 
 def fp8_matmul(

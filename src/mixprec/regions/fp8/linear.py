@@ -167,9 +167,11 @@ def fp8_linear(
     # a state on another device (loaded on the CPU, a model moved) moves here, where a compiled step may
     # reassign attributes; inside the autograd function only tensor contents change
     state.to(x.device)
-    if state.recipe.scaling in ("rowwise", "blockwise", "mxfp8"):  # scales along each product's reduction
-        from mixprec.regions.fp8.blockwise import BLOCKWISE, MXFP8  # it builds on this module
+    if state.recipe.scaling in ("current", "delayed"):  # one scale per tensor
+        return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
+    # scales along each product's reduction: each product casts its operands again
+    from mixprec.regions.fp8.blockwise import BLOCKWISE, MXFP8  # they build on this module
+    from mixprec.regions.fp8.fp4 import MXFP4, NVFP4
 
-        products = {"rowwise": _Rowwise, "blockwise": BLOCKWISE, "mxfp8": MXFP8}[state.recipe.scaling]
-        return Recast.apply(x, weight, bias, state, out_dtype, products)
-    return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
+    products = {"rowwise": _Rowwise, "blockwise": BLOCKWISE, "mxfp8": MXFP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
+    return Recast.apply(x, weight, bias, state, out_dtype, products[state.recipe.scaling])
