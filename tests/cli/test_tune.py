@@ -8,9 +8,12 @@ import re
 import time
 
 import pytest
+import torch
+from torch import nn
 
 import mixprec
-from mixprec.app.tune.cost import DeviceProfile, GemmShape, predict
+from mixprec.app.tune.cost import ConvShape, DeviceProfile, GemmShape, predict, shape_from_key
+from mixprec.app.tune.layers import layer_shapes
 from mixprec.app.tune.search import Candidate, assignment_policy, pareto_front
 
 TINY = ("--size", "tiny", "--trial-steps", "8", "--verify-steps", "12", "--seeds", "2")
@@ -53,7 +56,7 @@ def test_fp8_where_the_profile_says_it_pays_deterministic_and_within_the_toleran
     errors = {layer["name"]: layer["fp8_error"] for layer in first["layers"]}
     order = [c["note"].removeprefix("+ ").removesuffix(" in FP8") for c in fp8_trials]
     assert order == sorted(order, key=lambda name: (errors[name], name))
-    assert first["chosen"]["prediction"]["scope"] == "GEMM layers"  # a foreign profile: no step measured there
+    assert first["chosen"]["prediction"]["scope"] == "layers"  # a foreign profile: no step measured there
     assert first["chosen"]["prediction"]["speedup"] == pytest.approx(2.0, rel=1e-3)  # every layer at half the time
     assert first["chosen"]["prediction"]["activation_ratio"] == 0.5
     assert first["pareto"] and all(c["prediction"]["speedup"] > 0 for c in first["pareto"])
@@ -181,7 +184,7 @@ def test_a_profile_saved_here_predicts_a_later_tune(tmp_path, mixprec_cli):
     assert set(profile.entries) == {f"{m}x{k}x{n}" for m, k, n in CHARLM.values()}
     _, predicted = _tune(mixprec_cli, tmp_path / "b", "--device-profile", saved)
     assert [layer["ms"] for layer in predicted["layers"]] == [layer["ms"] for layer in measured["layers"]]
-    assert predicted["chosen"]["prediction"]["scope"] == "GEMM layers"
+    assert predicted["chosen"]["prediction"]["scope"] == "layers"
     both = mixprec_cli("tune", "charlm", *TINY, "--device-profile", saved, "--save-profile", tmp_path / "c.json",
                        "--out", tmp_path / "c")  # fmt: skip
     assert both.returncode != 0 and "--save-profile writes the timings measured here" in both.stderr
@@ -199,3 +202,30 @@ def test_base_auto_tries_both_16_bit_bases_and_says_which_and_why(tmp_path, mixp
     refused = mixprec_cli("tune", "charlm", *TINY, "--base", "auto", "--device-profile", _profile(tmp_path),
                           "--out", tmp_path / "x")  # fmt: skip
     assert refused.returncode != 0 and "auto measures both bases on the device at hand" in refused.stderr
+
+
+def test_convolutions_are_shaped_timed_and_take_fp32_or_16_bits(tmp_path, mixprec_cli):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.Conv1d(8, 4, 5, padding="same"), nn.Linear(6, 2))
+    calls = lambda m, x: m[2](m[1](m[0](x).flatten(2)).repeat(1, 1, 1)[..., :6])  # noqa: E731
+    shapes = layer_shapes(model, torch.randn(2, 3, 16, 16), calls)
+    conv2d = ConvShape(2, 3, (16, 16), 8, (3, 3), (2, 2), (1, 1), (1, 1), 1)
+    assert shapes == {"0": conv2d, "1": ConvShape(2, 8, (64,), 4, (5,), (1,), "same", (1,), 1),
+                      "2": GemmShape(8, 6, 2)}  # fmt: skip
+    assert conv2d.output_size == (8, 8) and conv2d.flops == 6 * 2 * 64 * 8 * 3 * 9  # positions x out x in x kernel
+    assert all(shape_from_key(s.key()) == s for s in shapes.values())  # a profile's keys name them back
+    gemm_only = DeviceProfile("gpu", "mixed_bf16", {"8x6x2": {"fp32": 2.0, "16": 1.0, "fp8": 0.5}})
+    ms, how = gemm_only.layer_ms(conv2d, "16")  # a profile without convolutions: scaled, and said so
+    assert ms == pytest.approx(conv2d.flops / GemmShape(8, 6, 2).flops) and "a layer of another kind" in how
+
+    finished = mixprec_cli("tune", "digits", *TINY, "--out", tmp_path / "digits", "--save-profile", tmp_path / "p.json")
+    assert finished.returncode == 0, finished.stderr
+    assert "1 GEMM layers, 3 convolutions" in finished.stderr
+    result = json.loads((tmp_path / "digits" / "tune.json").read_text())
+    convolutions = [layer for layer in result["layers"] if layer["kind"] == "convolution"]
+    assert len(convolutions) == 3 and all(set(layer["ms"]) == {"fp32", "16"} for layer in convolutions)
+    assert all(
+        layer["formats"] == ["fp32", "16"] and "a convolution" in layer["reasons"]["fp8"] for layer in convolutions
+    )
+    assert all(result["chosen"]["assignment"].get(layer["name"], "16") in ("fp32", "16") for layer in convolutions)
+    assert {layer["key"] for layer in convolutions} <= set(DeviceProfile.load(tmp_path / "p.json").entries)
+    assert convolutions[0]["key"] in (tmp_path / "digits" / "report.md").read_text()

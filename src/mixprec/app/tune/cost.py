@@ -1,9 +1,15 @@
-"""The cost model: predicted step time and activation memory of a per-layer policy, from measured GEMM layers.
+"""The cost model: predicted step time and activation memory of a per-layer policy, from measured layers.
 
-A device profile holds, for GEMM layer shapes (rows ``m`` = tokens or samples per batch, ``k`` in features,
-``n`` out features), the milliseconds of one training pass of such a layer (forward, input gradient and weight
-gradient: three GEMMs) in each per-layer format, measured through mixprec's own regions, so the casts, the FP8
-scaling passes and the kernels the compute plan picked are all in the figure:
+A device profile holds, for layer shapes, the milliseconds of one training pass of such a layer (forward, input
+gradient and weight gradient) in each per-layer format, measured through mixprec's own regions, so the casts,
+the FP8 scaling passes and the kernels the compute plan picked are all in the figure. Two kinds of layer:
+
+    GemmShape   a GEMM layer (Linear, Conv1D, the mixprec_gemm protocol): rows ``m`` (tokens or samples per
+                batch), ``k`` in features, ``n`` out features; key ``"3072x192x576"``; FP32, 16 bits or FP8
+    ConvShape   a convolution (Conv1d/2d/3d): its input and kernel; key ``"conv2d:8x1x8x8:16:k3x3:s1x1:p1x1:d1x1:g1"``;
+                FP32 or 16 bits (FP8 computes GEMM layers only)
+
+and the formats:
 
     fp32    the layer in FP32 (``fp32_names`` of the policy)
     bf16    the base policy's 16-bit compute (or fp16: the profile's ``base``)
@@ -12,12 +18,12 @@ scaling passes and the kernels the compute plan picked are all in the figure:
 
 :func:`measure_profile` times the shapes of the model at hand on the device at hand (a few seconds; the layers
 of one shape are timed once). A profile measured elsewhere (``--device-profile FILE``: the GPU check writes one
-on each GPU it runs on) is read from JSON; a shape it lacks is predicted from the entry nearest in FLOPs, at
-that entry's throughput (said in the prediction). The predicted step of a policy is the measured step of the
+on each GPU it runs on) is read from JSON; a shape it lacks is predicted from the entry of its kind nearest in
+FLOPs, at that entry's throughput (said in the prediction). The predicted step of a policy is the measured step of the
 uniform base policy with each layer's time replaced by its format's; from a foreign profile, where no step was
-measured, the prediction covers the GEMM layers alone and says so. Activation memory counts the input each GEMM
-layer saves for its backward: 4 bytes a value in FP32, 2 in 16 bits, 1 in FP8 (the FP8 layer saves its
-quantized input).
+measured, the prediction covers the layers alone and says so. Activation memory counts the input each layer
+saves for its backward: 4 bytes a value in FP32, 2 in 16 bits, 1 in FP8 (the FP8 layer saves its quantized
+input).
 """
 
 from __future__ import annotations
@@ -37,7 +43,18 @@ from torch import nn
 from mixprec.persist import check_overwrite, stamped, write_atomically
 from mixprec.regions import Region
 
-__all__ = ["FORMATS", "DeviceProfile", "GemmShape", "Prediction", "layer_policy", "measure_profile", "predict"]
+__all__ = [
+    "FORMATS",
+    "ConvShape",
+    "DeviceProfile",
+    "GemmShape",
+    "LayerShape",
+    "Prediction",
+    "layer_policy",
+    "measure_profile",
+    "predict",
+    "shape_from_key",
+]
 
 FORMATS = ("fp32", "16", "fp8")  # per layer: FP32, the base policy's 16-bit compute, FP8
 SAVED_BYTES = {"fp32": 4, "16": 2, "fp8": 1}  # per value of the input a GEMM layer saves for its backward
@@ -54,9 +71,15 @@ class GemmShape:
     k: int
     n: int
 
+    formats = FORMATS
+
     @property
     def flops(self) -> int:
         return 6 * self.m * self.k * self.n  # forward, input gradient, weight gradient
+
+    @property
+    def saved_values(self) -> int:
+        return self.m * self.k  # the input, saved for the weight gradient
 
     def key(self) -> str:
         return f"{self.m}x{self.k}x{self.n}"
@@ -66,6 +89,101 @@ class GemmShape:
         """The shape :meth:`key` wrote (``"3072x192x576"``)."""
         m, k, n = (int(v) for v in key.split("x"))
         return cls(m, k, n)
+
+    def module(self) -> nn.Module:
+        return nn.Linear(self.k, self.n)
+
+    def example_input(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.m, self.k, generator=generator)
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split("x"))
+
+
+def _spelled(values: tuple[int, ...]) -> str:
+    return "x".join(map(str, values))
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One convolution layer in training: ``batch`` samples of ``channels`` x ``size`` (its spatial input) to
+    ``out_channels``, with its kernel, stride, padding (numbers, or ``"same"``/``"valid"``), dilation and groups."""
+
+    batch: int
+    channels: int
+    size: tuple[int, ...]
+    out_channels: int
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...] | str
+    dilation: tuple[int, ...]
+    groups: int = 1
+
+    formats = ("fp32", "16")  # FP8 computes GEMM layers only
+
+    @classmethod
+    def of(cls, module: nn.Module, x: torch.Tensor) -> ConvShape:
+        """The shape of ``module`` (a torch ConvNd) called on ``x`` (batched)."""
+        padding = module.padding if isinstance(module.padding, str) else tuple(module.padding)
+        return cls(
+            int(x.shape[0]), int(x.shape[1]), tuple(int(v) for v in x.shape[2:]), module.out_channels,
+            tuple(module.kernel_size), tuple(module.stride), padding, tuple(module.dilation), module.groups,
+        )  # fmt: skip
+
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        if self.padding == "same":
+            return self.size
+        pads = (0,) * len(self.size) if self.padding == "valid" else self.padding
+        return tuple(
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, p, d, k, s in zip(self.size, pads, self.dilation, self.kernel, self.stride, strict=True)
+        )
+
+    @property
+    def flops(self) -> int:  # forward, input gradient, weight gradient: three products of the implicit GEMM
+        positions = self.batch * math.prod(self.output_size)
+        return 6 * positions * self.out_channels * (self.channels // self.groups) * math.prod(self.kernel)
+
+    @property
+    def saved_values(self) -> int:
+        return self.batch * self.channels * math.prod(self.size)
+
+    def key(self) -> str:
+        padding = self.padding if isinstance(self.padding, str) else _spelled(self.padding)
+        return (
+            f"conv{len(self.size)}d:{self.batch}x{self.channels}x{_spelled(self.size)}:{self.out_channels}:"
+            f"k{_spelled(self.kernel)}:s{_spelled(self.stride)}:p{padding}:d{_spelled(self.dilation)}:g{self.groups}"
+        )
+
+    @classmethod
+    def from_key(cls, key: str) -> ConvShape:
+        """The shape :meth:`key` wrote."""
+        _, inputs, out, kernel, stride, padding, dilation, groups = key.split(":")
+        batch, channels, *size = _dims(inputs)
+        pad = padding[1:] if padding[1:] in ("same", "valid") else _dims(padding[1:])
+        return cls(
+            batch, channels, tuple(size), int(out), _dims(kernel[1:]), _dims(stride[1:]), pad, _dims(dilation[1:]),
+            int(groups[1:]),
+        )  # fmt: skip
+
+    def module(self) -> nn.Module:
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(self.size)]
+        return conv(
+            self.channels, self.out_channels, self.kernel, self.stride, self.padding, self.dilation, self.groups
+        )
+
+    def example_input(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.batch, self.channels, *self.size, generator=generator)
+
+
+LayerShape = GemmShape | ConvShape
+
+
+def shape_from_key(key: str) -> LayerShape:
+    """The shape a profile key names (``"3072x192x576"``, ``"conv2d:..."``)."""
+    return ConvShape.from_key(key) if key.startswith("conv") else GemmShape.from_key(key)
 
 
 def layer_policy(base: str, fmt: str) -> str:
@@ -86,15 +204,18 @@ class DeviceProfile:
     entries: dict[str, dict[str, float]] = field(default_factory=dict)  # shape key -> format -> ms
     source: str = "measured here"
 
-    def layer_ms(self, shape: GemmShape, fmt: str) -> tuple[float, str | None]:
-        """Milliseconds of ``shape`` in ``fmt``, and how it was had when not measured (None if measured)."""
+    def layer_ms(self, shape: LayerShape, fmt: str) -> tuple[float, str | None]:
+        """Milliseconds of ``shape`` in ``fmt``, and how it was had when not measured (None if measured): from the
+        entry of the same kind (GEMM or convolution) nearest in FLOPs, else from any."""
         if shape.key() in self.entries and fmt in self.entries[shape.key()]:
             return self.entries[shape.key()][fmt], None
         known = [(k, v[fmt]) for k, v in self.entries.items() if fmt in v]
         if not known:
             raise ValueError(f"the device profile ({self.source}) has no {fmt} timing; measure one with this format.")
-        nearest, ms = min(known, key=lambda item: abs(math.log(_flops(item[0]) / shape.flops)))
-        return ms * shape.flops / _flops(nearest), f"scaled from {nearest} at its throughput"
+        kind = [(k, ms) for k, ms in known if isinstance(shape_from_key(k), type(shape))]
+        nearest, ms = min(kind or known, key=lambda item: abs(math.log(_flops(item[0]) / shape.flops)))
+        other = "" if kind else " (a layer of another kind: the profile has none of this one)"
+        return ms * shape.flops / _flops(nearest), f"scaled from {nearest} at its throughput{other}"
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically; a file mixprec did not write is refused)."""
@@ -130,30 +251,31 @@ class DeviceProfile:
 
 
 def _flops(key: str) -> int:
-    return GemmShape.from_key(key).flops
+    return shape_from_key(key).flops
 
 
 def measure_profile(
-    shapes: Iterable[GemmShape],
+    shapes: Iterable[LayerShape],
     base: str,
     device: torch.device,
     repeats: int = 3,
     progress: Callable[[str], None] = lambda message: None,
     formats: Iterable[str] = FORMATS,
 ) -> DeviceProfile:
-    """Time one training pass of a Linear layer of each shape in each format through mixprec's region on
-    ``device``; the formats take turns, ``repeats`` samples each, the median kept."""
+    """Time one training pass of a layer of each shape (a Linear, a convolution) in each of ``formats`` it can
+    take through mixprec's region on ``device``; the formats take turns, ``repeats`` samples each, the median
+    kept."""
     from mixprec.compute import device_caps
 
     shapes, formats = list(dict.fromkeys(shapes)), list(formats)
     profile = DeviceProfile(device_caps(device.type).description, base)
     for index, shape in enumerate(shapes, 1):
-        progress(f"cost model: timing GEMM layer shape {shape.key()} ({index}/{len(shapes)})")
-        passes = {fmt: _pass(shape, layer_policy(base, fmt), device) for fmt in formats}
+        progress(f"cost model: timing layer shape {shape.key()} ({index}/{len(shapes)})")
+        passes = {fmt: _pass(shape, layer_policy(base, fmt), device) for fmt in formats if fmt in shape.formats}
         for run in passes.values():
             run(1)  # warm-up: kernels, caches, the FP8 state
         counts = {fmt: _repeats_for(run) for fmt, run in passes.items()}
-        samples: dict[str, list[float]] = {fmt: [] for fmt in formats}
+        samples: dict[str, list[float]] = {fmt: [] for fmt in passes}
         for _ in range(repeats):
             for fmt, run in passes.items():
                 samples[fmt].append(run(counts[fmt]) / counts[fmt])
@@ -161,12 +283,12 @@ def measure_profile(
     return profile
 
 
-def _pass(shape: GemmShape, policy: str, device: torch.device) -> Callable[[int], float]:
-    """A function timing ``count`` forward + backward passes of a fresh Linear layer of ``shape`` under ``policy``
+def _pass(shape: LayerShape, policy: str, device: torch.device) -> Callable[[int], float]:
+    """A function timing ``count`` forward + backward passes of a fresh layer of ``shape`` under ``policy``
     (milliseconds, the device synchronized)."""
     generator = torch.Generator().manual_seed(0)
-    layer = nn.Linear(shape.k, shape.n).to(device)
-    x = torch.randn(shape.m, shape.k, generator=generator).to(device).requires_grad_()
+    layer = shape.module().to(device)
+    x = shape.example_input(generator).to(device).requires_grad_()
     region = Region(policy, layer)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -196,7 +318,7 @@ class Prediction:
     step_ms: float
     speedup: float  # the base policy's predicted step over this one's
     activation_ratio: float  # saved GEMM-layer inputs against the base policy's
-    scope: str  # "step" (measured base step, layer times replaced) or "GEMM layers" (a foreign profile)
+    scope: str  # "step" (measured base step, layer times replaced) or "layers" (a foreign profile)
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,11 +327,11 @@ class Prediction:
 
 def predict(
     assignment: dict[str, str],
-    shapes: dict[str, GemmShape],
+    shapes: dict[str, LayerShape],
     profile: DeviceProfile,
     base_step_ms: float | None,
 ) -> Prediction:
-    """The cost of running each GEMM layer ``name`` in ``assignment[name]`` (a layer left out: the base's 16 bits);
+    """The cost of running each layer ``name`` in ``assignment[name]`` (a layer left out: the base's 16 bits);
     ``base_step_ms``: the uniform base policy's measured step on the profile's device, None for a foreign one."""
     notes, base_ms, ms, base_bytes, saved = [], 0.0, 0.0, 0, 0
     for name, shape in shapes.items():
@@ -218,11 +340,11 @@ def predict(
         uniform, how_base = profile.layer_ms(shape, "16")
         notes += [f"{name} {f}: {h}" for f, h in {fmt: how, "16": how_base}.items() if h]
         ms, base_ms = ms + here, base_ms + uniform
-        saved += SAVED_BYTES[fmt] * shape.m * shape.k
-        base_bytes += SAVED_BYTES["16"] * shape.m * shape.k
+        saved += SAVED_BYTES[fmt] * shape.saved_values
+        base_bytes += SAVED_BYTES["16"] * shape.saved_values
     if base_step_ms is not None and base_ms > base_step_ms:
         notes.append(
-            f"the GEMM layers timed alone add up to {base_ms:.1f} ms in 16 bits, more than the whole measured step "
+            f"the layers timed alone add up to {base_ms:.1f} ms in 16 bits, more than the whole measured step "
             f"({base_step_ms:.1f} ms): the machine was busy while they were timed, or alone they run slower than "
             "inside the model; this prediction is not to be trusted"
         )
@@ -230,7 +352,7 @@ def predict(
         step, scope = max(base_step_ms - base_ms + ms, 1e-9), "step"
         base = base_step_ms
     else:
-        step, scope, base = ms, "GEMM layers", base_ms
+        step, scope, base = ms, "layers", base_ms
     return Prediction(
         round(step, 4),
         round(base / step, 4) if step > 0 else 1.0,

@@ -1,77 +1,97 @@
-"""The GEMM layers a tune decides on: their training shapes, and which formats each may take, with the reasons.
+"""The layers a tune decides on: their training shapes, and which formats each may take, with the reasons.
 
-The shapes come from one FP32 forward of a training batch (hooks on every layer FP8 can compute:
-:mod:`mixprec.regions.fp8.gemm_layers`). The formats come from the doctor's statistics on a few training batches:
+Two families: the GEMM layers (every layer FP8 can compute, :mod:`mixprec.regions.fp8.gemm_layers`) and the
+convolutions (torch's Conv1d/2d/3d, transposed ones left to the base), which take FP32 or 16 bits. The shapes
+come from one FP32 forward of a training batch (hooks on those layers). The formats come from the doctor's
+statistics on a few training batches:
 
 - a layer whose outputs or inputs overflow the base policy's 16-bit format (fp16's 65504) stays FP32: the
   16-bit compute would turn them into inf;
 - a layer whose FP8 output error (current tensorwise scaling, against bf16) is an outlier among the model's
   layers (past ``outlier`` times their lower quartile, the doctor's FP8 advice) or whose values saturate e4m3
   stays out of FP8;
-- every other layer may take FP32, the 16-bit compute or FP8; the search then decides by cost and by trial.
+- every other GEMM layer may take FP32, the 16-bit compute or FP8, a convolution FP32 or the 16 bits; the search
+  then decides by cost and by trial.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.app.tune.cost import GemmShape
+from mixprec.app.tune.cost import ConvShape, GemmShape, LayerShape
 from mixprec.doctor import diagnose, fp8_recipe_report
 from mixprec.numerics import get_format
 from mixprec.regions.fp8 import select_gemm_layers
 
-__all__ = ["LayerChoice", "gemm_shapes", "layer_choices"]
+__all__ = ["LayerChoice", "layer_choices", "layer_shapes"]
 
 
 @dataclass(frozen=True)
 class LayerChoice:
-    """One GEMM layer: its shape, the formats it may take, why any other is out, and its FP8 error."""
+    """One layer: its shape, the formats it may take, why any other is out, and its FP8 error."""
 
     name: str
-    shape: GemmShape
+    shape: LayerShape
     formats: tuple[str, ...]
     reasons: dict[str, str] = field(default_factory=dict)  # a format left out -> why
     fp8_error: float = 0.0  # relative output error under FP8 against bf16 (the doctor's); the search's order
 
 
-def gemm_shapes(model: nn.Module, inputs: Any, forward: Callable[[nn.Module, Any], Any]) -> dict[str, GemmShape]:
-    """Each FP8-capable GEMM layer's training product, from one FP32 forward of ``inputs`` without gradients (a
-    layer called several times adds its rows)."""
-    rows: dict[str, int] = {}
-    layers = {name: (module, operands) for name, module, operands in select_gemm_layers(model, keep=()).fp8}
-    handles = []
-    for name, (module, operands) in layers.items():
-
-        def count(mod: nn.Module, args: tuple, name: str = name, operands=operands) -> None:
-            k = operands(mod)[0].shape[-1]
-            rows[name] = rows.get(name, 0) + args[0].numel() // k
-
-        handles.append(module.register_forward_pre_hook(count))
+def layer_shapes(model: nn.Module, inputs: Any, forward: Callable[[nn.Module, Any], Any]) -> dict[str, LayerShape]:
+    """Each GEMM layer's training product and each convolution's input, from one FP32 forward of ``inputs``
+    without gradients (a layer called several times adds its rows, or its samples at the same size)."""
+    shapes: dict[str, LayerShape] = {}
+    hooks = {name: _gemm_hook(name, operands, shapes) for name, _, operands in select_gemm_layers(model, keep=()).fp8}
+    convolutions = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name not in hooks
+    }
+    hooks.update({name: _conv_hook(name, shapes) for name in convolutions})
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_pre_hook(hook) for name, hook in hooks.items()]
     try:
         with torch.no_grad():
             forward(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
-    shapes = {}
-    for name, m in rows.items():
-        module, operands = layers[name]
-        out_features, in_features = operands(module)[0].shape[-2:]
-        shapes[name] = GemmShape(m, int(in_features), int(out_features))
     return shapes
+
+
+def _gemm_hook(name: str, operands: Callable, shapes: dict[str, LayerShape]) -> Callable:
+    def count(module: nn.Module, args: tuple) -> None:
+        out_features, in_features = (int(v) for v in operands(module)[0].shape[-2:])
+        before = shapes.get(name)
+        rows = args[0].numel() // in_features + (before.m if isinstance(before, GemmShape) else 0)
+        shapes[name] = GemmShape(rows, in_features, out_features)
+
+    return count
+
+
+def _conv_hook(name: str, shapes: dict[str, LayerShape]) -> Callable:
+    def record(module: nn.Module, args: tuple) -> None:
+        x = args[0] if args[0].dim() == len(module.kernel_size) + 2 else args[0].unsqueeze(0)  # unbatched input
+        shape, before = ConvShape.of(module, x), shapes.get(name)
+        if before is None:
+            shapes[name] = shape
+        elif before.size == shape.size:  # called again at the same size: its samples add
+            shapes[name] = replace(before, batch=before.batch + shape.batch)
+
+    return record
 
 
 def layer_choices(
     model: nn.Module,
     batches: Iterable[Any],
     loss_fn: Callable,
-    shapes: dict[str, GemmShape],
+    shapes: dict[str, LayerShape],
     sixteen: str,
     steps: int = 4,
     outlier: float = 4.0,
@@ -84,12 +104,14 @@ def layer_choices(
     top = get_format(sixteen).max
     choices = {}
     for name, shape in shapes.items():
-        reasons, formats = {}, ["fp32", "16", "fp8"]
+        reasons, formats = {}, list(shape.formats)
+        if "fp8" not in formats:
+            reasons["fp8"] = "a convolution: FP8 computes GEMM layers only (Linear, Conv1D, the mixprec_gemm protocol)"
         stats = _forward_stats(report, name)
         reach = max(stats.amax, stats.input_amax or 0.0) if stats is not None else 0.0
         if stats is not None and (stats.overflows(sixteen) or reach > top):
             reasons["16"] = f"its values reach {reach:.3g}, past {sixteen}'s largest {top:.6g}: kept in FP32"
-            reasons["fp8"] = reasons["16"]
+            reasons["fp8"] = reasons.get("fp8", reasons["16"])
             formats = ["fp32"]
         fit = fp8.fit(name, "tensorwise") if name in fp8.layers else None
         if "fp8" in formats and fit is not None:

@@ -87,17 +87,18 @@ def report_text(result: dict[str, Any]) -> str:
 
 def _layer_table(result: dict[str, Any]) -> list[str]:
     lines = [
-        "| layer | shape (m x k x n) | ms fp32 / 16-bit / fp8 | FP8 error | allowed | chosen |",
+        "| layer | shape (GEMM: m x k x n) | ms fp32 / 16-bit / fp8 | FP8 error | allowed | chosen |",
         "|---|---|---|---|---|---|",
     ]
     for layer in result["layers"]:
-        shape, ms = layer["shape"], layer["ms"]
+        ms = layer["ms"]
+        fp8 = f"{ms['fp8']:.3f}" if "fp8" in ms else "-"
         why = "; ".join(f"not {f}: {r}" for f, r in layer["reasons"].items())
         allowed = ", ".join(layer["formats"]) + (f" ({why})" if why else "")
         picked = result["chosen"]["assignment"].get(layer["name"], "16")
         lines.append(
-            f"| {layer['name']} | {shape['m']} x {shape['k']} x {shape['n']} | {ms['fp32']:.3f} / {ms['16']:.3f} / "
-            f"{ms['fp8']:.3f} | {100 * layer['fp8_error']:.2f}% | {allowed} | {picked} |"
+            f"| {layer['name']} | {layer['key']} | "
+            f"{ms['fp32']:.3f} / {ms['16']:.3f} / {fp8} | {100 * layer['fp8_error']:.2f}% | {allowed} | {picked} |"
         )
     return lines
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import DeviceProfile, GemmShape
+from mixprec.app.tune.cost import DeviceProfile
 from mixprec.app.tune.search import TuneOptions, search
 
 __all__ = ["BASES", "choose_base", "measured_profile", "tune", "tune_task"]
@@ -40,7 +40,7 @@ def tune_task(
     from mixprec.app.evaluate import to_device
     from mixprec.app.run import resolve_device
     from mixprec.app.task import TaskConfig, build_task
-    from mixprec.app.tune.layers import gemm_shapes, layer_choices
+    from mixprec.app.tune.layers import layer_choices, layer_shapes
     from mixprec.persist import TUNE, check_folder, claim_folder
 
     check_folder(out, TUNE, "--out")
@@ -51,11 +51,17 @@ def tune_task(
     batches = [(to_device(x, device), to_device(y, device)) for x, y in itertools.islice(parts.train_data, 4)]
     if not batches:
         raise ValueError(f"task {config.task!r} has no training batch to tune on.")
-    shapes = gemm_shapes(parts.model, batches[0][0], lambda model, x: model(x))
+    shapes = layer_shapes(parts.model, batches[0][0], lambda model, x: model(x))
     if not shapes:
-        raise ValueError(f"task {config.task!r}: the model has no GEMM layer to tune (nn.Linear, Conv1D, ...).")
+        raise ValueError(
+            f"task {config.task!r}: the model has no layer to tune (nn.Linear, Conv1D, a convolution, ...)."
+        )
     sixteen = "fp16" if "fp16" in options.base else "bf16"
-    progress(f"tune: the doctor's statistics on {len(batches)} batches, {len(shapes)} GEMM layers")
+    convolutions = sum("fp8" not in shape.formats for shape in shapes.values())
+    progress(
+        f"tune: the doctor's statistics on {len(batches)} batches, {len(shapes) - convolutions} GEMM layers, "
+        f"{convolutions} convolutions"
+    )
     choices = layer_choices(parts.model, batches, parts.loss_fn, shapes, sixteen, steps=len(batches))
     result = search(config, options, choices, profile, progress)
     result["task"] = config.task
@@ -152,7 +158,7 @@ def measured_profile(result: dict[str, Any]) -> DeviceProfile:
     with these shapes, on another machine, predicts this device's speed from it."""
     if result["device_profile"]["source"] != "measured here":
         raise ValueError("--save-profile: this tune read its timings from a profile; it measured none here.")
-    entries = {GemmShape(**layer["shape"]).key(): layer["ms"] for layer in result["layers"]}
+    entries = {layer["key"]: layer["ms"] for layer in result["layers"]}
     return DeviceProfile(result["device_profile"]["device"], result["base"], entries)
 
 

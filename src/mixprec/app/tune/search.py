@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import FORMATS, DeviceProfile, GemmShape, Prediction, measure_profile, predict
+from mixprec.app.tune.cost import DeviceProfile, LayerShape, Prediction, measure_profile, predict
 from mixprec.app.tune.layers import LayerChoice
 
 __all__ = ["Candidate", "TuneOptions", "assignment_policy", "pareto_front", "search"]
@@ -97,7 +97,7 @@ class SearchState:
     not_tried: dict[str, str] = field(default_factory=dict)  # layer -> why FP8 was not tried on it
     seconds_per_step: float = 0.0  # the slowest run's so far, set-up included: what the budget plans with
 
-    def shapes(self) -> dict[str, GemmShape]:
+    def shapes(self) -> dict[str, LayerShape]:
         return {name: choice.shape for name, choice in self.choices.items()}
 
     def predict(self, assignment: dict[str, str]) -> Prediction:
@@ -131,7 +131,15 @@ def run_trial(config: TrainConfig, policy: str, seed: int, steps: int) -> tuple[
     except BadBatchError:  # a forward or loss made inf/NaN under this policy: no loss to compare, never chosen
         return math.inf, math.nan
     loss = float(result.eval.get("loss", result.train_loss))
-    return loss, result.ms_per_step
+    return loss, _steady_ms(result)
+
+
+def _steady_ms(result: Any) -> float:
+    """Milliseconds per step of a run's second half (the median of its later train records): the first steps of a
+    short run carry its warm-up (kernel selection, allocator growth, the first run of a process above all),
+    which a longer run of the same policy does not pay per step."""
+    timed = [r["ms_per_step"] for r in result.history if r["kind"] == "train" and r["ms_per_step"] > 0]
+    return statistics.median(timed[len(timed) // 2 :]) if timed else result.ms_per_step
 
 
 def search(
@@ -161,9 +169,11 @@ def search(
     accepted += _greedy(state, accepted[-1], reference)
     if state.not_tried:
         slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
+        convolutions = sum("fp8" not in choice.shape.formats for choice in choices.values())
         progress(
             f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
-            "slower than their current format by the cost model; the others ruled out by the doctor)"
+            f"slower than their current format by the cost model, {convolutions} convolutions; the others ruled "
+            "out by the doctor)"
         )
     assignment, verification = _verify(state, accepted)
     return {
@@ -368,9 +378,11 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
 
 
 def _layer_record(choice: LayerChoice, state: SearchState) -> dict[str, Any]:
-    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in FORMATS}
+    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in choice.shape.formats}
     return {
         "name": choice.name,
+        "kind": "convolution" if "fp8" not in choice.shape.formats else "GEMM",
+        "key": choice.shape.key(),
         "shape": asdict(choice.shape),
         "formats": list(choice.formats),
         "reasons": choice.reasons,
