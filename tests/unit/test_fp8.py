@@ -127,7 +127,8 @@ def test_rowwise_fp8_linear_equals_the_reference(formats, device):
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"])
 def test_a_model_trains_under_finer_scaling_and_the_plan_says_it_is_emulated(scaling, train_mlp):
     mp, losses = train_mlp(f"base=fp8,fp8=(scaling={scaling})", steps=30, samples=128, classes=16)
-    assert "GEMM layers in FP8 emulated with FP32 arithmetic" in mp.compute_plan.reason
+    bits = "FP4 emulated with FP32 arithmetic (fp4_e2m1" if scaling.endswith("fp4") else "FP8 emulated with FP32"
+    assert f"GEMM layers in {bits}" in mp.compute_plan.reason
     assert losses[-1] < 0.7 * losses[0]
     assert str(mp.policy.fp8) == f"hybrid(scaling={scaling})" and mixprec.get_policy(str(mp.policy)) == mp.policy
 

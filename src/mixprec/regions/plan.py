@@ -17,6 +17,7 @@ import torch
 
 from mixprec.compute.device import device_caps
 from mixprec.compute.kernels import KernelPlan, kernel_plan
+from mixprec.policy.fp8_recipe import FP4_SCALINGS
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 from mixprec.regions.fp8.gemm import recipe_uses_kernel, scaled_mm_unavailable_reason, uses_kernel, wants_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection
@@ -73,10 +74,14 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
         why = f"{recipe.scaling} scaling has no kernel path yet" if uses_kernel(recipe.gemm, device) else None
         how += f" ({why or scaled_mm_unavailable_reason(device)})"
-    note = (
-        f"GEMM layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
-        f"gradients, {recipe.scaling} scaling{', kept out: ' + '+'.join(recipe.keep) if recipe.keep else ''})"
-    )
+    kept = f", kept out: {'+'.join(recipe.keep)}" if recipe.keep else ""
+    if recipe.scaling in FP4_SCALINGS:
+        note = f"GEMM layers in FP4 {how} (fp4_e2m1 inputs, weights and gradients, {recipe.scaling} scaling{kept})"
+    else:
+        note = (
+            f"GEMM layers in FP8 {how} ({recipe.forward} inputs and weights, {recipe.backward} "
+            f"gradients, {recipe.scaling} scaling{kept})"
+        )
     return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
 
 
