@@ -204,3 +204,10 @@ def test_policy_command_reads_a_policy_file(mixprec_cli, tmp_path):
     assert shown["fp8_layers"].startswith("2 of 5 GEMM layers in FP8; kept: lm_head (Linear): inside an FP32 module")
     assert "blocks.0.attn.qkv (Linear): left out by the recipe (only=*.mlp.*)" in shown["fp8_layers"]
     assert shown["loss_scale"] == "1024 (the policy file's)"
+
+
+def test_the_plan_says_fp4_for_the_fp4_recipes(mixprec_cli):
+    shown = mixprec_cli("policy", "base=fp8,fp8=hybrid(scaling=mxfp4)", "--task", "charlm", "--size", "tiny")
+    assert shown.returncode == 0, shown.stderr
+    assert "4 of 5 GEMM layers in FP4; kept: lm_head" in shown.stdout
+    assert "GEMM layers in FP4 emulated with FP32 arithmetic (fp4_e2m1 inputs, weights and gradients" in shown.stdout

@@ -100,12 +100,14 @@ class GemmSelection:
 
     fp8: list[tuple[str, nn.Module, Operands]] = field(default_factory=list)
     kept: list[KeptLayer] = field(default_factory=list)
+    precision: str = "FP8"  # what the selected layers compute in, as said: "FP8", or "FP4" for the FP4 recipes
 
     def describe(self) -> str:
-        """One line: how many GEMM layers run FP8, each kept one with its reason, and the modules not supported."""
+        """One line: how many GEMM layers run FP8 (or FP4), each kept one with its reason, and the modules not
+        supported."""
         unsupported = [k for k in self.kept if k.reason.startswith(_NOT_SUPPORTED)]
         kept = [k for k in self.kept if k not in unsupported]
-        text = f"{len(self.fp8)} of {len(self.fp8) + len(kept)} GEMM layers in FP8"
+        text = f"{len(self.fp8)} of {len(self.fp8) + len(kept)} GEMM layers in {self.precision}"
         if kept:
             text += "; kept: " + "; ".join(f"{k.name} ({k.kind}): {k.reason}" for k in kept)
         if unsupported:
