@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 import torch
@@ -85,9 +86,7 @@ def quantize_blocks(
     """The values ``x`` holds after a round trip through the block format ``fmt`` (see the module docstring),
     in ``x``'s dtype and shape; blocks run along the last dimension. ``rounding`` ("nearest" or "stochastic",
     with ``generator``) applies to the elements."""
-    from functools import partial
-
-    from mixprec.numerics.quantize import quantize as quantize_elements  # the element rounding
+    from mixprec.numerics.quantize import quantize as quantize_elements  # the element rounding (imports this module)
 
     if isinstance(fmt, str):
         if fmt.strip().lower() not in BLOCK_FORMATS:
