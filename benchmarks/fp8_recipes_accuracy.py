@@ -59,14 +59,18 @@ def _report(runs: list[dict], steps: int) -> str:
         f"bf16 over {len(bf16)} seeds: mean {mean:.4f}, standard deviation {sd:.4f}, range "
         f"{min(bf16):.4f}-{max(bf16):.4f}. Within the spread: |loss - bf16 mean| <= 2 sd = {2 * sd:.4f}.",
         "",
-        "| recipe | seed | validation loss | vs bf16 mean | within the spread | skipped steps | ms/step (emulated) |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | seed | validation loss | vs bf16 mean | vs bf16, same seed | within the spread | skipped steps "
+        "| ms/step (emulated) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    same_seed = {r["seed"]: r["val_loss"] for r in runs if r["recipe"] == "bf16"}
     for r in runs:
         delta = r["val_loss"] - mean
         within = "yes" if abs(delta) <= 2 * sd else "no"
+        paired = same_seed.get(r["seed"])
+        versus = f"{(r['val_loss'] - paired) / paired:+.2%}" if paired and r["recipe"] != "bf16" else "-"
         lines.append(
-            f"| {r['recipe']} | {r['seed']} | {r['val_loss']:.4f} | {delta / mean:+.2%} | "
+            f"| {r['recipe']} | {r['seed']} | {r['val_loss']:.4f} | {delta / mean:+.2%} | {versus} | "
             f"{within if r['recipe'] != 'bf16' else '-'} | {r['skipped_steps']} | {r['ms_per_step']} |"
         )
     return "\n".join(lines) + "\n"
@@ -102,6 +106,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(saved["runs"][-1]), flush=True)
         results.write_text(json.dumps(saved, indent=1))  # after every run: a long sweep loses nothing
         (args.out / "report.md").write_text(_report(saved["runs"], args.steps))
+    (args.out / "report.md").write_text(_report(saved["runs"], args.steps))
     print((args.out / "report.md").read_text())
     return 0
 
