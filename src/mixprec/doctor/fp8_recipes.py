@@ -104,9 +104,9 @@ def _saturated(t: torch.Tensor, rounded: torch.Tensor, recipe: str, weight: bool
     """Elements more than the format's rounding past the largest magnitude their block kept."""
     if recipe not in BLOCK_FORMATS:  # scales from the amax: nothing passes the top by construction
         return 0
+    block = BLOCK_FORMATS[recipe].block
     if recipe == "nvfp4" and weight:  # a block is a 16x16 tile: laid out as a row of 256
-        t, rounded = tiles(t), tiles(rounded)
-    block = NVFP4_TILES.block if recipe == "nvfp4" and weight else BLOCK_FORMATS[recipe].block
+        t, rounded, block = tiles(t), tiles(rounded), NVFP4_TILES.block
     k = t.shape[-1]
     pad = (0, -k % block)
     values = torch.nn.functional.pad(t.abs(), pad).reshape(t.shape[0], -1, block)

@@ -102,6 +102,11 @@ class Fp8Recipe:
             object.__setattr__(self, name, _globs(name, getattr(self, name)))
 
     @property
+    def precision(self) -> str:
+        """What the recipe's GEMM layers compute in, as said to users: "FP4" for the FP4 scalings, else "FP8"."""
+        return "FP4" if self.scaling in FP4_SCALINGS else "FP8"
+
+    @property
     def format_name(self) -> str:
         """ "hybrid" (e4m3 forward, e5m2 gradients) or "e4m3" (both), as the policy grammar spells it."""
         if self.forward == "fp8_e4m3" and self.backward == "fp8_e5m2":

@@ -17,7 +17,6 @@ import torch
 
 from mixprec.compute.device import device_caps
 from mixprec.compute.kernels import KernelPlan, kernel_plan
-from mixprec.policy.fp8_recipe import FP4_SCALINGS
 from mixprec.policy.policy import DTYPE_NAMES, Policy
 from mixprec.regions.fp8.gemm import recipe_uses_kernel, scaled_mm_unavailable_reason, uses_kernel, wants_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection
@@ -75,7 +74,7 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
         why = f"{recipe.scaling} scaling has no kernel path yet" if uses_kernel(recipe.gemm, device) else None
         how += f" ({why or scaled_mm_unavailable_reason(device)})"
     kept = f", kept out: {'+'.join(recipe.keep)}" if recipe.keep else ""
-    if recipe.scaling in FP4_SCALINGS:
+    if recipe.precision == "FP4":
         note = f"GEMM layers in FP4 {how} (fp4_e2m1 inputs, weights and gradients, {recipe.scaling} scaling{kept})"
     else:
         note = (

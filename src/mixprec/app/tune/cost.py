@@ -72,6 +72,7 @@ class GemmShape:
     n: int
 
     formats = FORMATS
+    kind = "GEMM"
 
     @property
     def flops(self) -> int:
@@ -121,6 +122,7 @@ class ConvShape:
     groups: int = 1
 
     formats = ("fp32", "16")  # FP8 computes GEMM layers only
+    kind = "convolution"
 
     @classmethod
     def of(cls, module: nn.Module, x: torch.Tensor) -> ConvShape:

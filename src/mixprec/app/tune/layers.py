@@ -105,7 +105,7 @@ def layer_choices(
     choices = {}
     for name, shape in shapes.items():
         reasons, formats = {}, list(shape.formats)
-        if "fp8" not in formats:
+        if shape.kind == "convolution":
             reasons["fp8"] = "a convolution: FP8 computes GEMM layers only (Linear, Conv1D, the mixprec_gemm protocol)"
         stats = _forward_stats(report, name)
         reach = max(stats.amax, stats.input_amax or 0.0) if stats is not None else 0.0

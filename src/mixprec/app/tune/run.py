@@ -57,7 +57,7 @@ def tune_task(
             f"task {config.task!r}: the model has no layer to tune (nn.Linear, Conv1D, a convolution, ...)."
         )
     sixteen = "fp16" if "fp16" in options.base else "bf16"
-    convolutions = sum("fp8" not in shape.formats for shape in shapes.values())
+    convolutions = sum(shape.kind == "convolution" for shape in shapes.values())
     progress(
         f"tune: the doctor's statistics on {len(batches)} batches, {len(shapes) - convolutions} GEMM layers, "
         f"{convolutions} convolutions"

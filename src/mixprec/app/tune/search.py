@@ -169,7 +169,7 @@ def search(
     accepted += _greedy(state, accepted[-1], reference)
     if state.not_tried:
         slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
-        convolutions = sum("fp8" not in choice.shape.formats for choice in choices.values())
+        convolutions = sum(choice.shape.kind == "convolution" for choice in choices.values())
         progress(
             f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
             f"slower than their current format by the cost model, {convolutions} convolutions; the others ruled "
@@ -381,7 +381,7 @@ def _layer_record(choice: LayerChoice, state: SearchState) -> dict[str, Any]:
     timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in choice.shape.formats}
     return {
         "name": choice.name,
-        "kind": "convolution" if "fp8" not in choice.shape.formats else "GEMM",
+        "kind": choice.shape.kind,
         "key": choice.shape.key(),
         "shape": asdict(choice.shape),
         "formats": list(choice.formats),

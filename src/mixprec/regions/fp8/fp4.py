@@ -30,6 +30,7 @@ Emulated on every device: PyTorch's ``scaled_mm`` has no FP4 training path mixpr
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,13 @@ _SIGN_SEED = 0x4F4  # D: one fixed pattern for every layer and run
 
 def hadamard_rotation(device: torch.device | str | None = None) -> torch.Tensor:
     """``D H / 4``: the 16x16 Sylvester Hadamard matrix with its rows' signs flipped by a fixed random pattern,
-    scaled to be orthogonal (every entry ±1/4, exact in FP32)."""
+    scaled to be orthogonal (every entry ±1/4, exact in FP32). Built once per device (every weight gradient
+    reads it); the tensor is shared, so it is not to be written to."""
+    return _rotation(torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.cache
+def _rotation(device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < _GROUP:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Iterator
 import torch
 from torch import nn
 
-from mixprec.policy.fp8_recipe import FP4_SCALINGS, Fp8Recipe
+from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
@@ -47,7 +47,7 @@ def gemm_selection(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = 
     param = next(model.parameters(), None)
     kernel = param is not None and recipe_uses_kernel(recipe, param.device)
     selection = select_gemm_layers(model, recipe.keep, fp32, kernel, only=recipe.only)
-    selection.precision = "FP4" if recipe.scaling in FP4_SCALINGS else "FP8"
+    selection.precision = recipe.precision
     return selection
 
 
