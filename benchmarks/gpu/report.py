@@ -34,7 +34,7 @@ COLUMNS = {
              ("peak_memory_mb", "peak MB"), ("host_ms_per_step", "host ms/step"),
              ("kernels_per_step", "kernels/step")],
 }  # fmt: skip
-COLUMNS["gpt2"] = COLUMNS["gpt"]
+COLUMNS["gpt2"] = COLUMNS["fp8gpt"] = COLUMNS["gpt"]
 
 
 def load(path: Path) -> dict:

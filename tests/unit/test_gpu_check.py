@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["tests", "syncs", "gpt", "fp8", "bert", "gpt2", "profile"]
+PARTS = ["tests", "syncs", "gpt", "fp8", "fp8gpt", "bert", "gpt2", "profile"]
 
 
 @pytest.fixture
@@ -56,6 +56,7 @@ def test_the_dry_run_runs_every_part_or_says_why_not(tmp_path):
     _check_gpt(parts["gpt"])
     _check_gpt(parts["gpt2"])
     _check_fp8(parts["fp8"])
+    _check_fp8_gpt(parts["fp8gpt"])
     _check_bert(parts["bert"])
     _check_profile(parts["profile"], folder)
     summary = (folder / "summary.md").read_text()
@@ -83,6 +84,17 @@ def _check_gpt(part: dict) -> None:
     assert all(r["host_ms_per_step"] > 0 and r["kernels_per_step"] is None for r in modes.values())  # no CUDA
     assert modes["mixed_bf16, compiled"]["compiled"] is True
     assert part["meta"]["params"] > 0 and "omitted" in part["meta"]["mfu_note"]
+
+
+def _check_fp8_gpt(part: dict) -> None:
+    modes = _by(part["records"], "mode")
+    assert {"torch autocast bf16", "mixed_bf16", "fp8", "fp8 delayed", "fp8, cast unfused"} <= set(modes)
+    for record in modes.values():
+        assert record["median_ms"] > 0 and record["tokens_per_s"] > 0
+    assert modes["fp8"]["twin"] == "torch autocast bf16" and modes["fp8"]["vs_twin"] > 0
+    assert modes["fp8"]["compute_plan"] == modes["fp8, cast unfused"]["compute_plan"]
+    left_out = " ".join(n["case"] for n in part["not_run"])
+    assert "compiled rows" in left_out and ("torchao" in left_out or "torchao" in part["meta"])
 
 
 def _check_fp8(part: dict) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from mixprec.numerics.formats import Format
 from mixprec.policy.fp8_recipe import Fp8Recipe
+from mixprec.regions.fp8.fused_cast import scaled_cast
 from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
 from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8_storage, power_of_two_scale
 
@@ -61,9 +62,8 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
-            sx, sw = state.input.scale_for(x), state.weight.scale_for(weight)
-            xq = _to_fp8(x.reshape(-1, x.shape[-1]), sx, state.input.format)
-            wq = _to_fp8(weight, sw, state.weight.format)
+            xq, sx = scaled_cast(x.reshape(-1, x.shape[-1]), state.input)
+            wq, sw = scaled_cast(weight, state.weight)
             kernel = uses_kernel(state.recipe.gemm, x.device)
             y = fp8_matmul(xq, wq.t(), sx, sw, kernel)
             if bias is not None:
@@ -80,8 +80,7 @@ class _Fp8Linear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
             grad = grad.reshape(-1, grad.shape[-1])
-            sg = state.grad.scale_for(grad)
-            gq = _to_fp8(grad, sg, state.grad.format)
+            gq, sg = scaled_cast(grad, state.grad)
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
                 grad_x = fp8_matmul(gq, wq, sg, sw, kernel).reshape(ctx.x_shape).to(x_dtype)

@@ -28,7 +28,15 @@ from mixprec.numerics.formats import Format, get_format
 from mixprec.numerics.quantize import quantize
 from mixprec.policy.fp8_recipe import Fp8Recipe
 
-__all__ = ["ScaleState", "cast_to_fp8", "cast_to_fp8_storage", "power_of_two_scale"]
+__all__ = [
+    "ScaleState",
+    "cast_to_fp8",
+    "cast_to_fp8_storage",
+    "current_scale",
+    "delayed_scale",
+    "power_of_two_scale",
+    "saturating_cast",
+]
 
 
 def power_of_two_scale(amax: torch.Tensor, fmt_max: float, margin: int = 0) -> torch.Tensor:
@@ -66,14 +74,42 @@ def cast_to_fp8_storage(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Fo
     mixprec.quantize, which equals it bit for bit, is ten times slower).
     """
     spec = get_format(fmt)
+    return saturating_cast(tensor, scale, spec.max, spec.has_inf, spec.torch_dtype)
+
+
+def saturating_cast(
+    tensor: torch.Tensor, scale: torch.Tensor, fmt_max: float, has_inf: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`cast_to_fp8_storage` given the format's largest value, whether it has infinities, and its dtype."""
     scaled = tensor.float() * scale
-    if not spec.has_inf:
-        return (
-            scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)
-            .clamp_(-spec.max, spec.max)
-            .to(spec.torch_dtype)
-        )
-    return torch.where(torch.isinf(scaled), scaled, scaled.clamp(-spec.max, spec.max)).to(spec.torch_dtype)
+    if not has_inf:
+        return scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(-fmt_max, fmt_max).to(dtype)
+    return torch.where(torch.isinf(scaled), scaled, scaled.clamp(-fmt_max, fmt_max)).to(dtype)
+
+
+def current_scale(tensor: torch.Tensor, fmt_max: float, margin: int) -> torch.Tensor:
+    """The power-of-two scale of ``tensor`` from its own amax (one pass over it)."""
+    return power_of_two_scale(torch.linalg.vector_norm(tensor.detach(), float("inf")).float(), fmt_max, margin)
+
+
+def delayed_scale(
+    tensor: torch.Tensor, history: torch.Tensor, recorded: torch.Tensor, fmt_max: float, margin: int, amax_rule: str
+) -> torch.Tensor:
+    """The scale from the amax ``history`` reduced by ``amax_rule`` ("max" or "recent"; the current amax while
+    nothing is recorded), then ``tensor``'s amax recorded: both updated in place (see the module docstring).
+
+    The entries not recorded yet are zeros (the history starts so, recording shifts them along, loading zeroes
+    them), so the largest is the largest of those recorded, with no mask by a device count (which would wait for
+    the host). A non-finite amax (an overflowing step, skipped) is left out, so the next scale comes from the
+    amaxes before it (no device-to-host read: both updates are masked)."""
+    current = torch.linalg.vector_norm(tensor.detach(), float("inf")).float()
+    past = history.max() if amax_rule == "max" else history[0]
+    scale = power_of_two_scale(torch.where(recorded > 0, past, current), fmt_max, margin)
+    finite = current < math.inf  # an amax is >= 0 or NaN
+    shifted = torch.cat([current.reshape(1), history[:-1]])  # cat first: no overlapping copy
+    history.copy_(torch.where(finite, shifted, history))
+    recorded.add_(finite)
+    return scale
 
 
 class ScaleState:
@@ -99,28 +135,9 @@ class ScaleState:
     def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
         """The scale to cast ``tensor`` with; records its amax for later (delayed) scales."""
         self.to(tensor.device)
-        current = torch.linalg.vector_norm(tensor.detach(), float("inf")).float()  # one pass
         if self.recipe.scaling != "delayed":
-            return power_of_two_scale(current, self.max, self.recipe.margin)
-        amax = torch.where(self.recorded > 0, self._past_amax(), current)
-        scale = power_of_two_scale(amax, self.max, self.recipe.margin)
-        self._record(current)
-        return scale
-
-    def _past_amax(self) -> torch.Tensor:
-        """The history reduced by the recipe (meaningful once ``recorded`` > 0). The entries not recorded yet
-        are zeros (the history starts so, recording shifts them along, loading zeroes them), so the
-        largest is the largest of those recorded, with no mask by a device count (which would wait for
-        the host)."""
-        return self.history.max() if self.recipe.amax == "max" else self.history[0]
-
-    def _record(self, amax: torch.Tensor) -> None:
-        """Push ``amax`` onto the history; a non-finite one (an overflowing step, skipped) is left out, so the
-        next scale comes from the amaxes before it (no device-to-host read: both updates are masked)."""
-        finite = amax < math.inf  # an amax is >= 0 or NaN
-        shifted = torch.cat([amax.reshape(1), self.history[:-1]])  # cat first: no overlapping copy
-        self.history.copy_(torch.where(finite, shifted, self.history))
-        self.recorded.add_(finite)
+            return current_scale(tensor, self.max, self.recipe.margin)
+        return delayed_scale(tensor, self.history, self.recorded, self.max, self.recipe.margin, self.recipe.amax)
 
     def state_dict(self) -> dict:
         """The history and the count as an int (reads one device scalar: a host sync, at checkpoints only)."""

@@ -1,0 +1,163 @@
+"""Part ``fp8gpt``: FP8 training where its GEMMs are large enough to pay, beside bf16 and torchao's float8.
+
+The model is the one FP8's goals are set on (docs/fp8.md): TinyGPT, 4 layers of width 2048 (16 heads,
+context 1024), batch 8 x 1024 tokens. Rows: the hand-written ``torch.autocast`` bf16 loop, mixprec's
+``mixed_bf16``, and FP8 under each per-tensor recipe mixprec runs on the FP8 kernel (``current``, the
+default, and ``delayed``), eager and compiled; beside them torchao's float8 training (tensorwise and rowwise,
+``convert_to_float8_training`` on the same model, under the same autocast loop) where torchao imports (carry
+its wheel: docs/gpu.md). mixprec's eager FP8 row also runs with its cast left unfused (``fp8, cast unfused``),
+which is what eager FP8 was before the compiled cast: the row that shows what the fusion buys.
+
+The table is the gpt part's (ms/step, tokens/s, MFU, peak memory, host time and kernels per step), timed in
+interleaved rounds; ``vs torch loop`` is each row against the autocast bf16 loop of the same kind (eager or
+compiled), the figure the goals are about: FP8 compiled >= 1.15x bf16 compiled, FP8 eager no slower than
+bf16 eager, peak memory <= 0.75x bf16's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from benchmarks.gpu import models
+from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, log
+from benchmarks.gpu.measure import prepare_all, profile_steps, time_modes
+from benchmarks.gpu.part_gpt import _raise_recompile_limit, _record
+from benchmarks.gpu.steps import Mode, Workload, make_optimizer, training_mode
+
+from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
+
+__all__ = ["run"]
+
+LOOP = "torch autocast bf16"
+POLICIES = {
+    "mixed_bf16": "mixed_bf16",
+    "fp8": "fp8",
+    "fp8 delayed": "base=fp8,fp8=(scaling=delayed)",
+}
+UNFUSED = "fp8, cast unfused"
+TORCHAO = {"torchao tensorwise": "tensorwise", "torchao rowwise": "rowwise"}
+# compiled while the budget lasts, most telling first (at this width each compile takes 30-50 s on an H200)
+COMPILED = (LOOP, "fp8", "torchao tensorwise", "mixed_bf16", "torchao rowwise", "fp8 delayed")
+_TIMING_RESERVE_S = 60.0
+
+
+def _torchao_step(work: Workload, device: torch.device, recipe: str, backend: str | None):
+    """torchao's float8 training: every Linear but the tied LM head converted, the autocast bf16 loop around it."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = work.build().to(device)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name != "lm_head")
+    inputs, targets = work.batch(device)
+    optimizer = make_optimizer("fused", model)
+    forward = torch.compile(model, backend=backend) if backend else model
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = work.loss(forward(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, None
+
+
+def _unfused(mode: Mode) -> Mode:
+    """``mode`` with mixprec's FP8 cast run as separate eager operations (its state before the compiled cast)."""
+
+    def make():
+        from mixprec.regions.fp8 import fused_cast
+
+        step, mp = mode.make()
+
+        def unfused_step() -> None:
+            with _cast_unfused(fused_cast):
+                step()
+
+        return unfused_step, mp
+
+    return Mode(UNFUSED, make, False, LOOP)
+
+
+@contextlib.contextmanager
+def _cast_unfused(module):
+    original = module.fuses_cast
+    module.fuses_cast = lambda device: False
+    try:
+        yield
+    finally:
+        module.fuses_cast = original
+
+
+def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
+    device = settings.device
+    twins = dict.fromkeys(POLICIES, LOOP)
+
+    def mixprec_mode(name: str, backend: str | None = None) -> Mode:
+        return training_mode(name, work, device, backend, twins, POLICIES)
+
+    def torchao_mode(name: str, backend: str | None = None) -> Mode:
+        label = f"{name}, compiled" if backend else name
+        twin = f"{LOOP}, compiled" if backend else LOOP
+        return Mode(label, lambda: _torchao_step(work, device, TORCHAO[name], backend), backend is not None, twin)
+
+    has_torchao = _has_torchao(part)
+    rows: dict[str, Callable[[str | None], Mode]] = {LOOP: lambda backend: training_mode(LOOP, work, device, backend)}
+    rows.update({name: lambda backend, n=name: mixprec_mode(n, backend) for name in POLICIES})
+    if has_torchao:
+        rows.update({name: lambda backend, n=name: torchao_mode(n, backend) for name in TORCHAO})
+    eager = [make(None) for make in rows.values()] + [_unfused(mixprec_mode("fp8"))]
+    if settings.dry_run:
+        part.leave_out("compiled rows", "dry run: the gpt part checks compiling; this one shows the rows run")
+        return eager
+    return eager + [rows[name]("inductor") for name in COMPILED if name in rows]
+
+
+def _has_torchao(part: Part) -> bool:
+    try:
+        import torchao.float8
+    except Exception as error:  # not installed here, or built for another torch
+        part.leave_out(", ".join(TORCHAO), f"torchao.float8 does not import: {type(error).__name__}: {error}"[:300])
+        return False
+    import torchao
+
+    part.meta["torchao"] = torchao.__version__
+    return True
+
+
+def run(settings: Settings, part: Part) -> None:
+    if settings.dry_run:
+        config, batch = GPTConfig(layers=2, width=64, heads=2, context=64), 2
+    else:
+        config, batch = GPTConfig(layers=4, width=2048, heads=16, context=1024), 8
+    params = sum(p.numel() for p in TinyGPT(config).parameters())
+    part.meta.update(model=f"TinyGPT {config}", params=params, batch=batch)
+    _raise_recompile_limit()
+    work = models.tiny_gpt(config, batch)
+    repeats, warmup = (2, 1) if settings.dry_run else (10, 3)
+    tokens = batch * config.context
+    dense = 6 * params * tokens
+    flops = {
+        "tokens": tokens,
+        "dense": dense,
+        "attention": dense + 12 * config.layers * config.width * config.context * tokens,
+    }
+    peak = bf16_peak_flops(torch.cuda.get_device_name(settings.device))[0] if settings.cuda else None
+    part.meta.update(tokens_per_step=tokens, repeats=repeats, warmup=warmup, bf16_peak_flops=peak)
+    ready = prepare_all(settings, part, _modes(settings, work, part), _TIMING_RESERVE_S)
+    log(f"  timing {len(ready)} modes, {repeats} interleaved rounds after {warmup} warm-up steps")
+    timings, failed = time_modes(ready, repeats, warmup)
+    for made in ready:
+        name = made.mode.name
+        if name in failed:
+            part.records.append({"mode": name, "compiled": made.mode.compiled, "error": failed[name]})
+            continue
+        twin = timings.get(made.mode.twin or "")
+        record = _record(made, timings[name], None, twin, flops, peak, timings)
+        record.update(
+            part.attempt({"mode": name, "profile": True}, lambda m=made: profile_steps(m, settings.device)) or {}
+        )
+        part.records.append(record)
