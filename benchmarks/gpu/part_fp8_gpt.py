@@ -3,10 +3,10 @@
 The model is the one FP8's goals are set on (docs/fp8.md): TinyGPT, 4 layers of width 2048 (16 heads,
 context 1024), batch 8 x 1024 tokens. Rows: the hand-written ``torch.autocast`` bf16 loop, mixprec's
 ``mixed_bf16``, and FP8 under each per-tensor recipe mixprec runs on the FP8 kernel (``current``, the
-default, and ``delayed``), eager and compiled; beside them torchao's float8 training (tensorwise and rowwise,
-``convert_to_float8_training`` on the same model, under the same autocast loop) where torchao imports (carry
-its wheel: docs/gpu.md). mixprec's eager FP8 row also runs with its cast left unfused (``fp8, cast unfused``),
-which is what eager FP8 was before the compiled cast: the row that shows what the fusion buys.
+default, and ``delayed``), eager and compiled, and eager with each operand's cast compiled (``cast=compiled``,
+``, compiled cast`` rows: what that option buys); beside them torchao's float8 training (tensorwise and
+rowwise, ``convert_to_float8_training`` on the same model, under the same autocast loop) where torchao imports
+(carry its wheel: docs/gpu.md).
 
 The table is the gpt part's (ms/step, tokens/s, MFU, peak memory, host time and kernels per step), timed in
 interleaved rounds; ``vs torch loop`` is each row against the autocast bf16 loop of the same kind (eager or
@@ -16,7 +16,6 @@ bf16 eager, peak memory <= 0.75x bf16's.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -35,8 +34,9 @@ POLICIES = {
     "mixed_bf16": "mixed_bf16",
     "fp8": "fp8",
     "fp8 delayed": "base=fp8,fp8=(scaling=delayed)",
+    "fp8, compiled cast": "base=fp8,fp8=(cast=compiled)",
+    "fp8 delayed, compiled cast": "base=fp8,fp8=(scaling=delayed,cast=compiled)",
 }
-UNFUSED = "fp8, cast unfused"
 TORCHAO = {"torchao tensorwise": "tensorwise", "torchao rowwise": "rowwise"}
 # compiled while the budget lasts, most telling first (at this width each compile takes 30-50 s on an H200)
 COMPILED = (LOOP, "fp8", "torchao tensorwise", "mixed_bf16", "torchao rowwise", "fp8 delayed")
@@ -65,33 +65,6 @@ def _torchao_step(work: Workload, device: torch.device, recipe: str, backend: st
     return step, None
 
 
-def _unfused(mode: Mode) -> Mode:
-    """``mode`` with mixprec's FP8 cast run as separate eager operations (its state before the compiled cast)."""
-
-    def make():
-        from mixprec.regions.fp8 import fused_cast
-
-        step, mp = mode.make()
-
-        def unfused_step() -> None:
-            with _cast_unfused(fused_cast):
-                step()
-
-        return unfused_step, mp
-
-    return Mode(UNFUSED, make, False, LOOP)
-
-
-@contextlib.contextmanager
-def _cast_unfused(module):
-    original = module.fuses_cast
-    module.fuses_cast = lambda device: False
-    try:
-        yield
-    finally:
-        module.fuses_cast = original
-
-
 def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
     device = settings.device
     twins = dict.fromkeys(POLICIES, LOOP)
@@ -109,7 +82,7 @@ def _modes(settings: Settings, work: Workload, part: Part) -> list[Mode]:
     rows.update({name: lambda backend, n=name: mixprec_mode(n, backend) for name in POLICIES})
     if has_torchao:
         rows.update({name: lambda backend, n=name: torchao_mode(n, backend) for name in TORCHAO})
-    eager = [make(None) for make in rows.values()] + [_unfused(mixprec_mode("fp8"))]
+    eager = [make(None) for make in rows.values()]
     if settings.dry_run:
         part.leave_out("compiled rows", "dry run: the gpt part checks compiling; this one shows the rows run")
         return eager

@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-MIXPREC = str(Path(sys.executable).with_name("mixprec"))
+# the installed script where there is one; else the module (the GPU machine runs mixprec from src/, uninstalled)
+SCRIPT = Path(sys.executable).with_name("mixprec")
+MIXPREC = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "mixprec"]
 REPO = Path(__file__).resolve().parents[2]
 MODES = ["mixprec fp32", "mixprec bf16", "mixprec fp16", "plain fp32", "plain bf16"]
 
 
 def run(*args):  # the installed script: for the module's shared run, which no test's capture can hold
-    command = [MIXPREC, *map(str, args)]
+    command = [*MIXPREC, *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
 
 

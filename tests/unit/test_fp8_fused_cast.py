@@ -1,8 +1,5 @@
-"""The compiled FP8 cast (one pass per operand on CUDA) equals the eager operations it compiles.
-
-On the CPU the test forces the compiled pass (``fused=True``), which CUDA takes by default; Inductor compiles
-the same graph for either device, and the GPU check runs the CUDA twin.
-"""
+"""The compiled FP8 cast (a recipe's ``cast=compiled``: one pass per operand after its amax) equals the eager
+operations it compiles, on every device (the GPU check runs the CUDA twins)."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ import pytest
 import torch
 
 from mixprec.policy.fp8_recipe import Fp8Recipe
-from mixprec.regions.fp8 import ScaleState, fuses_cast, scaled_cast
+from mixprec.regions.fp8 import ScaleState, scaled_cast
 
 
 def _operands(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -41,17 +38,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_compiled_cast_equals_eager(device: str, scaling: str, fmt: str) -> None:
-    recipe = Fp8Recipe(forward=fmt, backward=fmt, scaling=scaling, history=4, margin=1 if fmt == "fp8_e5m2" else 0)
+    options = {"forward": fmt, "backward": fmt, "scaling": scaling, "history": 4, "margin": int(fmt == "fp8_e5m2")}
     device = torch.device(device)
-    eager, fused = ScaleState(fmt, recipe, device), ScaleState(fmt, recipe, device)
+    eager = ScaleState(fmt, Fp8Recipe(**options), device)
+    compiled = ScaleState(fmt, Fp8Recipe(**options, cast="compiled"), device)
     for dtype in (torch.bfloat16, torch.float32):
         for tensor in _operands(device, dtype):
-            want_q, want_scale = scaled_cast(tensor, eager, fused=False)
-            got_q, got_scale = scaled_cast(tensor, fused, fused=True)
+            want_q, want_scale = scaled_cast(tensor, eager)
+            got_q, got_scale = scaled_cast(tensor, compiled)
             assert torch.equal(got_scale, want_scale), (dtype, tuple(tensor.shape))
             assert _same(got_q, want_q), (dtype, tuple(tensor.shape))
             # the delayed state's history and count are updated in place, equally
-            assert torch.equal(fused.history, eager.history) and torch.equal(fused.recorded, eager.recorded)
+            assert torch.equal(compiled.history, eager.history) and torch.equal(compiled.recorded, eager.recorded)
     if scaling == "delayed":
         assert int(eager.recorded) == 4  # the non-finite amaxes left out: 6 casts, 2 of them overflowing
 
@@ -63,11 +61,55 @@ def test_scaled_cast_is_scale_for_then_cast() -> None:
     recipe = Fp8Recipe(scaling="delayed", history=3)
     a, b = ScaleState("fp8_e4m3", recipe), ScaleState("fp8_e4m3", recipe)
     for tensor in _operands(torch.device("cpu"), torch.float32):
-        q, scale = scaled_cast(tensor, a, fused=False)
+        q, scale = scaled_cast(tensor, a)
         want_scale = b.scale_for(tensor)
         assert torch.equal(scale, want_scale)
         assert _same(q, cast_to_fp8_storage(tensor, want_scale, "fp8_e4m3"))
 
 
-def test_fuses_only_on_cuda() -> None:
-    assert not fuses_cast(torch.device("cpu"))
+def test_compiled_cast_is_a_recipe_option_of_the_per_tensor_scalings() -> None:
+    from mixprec.policy import get_policy
+
+    assert get_policy("base=fp8,fp8=hybrid(cast=compiled)").fp8 == Fp8Recipe(cast="compiled")
+    assert str(Fp8Recipe(scaling="delayed", cast="compiled")) == "hybrid(scaling=delayed,cast=compiled)"
+    with pytest.raises(ValueError, match=r"cast=\.\.\.\): received 'fused'; use one of eager, compiled"):
+        Fp8Recipe(cast="fused")
+    with pytest.raises(ValueError, match="scaling='rowwise' casts per row or block"):
+        Fp8Recipe(scaling="rowwise", cast="compiled")
+
+
+@pytest.mark.filterwarnings("error:.*compiling the FP8 cast failed:RuntimeWarning")
+def test_every_layer_shape_shares_the_compiled_pass() -> None:
+    """A model's many shapes (square ones too), weights as Parameters and two dtypes stay within dynamo's
+    recompile limit, which would otherwise end the compiled cast for the rest of the process."""
+    state, eager = ScaleState("fp8_e4m3", Fp8Recipe(cast="compiled")), ScaleState("fp8_e4m3", Fp8Recipe())
+    shapes = [(64, 48), (48, 48), (96, 48), (48, 96), (96, 96), (7, 48), (128, 64), (64, 64), (3, 5, 16), (300,)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            tensor = torch.nn.Parameter(torch.randn(shape).to(dtype)) if len(shape) == 2 else torch.randn(shape)
+            q, scale = scaled_cast(tensor, state)
+            want_q, want_scale = scaled_cast(tensor, eager)
+            assert q.shape == tensor.shape and torch.equal(scale, want_scale) and _same(q, want_q)
+
+
+@pytest.mark.filterwarnings("error:.*compiling the FP8 cast failed:RuntimeWarning")
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_training_with_the_compiled_cast_equals_the_eager_cast_bit_for_bit(scaling: str) -> None:
+    import mixprec
+
+    def train(cast: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        policy = f"base=fp8,fp8=(scaling={scaling},cast={cast},keep=none)"
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy)
+        assert mp.policy.fp8.cast == cast and mixprec.regions.fp8.fp8_layers(model, mp.policy.fp8)
+        data = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x, y = torch.randn(24, 16, generator=data), torch.randint(0, 4, (24,), generator=data)
+            with mp.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            mp.backward(loss)
+            assert mp.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train("compiled"), train("eager"), strict=True))

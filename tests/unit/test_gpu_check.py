@@ -88,11 +88,11 @@ def _check_gpt(part: dict) -> None:
 
 def _check_fp8_gpt(part: dict) -> None:
     modes = _by(part["records"], "mode")
-    assert {"torch autocast bf16", "mixed_bf16", "fp8", "fp8 delayed", "fp8, cast unfused"} <= set(modes)
+    assert {"torch autocast bf16", "mixed_bf16", "fp8", "fp8 delayed", "fp8, compiled cast"} <= set(modes)
     for record in modes.values():
         assert record["median_ms"] > 0 and record["tokens_per_s"] > 0
     assert modes["fp8"]["twin"] == "torch autocast bf16" and modes["fp8"]["vs_twin"] > 0
-    assert modes["fp8"]["compute_plan"] == modes["fp8, cast unfused"]["compute_plan"]
+    assert modes["fp8"]["compute_plan"] == modes["fp8, compiled cast"]["compute_plan"]
     left_out = " ".join(n["case"] for n in part["not_run"])
     assert "compiled rows" in left_out and ("torchao" in left_out or "torchao" in part["meta"])
 

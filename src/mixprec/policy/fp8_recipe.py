@@ -28,6 +28,10 @@
                 ``fp32_names`` say
     gemm        "auto" (PyTorch's FP8 GEMM on CUDA devices that have it, the emulation elsewhere),
                 "scaled_mm" (the kernel wherever PyTorch has one, the CPU included) or "emulated"
+    cast        how the per-tensor scalings (current, delayed) cast each operand after its amax: "eager"
+                (default: PyTorch's operations one by one, about ten launches) or "compiled" (the scale, the
+                saturating cast and the delayed history's update in one pass compiled by Inductor, on any
+                device it compiles for; the same arithmetic, bit for bit; :mod:`mixprec.regions.fp8.fused_cast`)
 
 Scales are powers of two, so scaling is exact and the emulation equals a scaled cast bit for bit.
 
@@ -52,16 +56,26 @@ from dataclasses import dataclass
 
 from mixprec.checks import shown
 
-__all__ = ["AMAX_REDUCTIONS", "FP4_SCALINGS", "FP8_FORMATS", "GEMM_CHOICES", "SCALINGS", "Fp8Recipe", "parse_recipe"]
+__all__ = [
+    "AMAX_REDUCTIONS",
+    "CAST_CHOICES",
+    "FP4_SCALINGS",
+    "FP8_FORMATS",
+    "GEMM_CHOICES",
+    "SCALINGS",
+    "Fp8Recipe",
+    "parse_recipe",
+]
 
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
+CAST_CHOICES = ("eager", "compiled")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 FP4_SCALINGS = ("mxfp4", "nvfp4")  # every operand in fp4_e2m1: the FP8 formats do not apply
 AMAX_REDUCTIONS = ("max", "recent")
 _SEPARATORS = ",+=() "  # the policy grammar's
 _FORMAT_NAMES = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3"), "e5m2": ("fp8_e5m2", "fp8_e5m2")}
-_OPTIONS = ("scaling", "history", "amax", "margin", "keep", "only", "gemm")  # the keys inside the parentheses
+_OPTIONS = ("scaling", "history", "amax", "margin", "keep", "only", "gemm", "cast")  # the keys inside the parentheses
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class Fp8Recipe:
     keep: tuple[str, ...] = ("head",)
     only: tuple[str, ...] = ()  # every GEMM layer
     gemm: str = "auto"
+    cast: str = "eager"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
@@ -94,6 +109,13 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe(amax=...): received {self.amax!r}; use one of {', '.join(AMAX_REDUCTIONS)}.")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"Fp8Recipe(gemm=...): received {self.gemm!r}; use one of {', '.join(GEMM_CHOICES)}.")
+        if self.cast not in CAST_CHOICES:
+            raise ValueError(f"Fp8Recipe(cast=...): received {self.cast!r}; use one of {', '.join(CAST_CHOICES)}.")
+        if self.cast == "compiled" and self.scaling not in ("current", "delayed"):
+            raise ValueError(
+                f"Fp8Recipe(cast='compiled') compiles the per-tensor casts (scaling=current or delayed); "
+                f"scaling={self.scaling!r} casts per row or block: leave cast out."
+            )
         if not isinstance(self.history, int) or isinstance(self.history, bool) or self.history < 1:
             raise ValueError(f"Fp8Recipe(history=...): received {self.history!r}; use a positive number of steps.")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:

@@ -3,7 +3,7 @@
 The recipe (formats, scaling, layers kept out of FP8) is a policy value: :class:`mixprec.policy.Fp8Recipe`.
 """
 
-from mixprec.regions.fp8.fused_cast import fuses_cast, scaled_cast
+from mixprec.regions.fp8.fused_cast import scaled_cast
 from mixprec.regions.fp8.gemm import fp8_matmul, scaled_mm_available, scaled_mm_unavailable_reason
 from mixprec.regions.fp8.gemm_layers import GemmSelection, KeptLayer, register_gemm_layer, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
@@ -22,7 +22,6 @@ __all__ = [
     "fp8_matmul",
     "fp8_region",
     "fp8_state",
-    "fuses_cast",
     "gemm_selection",
     "power_of_two_scale",
     "register_gemm_layer",

@@ -1,20 +1,25 @@
-"""An FP8 operand's amax, scale and saturating cast (and the delayed history's update) in one compiled pass.
+"""An FP8 operand's scale and saturating cast (and the delayed history's update) in one compiled pass.
 
 Eager, casting one operand is about a dozen launches: the amax, the scale from its exponent bits (several
 one-value kernels), the multiply, infinities to NaN, the clamp and PyTorch's cast, four of them full passes
 over the tensor. On an H200 that was about 25 ms of memory-bound work per step of a 4-layer width-2048 GPT,
-more than FP8 saved on its GEMMs (docs/fp8.md). Inductor fuses the same operations into a reduction and
-one pointwise pass that reads the tensor twice and writes one byte per value.
+more than FP8 saved on its GEMMs (docs/fp8.md). A recipe with ``cast=compiled`` takes the amax eagerly (one
+reduction, PyTorch's own) and has Inductor compile the rest into one pointwise pass that reads the tensor
+once and writes one byte per value.
 
-Where: CUDA devices with Triton, eagerly (a compiled step compiles this with everything else). Elsewhere,
-and wherever compiling fails (warned once), the eager operations: the same code, so the two agree bit for
-bit, except that a NaN may come out with the other sign bit (both are NaN, and NaN is all an overflow needs
-to reach the loss scaler).
+The amax stays out of the compiled graph on purpose: compiled with the cast and dynamic sizes, the reduction
+ran on an H200 at a tenth of its eager speed (the width-2048 GPT's FP8 step took 566 ms against 50 eager;
+docs/fp8.md), where Inductor could not split a reduction whose size it does not know.
 
-Compiled with dynamic shapes: every operand of a given dtype, format and scaling shares one graph, so a
-model's many layer shapes cost one compile per dtype (inductor's few seconds at the first step), not one per
-shape. Each format, margin and scaling has a function of its own, so that its variants (three dtypes in a bf16
-model: bf16 inputs and gradients, FP32 weights) count alone against dynamo's recompile limit of 8.
+Compiled wherever asked (a CUDA device with Triton, a CPU with a C++ compiler), eagerly only (a compiled step
+compiles the eager operations with everything else); where compiling fails, the eager operations, warned once
+per format: the same code, so the two agree bit for bit, except that a NaN may come out with the other sign
+bit (both are NaN, and NaN is all an overflow needs to reach the loss scaler).
+
+Compiled with a dynamic size on the flattened tensor: every operand of a given dtype, format and scaling shares
+one graph, so a model's many layer shapes cost one compile per dtype (a few seconds at the first step), not
+one per shape. Each format, margin and scaling has a function of its own, so that its variants (three dtypes in
+a bf16 model: bf16 inputs and gradients, FP32 weights) count alone against dynamo's recompile limit of 8.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ from typing import NamedTuple
 import torch
 
 from mixprec.numerics.formats import Format
-from mixprec.regions.fp8.scaling import ScaleState, current_scale, delayed_scale, saturating_cast
+from mixprec.regions.fp8.scaling import ScaleState, amax_of, delayed_scale, power_of_two_scale, saturating_cast
 
-__all__ = ["fuses_cast", "scaled_cast"]
+__all__ = ["scaled_cast"]
 
 
 class _Target(NamedTuple):
@@ -46,74 +51,81 @@ class _Target(NamedTuple):
 
 
 _COMPILED: dict[tuple, object] = {}  # by format, margin, scaling and amax rule
-_FAILED: list[str] = []  # why compiling failed, once: every later cast runs eagerly
+_FAILED: dict[tuple, str] = {}  # why compiling failed, by key: that key's later casts run eagerly
 
 
-def _cast_current(tensor: torch.Tensor, fmt: _Target, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = current_scale(tensor, fmt.max, margin)
+def _cast_current(
+    tensor: torch.Tensor, amax: torch.Tensor, fmt: _Target, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = power_of_two_scale(amax, fmt.max, margin)
     return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
 
 def _cast_delayed(
-    tensor: torch.Tensor, history: torch.Tensor, recorded: torch.Tensor, fmt: _Target, margin: int, amax_rule: str
+    tensor: torch.Tensor,
+    amax: torch.Tensor,
+    history: torch.Tensor,
+    recorded: torch.Tensor,
+    fmt: _Target,
+    margin: int,
+    amax_rule: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = delayed_scale(tensor, history, recorded, fmt.max, margin, amax_rule)
+    scale = delayed_scale(amax, history, recorded, fmt.max, margin, amax_rule)
     return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
 
-def fuses_cast(device: torch.device) -> bool:
-    """Whether :func:`scaled_cast` compiles its pass on ``device`` by default: CUDA with Triton, eagerly, and
-    compiling has not failed in this process."""
-    if device.type != "cuda" or _FAILED or torch.compiler.is_compiling():
-        return False
-    from torch.utils._triton import has_triton  # the inductor backend's own test
-
-    return has_triton()
-
-
-def scaled_cast(
-    tensor: torch.Tensor, state: ScaleState, fused: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor`` cast to ``state``'s FP8 format with the scale its recipe gives (current or delayed; a delayed
-    state records the amax), and that scale: ``(state.scale_for(tensor), cast_to_fp8_storage(...))`` in one
-    compiled pass where ``fused`` (default: :func:`fuses_cast` on the tensor's device)."""
+    state records the amax), and that scale: :meth:`ScaleState.scale_for` then
+    :func:`~mixprec.regions.fp8.scaling.cast_to_fp8_storage`, the cast compiled where the recipe says
+    ``cast=compiled``."""
     state.to(tensor.device)
-    delayed = state.recipe.scaling == "delayed"
-    if fused is None:
-        fused = fuses_cast(tensor.device)
-    if fused and not torch.compiler.is_compiling():
+    recipe = state.recipe
+    amax, delayed = amax_of(tensor), recipe.scaling == "delayed"
+    key = (state.format.name, recipe.margin, recipe.scaling, recipe.amax)
+    if (
+        recipe.cast == "compiled"
+        and key not in _FAILED
+        and tensor.is_contiguous()
+        and not torch.compiler.is_compiling()
+    ):
+        # flat: the cast is elementwise under one scale, and one dynamic size is one graph for every shape
+        # (two dynamic sizes would add a variant for each equality between them that dynamo specializes on);
+        # detached: a Parameter is another type to dynamo's guards, a variant of its own
+        flat = tensor.detach().reshape(-1)
         try:
             if delayed:
-                return _compiled(state)(tensor, state.history, state.recorded)
-            return _compiled(state)(tensor)
-        except Exception as error:  # inductor or Triton missing or broken here: the eager path is the same code
-            _FAILED.append(f"{type(error).__name__}: {error}")
+                q, scale = _compiled(key, state)(flat, amax, state.history, state.recorded)
+            else:
+                q, scale = _compiled(key, state)(flat, amax)
+            return q.view(tensor.shape), scale
+        except Exception as error:  # inductor, Triton or a C++ compiler missing or broken: the same code, eager
+            _FAILED[key] = f"{type(error).__name__}: {error}"
             warnings.warn(
-                f"mixprec: compiling the FP8 cast failed ({_FAILED[0][:300]}); casting eagerly from now on.",
+                f"mixprec: compiling the FP8 cast failed ({_FAILED[key][:300]}); casting to {key[0]} eagerly.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-    fmt, margin = _Target.of(state.format), state.recipe.margin
+    fmt, margin = _Target.of(state.format), recipe.margin
     if delayed:
-        return _cast_delayed(tensor, state.history, state.recorded, fmt, margin, state.recipe.amax)
-    return _cast_current(tensor, fmt, margin)
+        return _cast_delayed(tensor, amax, state.history, state.recorded, fmt, margin, recipe.amax)
+    return _cast_current(tensor, amax, fmt, margin)
 
 
-def _compiled(state: ScaleState):
-    """The compiled pass for ``state``'s format, margin and scaling: these are constants of the graph (closed
-    over: as arguments, dynamic compilation would make them symbolic), the tensors' shapes are dynamic."""
+def _compiled(key: tuple, state: ScaleState):
+    """The compiled pass for ``state``'s format, margin and scaling (``key``): these are constants of the graph
+    (closed over: as arguments, dynamic compilation would make them symbolic), the tensor's size is dynamic."""
     fmt, margin, amax_rule = _Target.of(state.format), state.recipe.margin, state.recipe.amax
-    key = (state.format.name, margin, state.recipe.scaling, amax_rule)
     if key not in _COMPILED:
         if state.recipe.scaling == "delayed":
 
-            def cast(tensor, history, recorded):
-                return _cast_delayed(tensor, history, recorded, fmt, margin, amax_rule)
+            def cast(tensor, amax, history, recorded):
+                return _cast_delayed(tensor, amax, history, recorded, fmt, margin, amax_rule)
 
         else:
 
-            def cast(tensor):
-                return _cast_current(tensor, fmt, margin)
+            def cast(tensor, amax):
+                return _cast_current(tensor, amax, fmt, margin)
 
         _COMPILED[key] = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)
     return _COMPILED[key]

@@ -30,9 +30,9 @@ from mixprec.policy.fp8_recipe import Fp8Recipe
 
 __all__ = [
     "ScaleState",
+    "amax_of",
     "cast_to_fp8",
     "cast_to_fp8_storage",
-    "current_scale",
     "delayed_scale",
     "power_of_two_scale",
     "saturating_cast",
@@ -87,22 +87,21 @@ def saturating_cast(
     return torch.where(torch.isinf(scaled), scaled, scaled.clamp(-fmt_max, fmt_max)).to(dtype)
 
 
-def current_scale(tensor: torch.Tensor, fmt_max: float, margin: int) -> torch.Tensor:
-    """The power-of-two scale of ``tensor`` from its own amax (one pass over it)."""
-    return power_of_two_scale(torch.linalg.vector_norm(tensor.detach(), float("inf")).float(), fmt_max, margin)
+def amax_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``tensor`` as an FP32 scalar on its device (NaN if it holds a NaN): one pass."""
+    return torch.linalg.vector_norm(tensor.detach(), float("inf")).float()
 
 
 def delayed_scale(
-    tensor: torch.Tensor, history: torch.Tensor, recorded: torch.Tensor, fmt_max: float, margin: int, amax_rule: str
+    current: torch.Tensor, history: torch.Tensor, recorded: torch.Tensor, fmt_max: float, margin: int, amax_rule: str
 ) -> torch.Tensor:
-    """The scale from the amax ``history`` reduced by ``amax_rule`` ("max" or "recent"; the current amax while
-    nothing is recorded), then ``tensor``'s amax recorded: both updated in place (see the module docstring).
+    """The scale from the amax ``history`` reduced by ``amax_rule`` ("max" or "recent"; the ``current`` amax while
+    nothing is recorded), then ``current`` recorded: both updated in place (see the module docstring).
 
     The entries not recorded yet are zeros (the history starts so, recording shifts them along, loading zeroes
     them), so the largest is the largest of those recorded, with no mask by a device count (which would wait for
     the host). A non-finite amax (an overflowing step, skipped) is left out, so the next scale comes from the
     amaxes before it (no device-to-host read: both updates are masked)."""
-    current = torch.linalg.vector_norm(tensor.detach(), float("inf")).float()
     past = history.max() if amax_rule == "max" else history[0]
     scale = power_of_two_scale(torch.where(recorded > 0, past, current), fmt_max, margin)
     finite = current < math.inf  # an amax is >= 0 or NaN
@@ -135,9 +134,10 @@ class ScaleState:
     def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
         """The scale to cast ``tensor`` with; records its amax for later (delayed) scales."""
         self.to(tensor.device)
+        current = amax_of(tensor)
         if self.recipe.scaling != "delayed":
-            return current_scale(tensor, self.max, self.recipe.margin)
-        return delayed_scale(tensor, self.history, self.recorded, self.max, self.recipe.margin, self.recipe.amax)
+            return power_of_two_scale(current, self.max, self.recipe.margin)
+        return delayed_scale(current, self.history, self.recorded, self.max, self.recipe.margin, self.recipe.amax)
 
     def state_dict(self) -> dict:
         """The history and the count as an int (reads one device scalar: a host sync, at checkpoints only)."""
