@@ -57,6 +57,22 @@ def test_kernel_equals_emulation_bit_for_bit_when_sums_are_exact(device, dtypes)
 
 
 @pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_product_is_the_fp32_product_rounded_once(device, out_dtype):
+    # exact sums, then one rounding to nearest even: the kernel's epilogue and the emulation's cast agree; the
+    # values are chosen so that many products are not representable in 16 bits (odd integers past 2^8)
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(-15, 16, (32, 256), generator=gen).float().to(device, E4M3)
+    b = torch.randint(-15, 16, (256, 64), generator=gen).float().to(device, E4M3)
+    sa, sb = torch.tensor(0.25, device=device), torch.tensor(2.0, device=device)
+    fp32 = fp8_matmul(a, b, sa, sb, kernel=False)
+    assert (fp32.to(out_dtype).float() != fp32).any()  # the rounding matters here
+    for kernel in (True, False):
+        out = fp8_matmul(a, b, sa, sb, kernel=kernel, out_dtype=out_dtype)
+        assert out.dtype == out_dtype and torch.equal(out, fp32.to(out_dtype)), kernel
+
+
+@pytest.mark.parametrize("device", _devices())
 def test_kernel_agrees_with_emulation_to_the_order_of_additions(device):
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(96, 256, generator=gen), torch.randn(64, 256, generator=gen) * 0.02

@@ -83,18 +83,25 @@ EMULATED_SCALINGS = ("rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")  # scali
 
 
 def fp8_matmul(
-    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, kernel: bool
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    kernel: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``(a / a_scale) @ (b / b_scale)`` in FP32 for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N)."""
+    """``(a / a_scale) @ (b / b_scale)`` for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N): summed in FP32, then
+    rounded once to ``out_dtype`` (nearest even). The kernel rounds in its epilogue, so a bf16 product is
+    written at half an FP32 one's bytes, with no separate cast pass."""
     if kernel and _kernel_takes(a, b):
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
         # It wants ``a`` row-major and ``b`` column-major.
         b = b if b.stride(0) == 1 else b.t().contiguous().t()
         out = torch._scaled_mm(
-            a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=torch.float32
+            a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype
         )
         return out[0] if isinstance(out, tuple) else out  # older torch returns (out, amax)
-    return torch.matmul(a.float(), b.float()) / (a_scale * b_scale)
+    return (torch.matmul(a.float(), b.float()) / (a_scale * b_scale)).to(out_dtype)
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -65,9 +65,10 @@ class _Fp8Linear(torch.autograd.Function):
             xq, sx = scaled_cast(x.reshape(-1, x.shape[-1]), state.input)
             wq, sw = scaled_cast(weight, state.weight)
             kernel = uses_kernel(state.recipe.gemm, x.device)
-            y = fp8_matmul(xq, wq.t(), sx, sw, kernel)
-            if bias is not None:
-                y = y + bias.float()
+            if bias is None:  # rounded once, in the GEMM
+                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype)
+            else:  # the bias added in FP32 first, then one rounding
+                y = fp8_matmul(xq, wq.t(), sx, sw, kernel).add_(bias.float())
             ctx.save_for_backward(xq, wq, sx, sw)
             ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -83,9 +84,9 @@ class _Fp8Linear(torch.autograd.Function):
             gq, sg = scaled_cast(grad, state.grad)
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
-                grad_x = fp8_matmul(gq, wq, sg, sw, kernel).reshape(ctx.x_shape).to(x_dtype)
+                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel).to(w_dtype)
+                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
