@@ -22,7 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from benchmarks.gpu import part_bert, part_fp8, part_fp8_gpt, part_gpt, part_gpt2, part_profile, part_syncs, part_tests
+from benchmarks.gpu import (
+    part_bert,
+    part_fp8,
+    part_fp8_gpt,
+    part_gpt,
+    part_gpt2,
+    part_profile,
+    part_syncs,
+    part_tests,
+    part_tuned,
+)
 from benchmarks.gpu.common import Part, Settings, Stopped, describe, device_slug, free_memory, log
 from benchmarks.gpu.report import load, save
 
@@ -37,11 +47,22 @@ PARTS = {
     "bert": part_bert.run,
     "gpt2": part_gpt2.run,
     "profile": part_profile.run,
+    "tuned": part_tuned.run,
 }
 # what each part needs, about twice what it took on an H200 (2026-11-26: tests 25 s, fp8 1; docs/gpu.md), or
 # estimated from it where the part has grown since (syncs: 36 cases over 3 models; bert, gpt and gpt2: eager
 # modes plus compiled ones within a 100 s compile budget each); a part is not started with less than this left
-NEEDS_S = {"tests": 60, "syncs": 120, "gpt": 200, "fp8": 15, "bert": 200, "gpt2": 220, "profile": 60, "fp8gpt": 150}
+NEEDS_S = {
+    "tests": 60,
+    "syncs": 120,
+    "gpt": 200,
+    "fp8": 15,
+    "bert": 200,
+    "gpt2": 220,
+    "profile": 60,
+    "fp8gpt": 150,
+    "tuned": 60,
+}
 GPU_TIME_LIMIT_S = 560.0  # the GPU machine stops a command at 600 s; 40 s for start-up and the last save
 REPO = Path(__file__).resolve().parents[2]
 

@@ -98,7 +98,22 @@ def profile_steps(made: Prepared, device: torch.device, steps: int = 3) -> dict:
             sync(device)
         launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["kernels_per_step"] = round(len(launched) / steps, 1)
+        figures["top_kernels"] = _top_kernels(launched, steps)
     return figures
+
+
+def _top_kernels(launched: list, steps: int, count: int = 8) -> list[dict]:
+    """Where a step's GPU time goes: the kernels (by name, cut to 80 characters) that took the most of it, each
+    with its milliseconds and launches per step."""
+    totals: dict[str, list[float]] = {}
+    for event in launched:
+        total = totals.setdefault(event.name[:80], [0.0, 0])
+        total[0] += event.time_range.elapsed_us()  # a kernel event's own span, on the device
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return [
+        {"kernel": name, "ms": round(us / 1e3 / steps, 3), "launches": round(n / steps, 1)} for name, (us, n) in ranked
+    ]
 
 
 def prepare_all(settings: Settings, part: Part, modes: list[Mode], reserve_s: float, label: dict | None = None):

@@ -35,6 +35,9 @@ COLUMNS = {
              ("kernels_per_step", "kernels/step")],
 }  # fmt: skip
 COLUMNS["gpt2"] = COLUMNS["fp8gpt"] = COLUMNS["gpt"]
+COLUMNS["tuned"] = [("mode", "policy tried"), ("median_ms", "ms/step"), ("spread_ms", "spread"),
+                    ("predicted", "predicted speed-up (layers)"), ("measured", "measured speed-up"),
+                    ("note", "tune's note")]  # fmt: skip
 
 
 def load(path: Path) -> dict:
@@ -93,6 +96,9 @@ def _part(name: str, part: dict) -> list[str]:
     lines += [f"- {key}: {value}" for key, value in meta.items()] + ([""] if meta else [])
     good = [r for r in part["records"] if "error" not in r]
     lines += _table(good, COLUMNS.get(name, []))
+    for record in (r for r in good if r.get("top_kernels")):
+        kernels = "; ".join(f"{k['kernel'][:60]} {k['ms']} ms x{k['launches']}" for k in record["top_kernels"][:4])
+        lines.append(f"- {record['mode']}, most GPU time: {kernels}")
     for record in good:
         if record.get("failing") or record.get("skip_reasons"):
             lines += [f"- {line}" for line in record.get("failing", [])]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["tests", "syncs", "gpt", "fp8", "fp8gpt", "bert", "gpt2", "profile"]
+PARTS = ["tests", "syncs", "gpt", "fp8", "fp8gpt", "bert", "gpt2", "profile", "tuned"]
 
 
 @pytest.fixture
@@ -57,6 +57,7 @@ def test_the_dry_run_runs_every_part_or_says_why_not(tmp_path):
     _check_gpt(parts["gpt2"])
     _check_fp8(parts["fp8"])
     _check_fp8_gpt(parts["fp8gpt"])
+    _check_tuned(parts["tuned"])
     _check_bert(parts["bert"])
     _check_profile(parts["profile"], folder)
     summary = (folder / "summary.md").read_text()
@@ -95,6 +96,14 @@ def _check_fp8_gpt(part: dict) -> None:
     assert modes["fp8"]["compute_plan"] == modes["fp8, compiled cast"]["compute_plan"]
     left_out = " ".join(n["case"] for n in part["not_run"])
     assert "compiled rows" in left_out and ("torchao" in left_out or "torchao" in part["meta"])
+
+
+def _check_tuned(part: dict) -> None:
+    rows = part["records"]
+    assert any("uniform base" in r["mode"] for r in rows) and any("uniform FP32" in r["mode"] for r in rows)
+    for record in rows:
+        assert record["median_ms"] > 0 and record["measured"] > 0 and record["predicted"] > 0
+    assert any("(chosen)" in r["mode"] for r in rows)
 
 
 def _check_fp8(part: dict) -> None:
