@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 import torch
 from benchmarks.gpu import models
-from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, log
-from benchmarks.gpu.measure import prepare_all, profile_steps, time_modes
-from benchmarks.gpu.part_gpt import _raise_recompile_limit, _record
+from benchmarks.gpu.common import Part, Settings
+from benchmarks.gpu.part_gpt import Table, run_table
 from benchmarks.gpu.steps import Mode, Workload, make_optimizer, training_mode
 
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
@@ -40,7 +39,6 @@ POLICIES = {
 TORCHAO = {"torchao tensorwise": "tensorwise", "torchao rowwise": "rowwise"}
 # compiled while the budget lasts, most telling first (at this width each compile takes 30-50 s on an H200)
 COMPILED = (LOOP, "fp8", "torchao tensorwise", "mixed_bf16", "torchao rowwise", "fp8 delayed")
-_TIMING_RESERVE_S = 60.0
 
 
 def _torchao_step(work: Workload, device: torch.device, recipe: str, backend: str | None):
@@ -107,30 +105,7 @@ def run(settings: Settings, part: Part) -> None:
     else:
         config, batch = GPTConfig(layers=4, width=2048, heads=16, context=1024), 8
     params = sum(p.numel() for p in TinyGPT(config).parameters())
-    part.meta.update(model=f"TinyGPT {config}", params=params, batch=batch)
-    _raise_recompile_limit()
+    part.meta.update(model=f"TinyGPT {config}")
     work = models.tiny_gpt(config, batch)
-    repeats, warmup = (2, 1) if settings.dry_run else (10, 3)
-    tokens = batch * config.context
-    dense = 6 * params * tokens
-    flops = {
-        "tokens": tokens,
-        "dense": dense,
-        "attention": dense + 12 * config.layers * config.width * config.context * tokens,
-    }
-    peak = bf16_peak_flops(torch.cuda.get_device_name(settings.device))[0] if settings.cuda else None
-    part.meta.update(tokens_per_step=tokens, repeats=repeats, warmup=warmup, bf16_peak_flops=peak)
-    ready = prepare_all(settings, part, _modes(settings, work, part), _TIMING_RESERVE_S)
-    log(f"  timing {len(ready)} modes, {repeats} interleaved rounds after {warmup} warm-up steps")
-    timings, failed = time_modes(ready, repeats, warmup)
-    for made in ready:
-        name = made.mode.name
-        if name in failed:
-            part.records.append({"mode": name, "compiled": made.mode.compiled, "error": failed[name]})
-            continue
-        twin = timings.get(made.mode.twin or "")
-        record = _record(made, timings[name], None, twin, flops, peak, timings)
-        record.update(
-            part.attempt({"mode": name, "profile": True}, lambda m=made: profile_steps(m, settings.device)) or {}
-        )
-        part.records.append(record)
+    table = Table(params, batch, config.context, config.layers, config.width)
+    run_table(settings, part, work, table, _modes(settings, work, part))

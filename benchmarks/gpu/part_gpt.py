@@ -143,9 +143,9 @@ class Table:
     compiled: tuple[str, ...] = COMPILED
 
 
-def run_table(settings: Settings, part: Part, work: Workload, table: Table) -> None:
-    """Every mode of ``table`` on ``work``, eager and compiled while the budget lasts, timed interleaved, with
-    a short profile of each (host time and kernels per step)."""
+def run_table(settings: Settings, part: Part, work: Workload, table: Table, modes: list[Mode] | None = None) -> None:
+    """Every mode of ``table`` on ``work`` (or ``modes``, made by the caller), eager and compiled while the budget
+    lasts, timed interleaved, with a short profile of each (host time and kernels per step)."""
     _raise_recompile_limit()
     repeats, warmup = (2, 1) if settings.dry_run else (10, 3)
     tokens = table.batch * table.context
@@ -158,7 +158,8 @@ def run_table(settings: Settings, part: Part, work: Workload, table: Table) -> N
         peak, peak_note = None, "MFU needs a GPU's bf16 peak: omitted on the CPU"
     part.meta.update(params=table.params, batch=table.batch, tokens_per_step=tokens,
                      repeats=repeats, warmup=warmup, bf16_peak_flops=peak, mfu_note=peak_note)  # fmt: skip
-    ready = prepare_all(settings, part, _modes(settings, work, part, table), _TIMING_RESERVE_S)
+    modes = _modes(settings, work, part, table) if modes is None else modes
+    ready = prepare_all(settings, part, modes, _TIMING_RESERVE_S)
     log(f"  timing {len(ready)} modes, {repeats} interleaved rounds after {warmup} warm-up steps")
     timings, failed = time_modes(ready, repeats, warmup)
     for made in ready:
