@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixprec.policy.fp8_recipe import Fp8Recipe
-from mixprec.regions.fp8 import ScaleState, scaled_cast
+from mixprec.regions.fp8 import ScaleState, compiled_cast_failures, scaled_cast
 
 
 def _operands(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -20,8 +20,11 @@ def _operands(device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
     small = torch.randn(33, 48, generator=generator) * 2.0**-20
     overflow = torch.randn(40, 32, generator=generator)
     overflow[3, 4], overflow[5, 6], overflow[7, 8] = math.inf, -math.inf, math.nan
-    limit = torch.finfo(dtype).max
-    return [t.clamp(-limit, limit).to(device, dtype) for t in (wide, small, overflow)]
+    infinite = torch.randn(24, 16, generator=generator)  # infinities and no NaN: the amax is inf, the scale 1
+    infinite[1, 2], infinite[3, 4] = math.inf, -math.inf
+    limit = torch.finfo(dtype).max  # the finite values within the dtype; the non-finite ones kept
+    operands = [torch.where(t.isfinite(), t.clamp(-limit, limit), t) for t in (wide, small, overflow, infinite)]
+    return [t.to(device, dtype) for t in operands]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,7 +54,7 @@ def test_compiled_cast_equals_eager(device: str, scaling: str, fmt: str) -> None
             # the delayed state's history and count are updated in place, equally
             assert torch.equal(compiled.history, eager.history) and torch.equal(compiled.recorded, eager.recorded)
     if scaling == "delayed":
-        assert int(eager.recorded) == 4  # the non-finite amaxes left out: 6 casts, 2 of them overflowing
+        assert int(eager.recorded) == 4  # the non-finite amaxes left out: 8 casts, 4 of them overflowing
 
 
 def test_scaled_cast_is_scale_for_then_cast() -> None:
@@ -94,22 +97,30 @@ def test_every_layer_shape_shares_the_compiled_pass() -> None:
 
 @pytest.mark.filterwarnings("error:.*compiling the FP8 cast failed:RuntimeWarning")
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_training_with_the_compiled_cast_equals_the_eager_cast_bit_for_bit(scaling: str) -> None:
+def test_training_with_the_compiled_cast_equals_the_eager_cast_bit_for_bit(device: str, scaling: str) -> None:
+    """Steps at three batch sizes (one of a single row), an evaluation under inference mode, and an overflowing
+    step (an infinite input: its gradient, e5m2, must stay infinite for the step to be skipped), all within the
+    compiled cast's variants, and the same weights as the eager cast at the end."""
     import mixprec
 
     def train(cast: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(device)
         policy = f"base=fp8,fp8=(scaling={scaling},cast={cast},keep=none)"
         mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy)
         assert mp.policy.fp8.cast == cast and mixprec.regions.fp8.fp8_layers(model, mp.policy.fp8)
         data = torch.Generator().manual_seed(1)
-        for _ in range(4):
-            x, y = torch.randn(24, 16, generator=data), torch.randint(0, 4, (24,), generator=data)
+        for step, rows in enumerate((24, 7, 24, 1, 24)):
+            x, y = torch.randn(rows, 16, generator=data), torch.randint(0, 4, (rows,), generator=data)
+            if step == 2:
+                x[0, 0] = math.inf
             with mp.autocast():
-                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                loss = torch.nn.functional.cross_entropy(model(x.to(device)).float(), y.to(device))
             mp.backward(loss)
-            assert mp.step()
-        return [p.detach().clone() for p in model.parameters()]
+            assert bool(mp.step()) == (step != 2)  # the overflowing step skipped
+            with torch.inference_mode(), mp.autocast():
+                model(torch.randn(5, 16, generator=data).to(device))
+        return [p.detach().cpu().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train("compiled"), train("eager"), strict=True))
+    assert compiled_cast_failures() == {}

@@ -70,6 +70,8 @@ def test_a_16_bit_product_is_the_fp32_product_rounded_once(device, out_dtype):
     for kernel in (True, False):
         out = fp8_matmul(a, b, sa, sb, kernel=kernel, out_dtype=out_dtype)
         assert out.dtype == out_dtype and torch.equal(out, fp32.to(out_dtype)), kernel
+        # a dtype the kernel cannot write (float64): its FP32 product, cast
+        assert torch.equal(fp8_matmul(a, b, sa, sb, kernel=kernel, out_dtype=torch.float64), fp32.double()), kernel
 
 
 @pytest.mark.parametrize("device", _devices())

@@ -31,7 +31,8 @@
     cast        how the per-tensor scalings (current, delayed) cast each operand after its amax: "eager"
                 (default: PyTorch's operations one by one, about ten launches) or "compiled" (the scale, the
                 saturating cast and the delayed history's update in one pass compiled by Inductor, on any
-                device it compiles for; the same arithmetic, bit for bit; :mod:`mixprec.regions.fp8.fused_cast`)
+                device it compiles for; the same values, a NaN's sign bit aside;
+                :mod:`mixprec.regions.fp8.fused_cast`). Part of the policy: a run resumes under the same one
 
 Scales are powers of two, so scaling is exact and the emulation equals a scaled cast bit for bit.
 

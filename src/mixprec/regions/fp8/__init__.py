@@ -3,7 +3,7 @@
 The recipe (formats, scaling, layers kept out of FP8) is a policy value: :class:`mixprec.policy.Fp8Recipe`.
 """
 
-from mixprec.regions.fp8.fused_cast import scaled_cast
+from mixprec.regions.fp8.fused_cast import compiled_cast_failures, scaled_cast
 from mixprec.regions.fp8.gemm import fp8_matmul, scaled_mm_available, scaled_mm_unavailable_reason
 from mixprec.regions.fp8.gemm_layers import GemmSelection, KeptLayer, register_gemm_layer, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
@@ -17,6 +17,7 @@ __all__ = [
     "KeptLayer",
     "ScaleState",
     "cast_to_fp8",
+    "compiled_cast_failures",
     "fp8_layers",
     "fp8_linear",
     "fp8_matmul",

@@ -12,18 +12,23 @@ ran on an H200 at a tenth of its eager speed (the width-2048 GPT's FP8 step took
 docs/fp8.md), where Inductor could not split a reduction whose size it does not know.
 
 Compiled wherever asked (a CUDA device with Triton, a CPU with a C++ compiler), eagerly only (a compiled step
-compiles the eager operations with everything else); where compiling fails, the eager operations, warned once
-per format: the same code, so the two agree bit for bit, except that a NaN may come out with the other sign
-bit (both are NaN, and NaN is all an overflow needs to reach the loss scaler).
+compiles the eager operations with everything else). The compiled pass writes e5m2's infinities as bit
+patterns (Triton's cast saturates them on Hopper), so it gives the eager cast's values: bit for bit, except
+that a NaN may come out with the other sign bit (both are NaN, and NaN is all an overflow needs to reach the
+loss scaler). Where compiling fails (no Triton, no C++ compiler), that format and recipe cast eagerly from then
+on, with one warning, and :func:`compiled_cast_failures` says why; past dynamo's recompile limit a call casts
+eagerly and the next tries again.
 
-Compiled with a dynamic size on the flattened tensor: every operand of a given dtype, format and scaling shares
-one graph, so a model's many layer shapes cost one compile per dtype (a few seconds at the first step), not
-one per shape. Each format, margin and scaling has a function of its own, so that its variants (three dtypes in
-a bf16 model: bf16 inputs and gradients, FP32 weights) count alone against dynamo's recompile limit of 8.
+The graph takes a flat alias of the tensor's storage (a 1-D tensor of one dynamic size, not a view: dynamo would
+guard a view's base, its shape and the equalities between its sizes), so every layer shape shares it; what
+remains to tell variants apart is the input's dtype and the calling context (the forward inside the autocast
+region, the backward, inference mode): about five in a bf16 model, under dynamo's limit of 8 per function. Each
+format, margin and scaling has a function of its own, so that its variants count alone.
 """
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections.abc import Callable
@@ -34,7 +39,7 @@ import torch
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.scaling import ScaleState, amax_of, delayed_scale, power_of_two_scale, saturating_cast
 
-__all__ = ["scaled_cast"]
+__all__ = ["compiled_cast_failures", "scaled_cast"]
 
 
 class _Target(NamedTuple):
@@ -44,21 +49,24 @@ class _Target(NamedTuple):
     max: float
     has_inf: bool
     dtype: torch.dtype
+    inf_bits: int | None  # the bits of +inf where the format has one
 
     @staticmethod
     def of(fmt: Format) -> _Target:
-        return _Target(float(fmt.max), bool(fmt.has_inf), fmt.torch_dtype)
+        inf_bits = int(torch.tensor(math.inf).to(fmt.torch_dtype).view(torch.uint8)) if fmt.has_inf else None
+        return _Target(float(fmt.max), bool(fmt.has_inf), fmt.torch_dtype, inf_bits)
 
 
 _COMPILED: dict[tuple, object] = {}  # by format, margin, scaling and amax rule
 _FAILED: dict[tuple, str] = {}  # why compiling failed, by key: that key's later casts run eagerly
+_WARNED: set[tuple] = set()
 
 
 def _cast_current(
-    tensor: torch.Tensor, amax: torch.Tensor, fmt: _Target, margin: int
+    tensor: torch.Tensor, amax: torch.Tensor, fmt: _Target, margin: int, inf_bits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = power_of_two_scale(amax, fmt.max, margin)
-    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
+    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype, inf_bits), scale
 
 
 def _cast_delayed(
@@ -69,9 +77,10 @@ def _cast_delayed(
     fmt: _Target,
     margin: int,
     amax_rule: str,
+    inf_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = delayed_scale(amax, history, recorded, fmt.max, margin, amax_rule)
-    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
+    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype, inf_bits), scale
 
 
 def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,46 +98,71 @@ def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, 
         and tensor.is_contiguous()
         and not torch.compiler.is_compiling()
     ):
-        # flat: the cast is elementwise under one scale, and one dynamic size is one graph for every shape
-        # (two dynamic sizes would add a variant for each equality between them that dynamo specializes on);
-        # detached: a Parameter is another type to dynamo's guards, a variant of its own
-        flat = tensor.detach().reshape(-1)
+        flat = _flat_alias(tensor)
         try:
             if delayed:
                 q, scale = _compiled(key, state)(flat, amax, state.history, state.recorded)
             else:
                 q, scale = _compiled(key, state)(flat, amax)
             return q.view(tensor.shape), scale
-        except Exception as error:  # inductor, Triton or a C++ compiler missing or broken: the same code, eager
-            _FAILED[key] = f"{type(error).__name__}: {error}"
-            warnings.warn(
-                f"mixprec: compiling the FP8 cast failed ({_FAILED[key][:300]}); casting to {key[0]} eagerly.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        except Exception as error:
+            _fall_back(key, error)
     fmt, margin = _Target.of(state.format), recipe.margin
     if delayed:
         return _cast_delayed(tensor, amax, state.history, state.recorded, fmt, margin, recipe.amax)
     return _cast_current(tensor, amax, fmt, margin)
 
 
+def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over ``tensor``'s values (contiguous), sharing its storage, that is not a view of it."""
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    with torch.no_grad():
+        return flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
+
+
+def _fall_back(key: tuple, error: Exception) -> None:
+    """Cast eagerly after ``error``: for good where compiling failed, for this call past the recompile limit; any
+    other error (out of memory, a CUDA error) is raised."""
+    import torch._dynamo.exc as dynamo_errors  # imported by now: the compile ran
+
+    if not isinstance(error, dynamo_errors.TorchDynamoException):
+        raise error
+    limit = type(error).__name__ in ("FailOnRecompileLimitHit", "RecompileLimitExceeded", "CacheLimitExceeded")
+    reason = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    if not limit:
+        _FAILED[key] = reason
+    if key not in _WARNED:
+        _WARNED.add(key)
+        then = "this call casts eagerly, the next tries again" if limit else "casting eagerly from now on"
+        warnings.warn(
+            f"mixprec: compiling the FP8 cast for {key} failed ({reason}); {then}.", RuntimeWarning, stacklevel=3
+        )
+
+
+def compiled_cast_failures() -> dict[str, str]:
+    """Why the compiled cast failed, by format, margin, scaling and amax rule (``"fp8_e5m2/0/current/max"``): those
+    cast eagerly. Empty where every compiled cast compiled."""
+    return {"/".join(map(str, key)): reason for key, reason in _FAILED.items()}
+
+
 def _compiled(key: tuple, state: ScaleState):
     """The compiled pass for ``state``'s format, margin and scaling (``key``): these are constants of the graph
     (closed over: as arguments, dynamic compilation would make them symbolic), the tensor's size is dynamic."""
+    if key in _COMPILED:
+        return _COMPILED[key]
     fmt, margin, amax_rule = _Target.of(state.format), state.recipe.margin, state.recipe.amax
-    if key not in _COMPILED:
-        if state.recipe.scaling == "delayed":
+    if state.recipe.scaling == "delayed":
 
-            def cast(tensor, amax, history, recorded):
-                return _cast_delayed(tensor, amax, history, recorded, fmt, margin, amax_rule)
+        def cast(tensor, amax, history, recorded):
+            return _cast_delayed(tensor, amax, history, recorded, fmt, margin, amax_rule, fmt.inf_bits)
 
-        else:
+    else:
 
-            def cast(tensor, amax):
-                return _cast_current(tensor, amax, fmt, margin)
+        def cast(tensor, amax):
+            return _cast_current(tensor, amax, fmt, margin, fmt.inf_bits)
 
-        _COMPILED[key] = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)
-    return _COMPILED[key]
+    compiled = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)
+    return _COMPILED.setdefault(key, compiled)  # two threads at once: both use the first one stored
 
 
 def _own_code(function: Callable, name: str) -> Callable:

@@ -1,11 +1,11 @@
 """The FP8 matrix product: PyTorch's real FP8 GEMM (``torch._scaled_mm``) or its exact emulation.
 
 Both take operands already cast to FP8 storage and the power-of-two scales they were cast with, and
-return FP32. A product of two FP8 values is exact in FP32; the emulation and PyTorch's CPU kernel
-accumulate in FP32, so they agree to the order of the additions (bit for bit whenever the partial sums
-are exact). Hopper's FP8 tensor cores keep about 14 bits of each partial sum before promoting it to
-FP32, so CUDA's kernel may differ by more; the tests hold the kernel to the emulation on every device
-that has it, within that device's accumulation precision.
+return the FP32 product, rounded once to the dtype asked for. A product of two FP8 values is exact in
+FP32; the emulation and PyTorch's CPU kernel accumulate in FP32, so they agree to the order of the
+additions (bit for bit whenever the partial sums are exact). Hopper's FP8 tensor cores keep about 14
+bits of each partial sum before promoting it to FP32, so CUDA's kernel may differ by more; the tests hold
+the kernel to the emulation on every device that has it, within that device's accumulation precision.
 
 Which path a recipe's ``gemm`` setting picks:
     "emulated"   FP32 matmul of the FP8 values: any device, any shape
@@ -95,13 +95,17 @@ def fp8_matmul(
     written at half an FP32 one's bytes, with no separate cast pass."""
     if kernel and _kernel_takes(a, b):
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
-        # It wants ``a`` row-major and ``b`` column-major.
+        # It wants ``a`` row-major and ``b`` column-major, and writes FP32, bf16 or fp16 only.
         b = b if b.stride(0) == 1 else b.t().contiguous().t()
+        written = out_dtype if out_dtype in _KERNEL_OUTPUTS else torch.float32
         out = torch._scaled_mm(
-            a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype
+            a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=written
         )
-        return out[0] if isinstance(out, tuple) else out  # older torch returns (out, amax)
+        return (out[0] if isinstance(out, tuple) else out).to(out_dtype)  # older torch returns (out, amax)
     return (torch.matmul(a.float(), b.float()) / (a_scale * b_scale)).to(out_dtype)
+
+
+_KERNEL_OUTPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
