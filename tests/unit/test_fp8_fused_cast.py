@@ -124,3 +124,16 @@ def test_training_with_the_compiled_cast_equals_the_eager_cast_bit_for_bit(devic
 
     assert all(torch.equal(a, b) for a, b in zip(train("compiled"), train("eager"), strict=True))
     assert compiled_cast_failures() == {}
+
+
+def test_a_compiled_cast_keeps_e5m2_infinities(device: str) -> None:
+    """Traced by torch.compile (a compiled training step), the saturating cast still gives ±inf for ±inf: an
+    overflowing gradient stays non-finite for the loss scaler (Triton's own cast to e5m2 saturates on Hopper)."""
+    from mixprec.regions.fp8 import cast_to_fp8
+
+    values = torch.tensor([math.inf, -math.inf, 1e9, -3.0, math.nan], device=device)
+    eager = cast_to_fp8(values, torch.tensor(1.0, device=device), "fp8_e5m2")
+    compiled = torch.compile(lambda t: cast_to_fp8(t, torch.ones((), device=t.device), "fp8_e5m2"), fullgraph=True)
+    got = compiled(values)
+    assert got[:4].tolist() == eager[:4].tolist() == [math.inf, -math.inf, 57344.0, -3.0]
+    assert got[4].isnan() and eager[4].isnan()

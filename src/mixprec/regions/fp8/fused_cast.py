@@ -12,8 +12,9 @@ ran on an H200 at a tenth of its eager speed (the width-2048 GPT's FP8 step took
 docs/fp8.md), where Inductor could not split a reduction whose size it does not know.
 
 Compiled wherever asked (a CUDA device with Triton, a CPU with a C++ compiler), eagerly only (a compiled step
-compiles the eager operations with everything else). The compiled pass writes e5m2's infinities as bit
-patterns (Triton's cast saturates them on Hopper), so it gives the eager cast's values: bit for bit, except
+compiles the eager operations with everything else). Compiled, e5m2's infinities are written as bit patterns
+(Triton's cast saturates them on Hopper: :func:`~mixprec.regions.fp8.scaling.saturating_cast`), so the pass gives
+the eager cast's values: bit for bit, except
 that a NaN may come out with the other sign bit (both are NaN, and NaN is all an overflow needs to reach the
 loss scaler). Where compiling fails (no Triton, no C++ compiler), that format and recipe cast eagerly from then
 on, with one warning, and :func:`compiled_cast_failures` says why; past dynamo's recompile limit a call casts
@@ -28,7 +29,6 @@ format, margin and scaling has a function of its own, so that its variants count
 
 from __future__ import annotations
 
-import math
 import types
 import warnings
 from collections.abc import Callable
@@ -49,12 +49,10 @@ class _Target(NamedTuple):
     max: float
     has_inf: bool
     dtype: torch.dtype
-    inf_bits: int | None  # the bits of +inf where the format has one
 
     @staticmethod
     def of(fmt: Format) -> _Target:
-        inf_bits = int(torch.tensor(math.inf).to(fmt.torch_dtype).view(torch.uint8)) if fmt.has_inf else None
-        return _Target(float(fmt.max), bool(fmt.has_inf), fmt.torch_dtype, inf_bits)
+        return _Target(float(fmt.max), bool(fmt.has_inf), fmt.torch_dtype)
 
 
 _COMPILED: dict[tuple, object] = {}  # by format, margin, scaling and amax rule
@@ -63,10 +61,10 @@ _WARNED: set[tuple] = set()
 
 
 def _cast_current(
-    tensor: torch.Tensor, amax: torch.Tensor, fmt: _Target, margin: int, inf_bits: int | None = None
+    tensor: torch.Tensor, amax: torch.Tensor, fmt: _Target, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = power_of_two_scale(amax, fmt.max, margin)
-    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype, inf_bits), scale
+    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
 
 def _cast_delayed(
@@ -77,10 +75,9 @@ def _cast_delayed(
     fmt: _Target,
     margin: int,
     amax_rule: str,
-    inf_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = delayed_scale(amax, history, recorded, fmt.max, margin, amax_rule)
-    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype, inf_bits), scale
+    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
 
 def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,12 +151,12 @@ def _compiled(key: tuple, state: ScaleState):
     if state.recipe.scaling == "delayed":
 
         def cast(tensor, amax, history, recorded):
-            return _cast_delayed(tensor, amax, history, recorded, fmt, margin, amax_rule, fmt.inf_bits)
+            return _cast_delayed(tensor, amax, history, recorded, fmt, margin, amax_rule)
 
     else:
 
         def cast(tensor, amax):
-            return _cast_current(tensor, amax, fmt, margin, fmt.inf_bits)
+            return _cast_current(tensor, amax, fmt, margin)
 
     compiled = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)
     return _COMPILED.setdefault(key, compiled)  # two threads at once: both use the first one stored

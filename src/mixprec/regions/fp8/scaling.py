@@ -78,27 +78,25 @@ def cast_to_fp8_storage(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Fo
 
 
 def saturating_cast(
-    tensor: torch.Tensor,
-    scale: torch.Tensor,
-    fmt_max: float,
-    has_inf: bool,
-    dtype: torch.dtype,
-    inf_bits: int | None = None,
+    tensor: torch.Tensor, scale: torch.Tensor, fmt_max: float, has_inf: bool, dtype: torch.dtype
 ) -> torch.Tensor:
     """:func:`cast_to_fp8_storage` given the format's largest value, whether it has infinities, and its dtype.
 
-    ``inf_bits``: the bits of the format's +inf (-inf adds the sign bit), to write infinities as bit patterns
-    rather than by the cast, for compiled code: Triton's conversion to e5m2 on Hopper saturates
-    (``cvt.rn.satfinite``), so an overflowing gradient would come out finite, 57344, and no longer reach the
-    loss scaler."""
+    Traced by torch.compile, a format's infinities are written as bit patterns rather than by the cast: Triton's
+    conversion to e5m2 on Hopper saturates (``cvt.rn.satfinite``), so in a compiled step an overflowing
+    gradient would come out finite, 57344, and never reach the loss scaler."""
     scaled = tensor.float() * scale
     if not has_inf:
         return scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(-fmt_max, fmt_max).to(dtype)
-    if inf_bits is not None:
+    if torch.compiler.is_compiling():
         bits = scaled.clamp(-fmt_max, fmt_max).to(dtype).view(torch.uint8)
-        signed = torch.where(scaled > 0, inf_bits, inf_bits | 0x80).to(torch.uint8)
+        infinity = _INF_BITS[dtype]
+        signed = torch.where(scaled > 0, infinity, infinity | 0x80).to(torch.uint8)
         return torch.where(torch.isinf(scaled), signed, bits).view(dtype)
     return torch.where(torch.isinf(scaled), scaled, scaled.clamp(-fmt_max, fmt_max)).to(dtype)
+
+
+_INF_BITS = {torch.float8_e5m2: 0x7C}  # +inf's bits in each FP8 dtype that has one (-inf: with the sign bit)
 
 
 def amax_of(tensor: torch.Tensor) -> torch.Tensor:
