@@ -3,6 +3,7 @@ and a device profile; the fragile layer kept in FP32 with the doctor's reason; t
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import time
@@ -157,6 +158,22 @@ def test_policies_of_assignments_parse_back_and_the_front_drops_what_is_beaten()
 
     a, b, c = candidate(1.0, 0.0), candidate(1.2, 0.001), candidate(1.1, 0.002)  # c: slower and worse than b
     assert pareto_front([a, b, c]) == [a, b]
+
+
+def test_a_layer_across_blocks_is_one_glob_where_it_names_exactly_those_modules():
+    from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
+
+    modules = [name for name, _ in TinyGPT(GPTConfig(layers=12, width=32, heads=2, context=16)).named_modules()]
+    every_mlp_in = {f"blocks.{i}.mlp.0": "fp32" for i in range(12)}
+    policy = assignment_policy("mixed_bf16", {**every_mlp_in, "lm_head": "fp32", "blocks.3.attn.qkv": "fp8"}, modules)
+    # one glob per index width (? is one character: * would cross dots), the GELU at mlp.1 left out
+    assert "names=blocks.?.mlp.0+blocks.??.mlp.0+lm_head," in policy and "only=blocks.3.attn.qkv)" in policy
+    fp32 = mixprec.get_policy(policy).fp32_names
+    kept = {m for m in modules if any(fnmatch.fnmatchcase(m, glob) for glob in fp32)}
+    assert kept == {*every_mlp_in, "lm_head"}  # the same modules as the names, no other
+    # a block left in 16 bits: a glob would take it too, so the names stay
+    some = assignment_policy("mixed_bf16", {f"blocks.{i}.mlp.0": "fp32" for i in range(12) if i != 3}, modules)
+    assert "blocks.?.mlp.0" not in some and "blocks.2.mlp.0+blocks.4.mlp.0" in some and "blocks.??.mlp.0" in some
 
 
 def test_tune_from_python_takes_a_factory_of_ones_own_and_refuses_a_lambda(tmp_path, monkeypatch):

@@ -63,7 +63,8 @@ def tune_task(
         f"{convolutions} convolutions"
     )
     choices = layer_choices(parts.model, batches, parts.loss_fn, shapes, sixteen, steps=len(batches))
-    result = search(config, options, choices, profile, progress)
+    modules = [name for name, _ in parts.model.named_modules()]
+    result = search(config, options, choices, profile, progress, modules)
     result["task"] = config.task
     if bases is not None:  # --base auto: both bases' trials and why this one
         result["bases"] = bases

@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.app.config import TrainConfig
 from mixprec.app.tune.cost import DeviceProfile, LayerShape, Prediction, measure_profile, predict
 from mixprec.app.tune.layers import LayerChoice
+from mixprec.app.tune.names import compact_names
 
 __all__ = ["Candidate", "TuneOptions", "assignment_policy", "pareto_front", "search"]
 
@@ -55,10 +56,12 @@ class Candidate:
     note: str = ""
 
 
-def assignment_policy(base: str, assignment: dict[str, str]) -> str:
-    """The policy string of a per-layer assignment: FP32 layers as ``names=``, FP8 ones as ``fp8=(only=...)``."""
-    fp32 = sorted(name for name, fmt in assignment.items() if fmt == "fp32")
-    fp8 = sorted(name for name, fmt in assignment.items() if fmt == "fp8")
+def assignment_policy(base: str, assignment: dict[str, str], modules: Sequence[str] = ()) -> str:
+    """The policy string of a per-layer assignment: FP32 layers as ``names=``, FP8 ones as ``fp8=(only=...)``;
+    given the model's ``modules`` (every name), the names of one layer across blocks as a glob where it names
+    those layers exactly (:func:`~mixprec.app.tune.names.compact_names`)."""
+    fp32 = compact_names((name for name, fmt in assignment.items() if fmt == "fp32"), modules)
+    fp8 = compact_names((name for name, fmt in assignment.items() if fmt == "fp8"), modules)
     parts = [f"base={base}"]
     if fp32:
         parts.append("names=" + "+".join(fp32))
@@ -92,6 +95,7 @@ class SearchState:
     profile: DeviceProfile
     base_step_ms: float | None
     progress: Callable[[str], None]
+    modules: tuple[str, ...] = ()  # every module name of the model: what a glob in a policy may match
     started: float = field(default_factory=time.monotonic)
     candidates: list[Candidate] = field(default_factory=list)
     not_tried: dict[str, str] = field(default_factory=dict)  # layer -> why FP8 was not tried on it
@@ -148,10 +152,12 @@ def search(
     choices: dict[str, LayerChoice],
     profile: DeviceProfile | None,
     progress: Callable[[str], None] = lambda message: None,
+    modules: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Steps 2-5 of the module docstring; returns what ``tune.json`` holds."""
+    """Steps 2-5 of the module docstring; returns what ``tune.json`` holds. ``modules``: every module name of the
+    model, for the policies' globs."""
     base = options.base
-    state = SearchState(config, options, choices, profile or DeviceProfile("", base), None, progress)
+    state = SearchState(config, options, choices, profile or DeviceProfile("", base), None, progress, tuple(modules))
     progress(f"tune: trial of the uniform base ({base}) and of FP32, {options.trial_steps} steps each")
     base_loss, base_ms = state.trial(base)
     fp32_loss, _ = state.trial("fp32")
@@ -159,7 +165,7 @@ def search(
     reference_loss, reference_ms = base_loss, base_ms
     if not math.isfinite(base_loss) and forced:  # the doctor foresaw it: the base with its FP32 layers instead
         progress("tune: the uniform base made inf/NaN; the reference is the base with the doctor's FP32 layers")
-        reference_loss, reference_ms = state.trial(assignment_policy(base, forced))
+        reference_loss, reference_ms = state.trial(assignment_policy(base, forced, state.modules))
     if profile is None:  # measured here: the step of the uniform base is this device's
         state.profile = measure_profile(state.shapes().values(), base, _device(config), progress=progress)
         state.base_step_ms = reference_ms - sum(_fp32_extra(state, name) for name in forced)
@@ -192,7 +198,7 @@ def search(
         "pareto": [asdict(c) for c in pareto_front(state.candidates)],
         "fp8_not_tried": state.not_tried,
         "chosen": {
-            "policy": assignment_policy(base, assignment),
+            "policy": assignment_policy(base, assignment, state.modules),
             "assignment": assignment,
             "prediction": state.predict(assignment).to_dict(),
         },
@@ -282,7 +288,7 @@ def _greedy(state: SearchState, assignment: dict[str, str], reference: float) ->
 
 def _record(state: SearchState, assignment: dict[str, str], reference: float, note: str) -> Candidate:
     """A trial of ``assignment``, kept when its loss change is within the tolerance; said in a progress line."""
-    policy = assignment_policy(state.options.base, assignment)
+    policy = assignment_policy(state.options.base, assignment, state.modules)
     loss, _ = state.trial(policy)
     change = _change(loss, reference)
     ok = change <= state.options.tolerance
@@ -307,7 +313,7 @@ def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[st
     reference = means["base"] if math.isfinite(means["base"]) else means["fp32"]
     tried = []
     for index, assignment in enumerate(reversed(accepted)):
-        last, policy = index == len(accepted) - 1, assignment_policy(state.options.base, assignment)
+        last, policy = index == len(accepted) - 1, assignment_policy(state.options.base, assignment, state.modules)
         if not last and state.out_of_budget(verifications=state.options.seeds):
             state.progress(f"tune: no time left to verify {policy}")
             continue  # fall back towards the base
