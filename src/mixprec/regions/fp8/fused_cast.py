@@ -37,7 +37,14 @@ from typing import NamedTuple
 import torch
 
 from mixprec.numerics.formats import Format
-from mixprec.regions.fp8.scaling import ScaleState, amax_of, delayed_scale, power_of_two_scale, saturating_cast
+from mixprec.regions.fp8.scaling import (
+    ScaleState,
+    amax_of,
+    cast_to_fp8_storage,
+    delayed_scale,
+    power_of_two_scale,
+    saturating_cast,
+)
 
 __all__ = ["compiled_cast_failures", "scaled_cast"]
 
@@ -58,26 +65,6 @@ class _Target(NamedTuple):
 _COMPILED: dict[tuple, object] = {}  # by format, margin, scaling and amax rule
 _FAILED: dict[tuple, str] = {}  # why compiling failed, by key: that key's later casts run eagerly
 _WARNED: set[tuple] = set()
-
-
-def _cast_current(
-    tensor: torch.Tensor, amax: torch.Tensor, fmt: _Target, margin: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = power_of_two_scale(amax, fmt.max, margin)
-    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
-
-
-def _cast_delayed(
-    tensor: torch.Tensor,
-    amax: torch.Tensor,
-    history: torch.Tensor,
-    recorded: torch.Tensor,
-    fmt: _Target,
-    margin: int,
-    amax_rule: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = delayed_scale(amax, history, recorded, fmt.max, margin, amax_rule)
-    return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
 
 def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,10 +91,8 @@ def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, 
             return q.view(tensor.shape), scale
         except Exception as error:
             _fall_back(key, error)
-    fmt, margin = _Target.of(state.format), recipe.margin
-    if delayed:
-        return _cast_delayed(tensor, amax, state.history, state.recorded, fmt, margin, recipe.amax)
-    return _cast_current(tensor, amax, fmt, margin)
+    scale = state.scale_from(amax)
+    return cast_to_fp8_storage(tensor, scale, state.format), scale
 
 
 def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,15 +133,18 @@ def _compiled(key: tuple, state: ScaleState):
     if key in _COMPILED:
         return _COMPILED[key]
     fmt, margin, amax_rule = _Target.of(state.format), state.recipe.margin, state.recipe.amax
+    # the operations ScaleState.scale_from and cast_to_fp8_storage run eagerly, with the format as constants
     if state.recipe.scaling == "delayed":
 
         def cast(tensor, amax, history, recorded):
-            return _cast_delayed(tensor, amax, history, recorded, fmt, margin, amax_rule)
+            scale = delayed_scale(amax, history, recorded, fmt.max, margin, amax_rule)
+            return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
     else:
 
         def cast(tensor, amax):
-            return _cast_current(tensor, amax, fmt, margin)
+            scale = power_of_two_scale(amax, fmt.max, margin)
+            return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
     compiled = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)
     return _COMPILED.setdefault(key, compiled)  # two threads at once: both use the first one stored

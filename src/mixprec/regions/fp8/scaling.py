@@ -146,7 +146,10 @@ class ScaleState:
     def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
         """The scale to cast ``tensor`` with; records its amax for later (delayed) scales."""
         self.to(tensor.device)
-        current = amax_of(tensor)
+        return self.scale_from(amax_of(tensor))
+
+    def scale_from(self, current: torch.Tensor) -> torch.Tensor:
+        """The scale for a tensor whose amax is ``current`` (on this state's device); a delayed state records it."""
         if self.recipe.scaling != "delayed":
             return power_of_two_scale(current, self.max, self.recipe.margin)
         return delayed_scale(current, self.history, self.recorded, self.max, self.recipe.margin, self.recipe.amax)
