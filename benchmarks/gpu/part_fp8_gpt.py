@@ -3,7 +3,9 @@
 The model is the one FP8's goals are set on (docs/fp8.md): TinyGPT, 4 layers of width 2048 (16 heads,
 context 1024), batch 8 x 1024 tokens. Rows: the hand-written ``torch.autocast`` bf16 loop, mixprec's
 ``mixed_bf16``, and FP8 under each per-tensor recipe mixprec runs on the FP8 kernel (``current``, the
-default, and ``delayed``), eager and compiled, and eager with each operand's cast compiled (``cast=compiled``,
+default, and ``delayed``) on every layer (``shapes=all``), and ``fp8`` as it runs by default (each layer in FP8
+only where its shape measured faster, ``shapes=auto``; the measurements in the part's record), eager and
+compiled, and eager with each operand's cast compiled (``cast=compiled``,
 ``, compiled cast`` rows: what that option buys); beside them torchao's float8 training (tensorwise and
 rowwise, ``convert_to_float8_training`` on the same model, under the same autocast loop) where torchao imports
 (carry its wheel: docs/gpu.md).
@@ -25,21 +27,25 @@ from benchmarks.gpu.part_gpt import Table, run_table
 from benchmarks.gpu.steps import Mode, Workload, make_optimizer, training_mode
 
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
+from mixprec.compute.cache import default_cache_dir, read_cache
 from mixprec.regions.fp8 import compiled_cast_failures
+from mixprec.regions.fp8.shape_speed import CACHE_FILE, CACHE_VERSION
 
 __all__ = ["run"]
 
 LOOP = "torch autocast bf16"
 POLICIES = {
     "mixed_bf16": "mixed_bf16",
-    "fp8": "fp8",
-    "fp8 delayed": "base=fp8,fp8=(scaling=delayed)",
+    "fp8": "fp8",  # FP8 only on the layers whose shape measured faster in FP8 (shapes=auto on CUDA)
+    "fp8 all layers": "base=fp8,fp8=(shapes=all)",
+    "fp8 delayed": "base=fp8,fp8=(scaling=delayed,shapes=all)",
     "fp8, compiled cast": "base=fp8,fp8=(cast=compiled)",
-    "fp8 delayed, compiled cast": "base=fp8,fp8=(scaling=delayed,cast=compiled)",
+    "fp8 all layers, compiled cast": "base=fp8,fp8=(cast=compiled,shapes=all)",
+    "fp8 delayed, compiled cast": "base=fp8,fp8=(scaling=delayed,cast=compiled,shapes=all)",
 }
 TORCHAO = {"torchao tensorwise": "tensorwise", "torchao rowwise": "rowwise"}
 # compiled while the budget lasts, most telling first (at this width each compile takes 30-50 s on an H200)
-COMPILED = (LOOP, "fp8", "torchao tensorwise", "mixed_bf16", "torchao rowwise", "fp8 delayed")
+COMPILED = (LOOP, "fp8", "fp8 all layers", "torchao tensorwise", "mixed_bf16", "torchao rowwise", "fp8 delayed")
 
 
 def _torchao_step(work: Workload, device: torch.device, recipe: str, backend: str | None):
@@ -112,3 +118,5 @@ def run(settings: Settings, part: Part) -> None:
     run_table(settings, part, work, table, _modes(settings, work, part))
     # a compiled cast that failed casts eagerly: its rows would time the eager cast, so the record says so
     part.meta["compiled_cast_failures"] = compiled_cast_failures() or "none"
+    # what each FP8 layer shape measured, in FP8 and in bf16, where the rows decided by speed (shapes=auto)
+    part.meta["fp8_shape_speeds"] = read_cache(default_cache_dir() / CACHE_FILE, CACHE_VERSION) or "none measured"

@@ -149,7 +149,9 @@ def test_profiles_round_trip_predict_unmeasured_shapes_and_refuse_other_files(tm
 
 def test_policies_of_assignments_parse_back_and_the_front_drops_what_is_beaten():
     policy = assignment_policy("mixed_bf16", {"lm_head": "fp32", "blocks.0.mlp.0": "fp8", "blocks.0.attn.qkv": "16"})
-    assert policy == "base=mixed_bf16,names=lm_head,fp8=hybrid(scaling=current,keep=none,only=blocks.0.mlp.0)"
+    assert (
+        policy == "base=mixed_bf16,names=lm_head,fp8=hybrid(scaling=current,keep=none,only=blocks.0.mlp.0,shapes=all)"
+    )
     parsed = mixprec.get_policy(policy)
     assert parsed.fp32_names == ("lm_head",) and parsed.fp8.only == ("blocks.0.mlp.0",)
 
@@ -167,7 +169,7 @@ def test_a_layer_across_blocks_is_one_glob_where_it_names_exactly_those_modules(
     every_mlp_in = {f"blocks.{i}.mlp.0": "fp32" for i in range(12)}
     policy = assignment_policy("mixed_bf16", {**every_mlp_in, "lm_head": "fp32", "blocks.3.attn.qkv": "fp8"}, modules)
     # one glob per index width (? is one character: * would cross dots), the GELU at mlp.1 left out
-    assert "names=blocks.?.mlp.0+blocks.??.mlp.0+lm_head," in policy and "only=blocks.3.attn.qkv)" in policy
+    assert "names=blocks.?.mlp.0+blocks.??.mlp.0+lm_head," in policy and "only=blocks.3.attn.qkv,shapes=all)" in policy
     fp32 = mixprec.get_policy(policy).fp32_names
     kept = {m for m in modules if any(fnmatch.fnmatchcase(m, glob) for glob in fp32)}
     assert kept == {*every_mlp_in, "lm_head"}  # the same modules as the names, no other

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.compute.attention import GemmAttention
+from mixprec.compute.cache import default_cache_dir, read_cache, write_cache
 from mixprec.compute.device import cpu_model
 from mixprec.compute.emulation import EmulatedAutocast
-from mixprec.persist import write_atomically
 
 __all__ = ["CACHE_VERSION", "FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan", "machine_key"]
 
@@ -148,7 +146,7 @@ def kernel_plan(
     if _ENV_VALUES[setting] != "auto":
         return _everywhere(dtype, _ENV_VALUES[setting], f"{variable}={setting}")
     if timer is None:
-        return _measured_here(dtype, str(cache_dir or _default_cache_dir()))
+        return _measured_here(dtype, str(cache_dir or default_cache_dir()))
     if cache_dir is None:  # an injected timing source is cached only where the caller says
         return _measure(dtype, timer)
     return _cached_or_measured(dtype, Path(cache_dir), timer)
@@ -190,13 +188,6 @@ def _measure(dtype: torch.dtype, timer: Timer) -> KernelPlan:
 # -- the per-machine cache ---------------------------------------------------------------------------
 
 
-def _default_cache_dir() -> Path:
-    if os.environ.get("MIXPREC_CACHE_DIR"):
-        return Path(os.environ["MIXPREC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mixprec"
-
-
 def machine_key(dtype: torch.dtype) -> str:
     """What a measurement is valid for: CPU model, torch version, threads, dtype."""
     return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {_DTYPE_TAG[dtype]}"
@@ -211,7 +202,7 @@ def _measured_here(dtype: torch.dtype, cache_dir: str) -> KernelPlan:
 def _cached_or_measured(dtype: torch.dtype, cache_dir: Path, timer: Timer) -> KernelPlan:
     path = cache_dir / "kernels.json"
     key = machine_key(dtype)
-    entries = _read_cache(path)
+    entries = read_cache(path, CACHE_VERSION)
     entry = entries.get(key)
     if _valid_entry(entry) and not _taken_while_busy(entry, timer):
         return KernelPlan(dtype, dict(entry["choices"]), dict(entry.get("timings_ms", {})), f"cached in {path}")
@@ -219,7 +210,7 @@ def _cached_or_measured(dtype: torch.dtype, cache_dir: Path, timer: Timer) -> Ke
     torch_tag = f"| torch {torch.__version__} |"
     kept = {k: v for k, v in entries.items() if torch_tag in k}  # other torch versions are stale
     kept[key] = {"choices": plan.choices, "timings_ms": plan.timings_ms}
-    _write_cache(path, kept)
+    write_cache(path, CACHE_VERSION, kept)
     return plan
 
 
@@ -248,29 +239,6 @@ def _valid_entry(entry: object) -> bool:
 
 def _milliseconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-_OURS = re.compile(rb'\s*\{\s*"version"\s*:')  # how every cache mixprec writes begins, damaged or not
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-        return {}
-    return data["entries"]
-
-
-def _write_cache(path: Path, entries: dict) -> None:
-    """Atomic replace; a cache that cannot be written (read-only home) only costs a re-measure. A file there that
-    is not a cache mixprec wrote (``$MIXPREC_CACHE_DIR`` pointed at a folder of the user's) is left alone."""
-    with contextlib.suppress(OSError):
-        if path.exists() and not _OURS.match(path.read_bytes()[:64]):
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1).encode())
 
 
 # -- the real probe ----------------------------------------------------------------------------------

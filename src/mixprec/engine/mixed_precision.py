@@ -66,7 +66,7 @@ from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
 from mixprec.regions.autocast import Region
 from mixprec.regions.casting import cast_module
-from mixprec.regions.plan import ComputePlan, tf32_matmuls, with_gemm_layers
+from mixprec.regions.plan import ComputePlan, tf32_matmuls, warn_without_fp8_layers, with_gemm_layers
 from mixprec.regions.prepare import Prepared, prepare
 from mixprec.scaling.base import LossScaler
 from mixprec.scaling.static import NoOpLossScaler
@@ -125,8 +125,7 @@ class MixedPrecision:
     ) -> None:
         check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses)
         prepared = prepare(model, policy)  # every check of the policy on this model, before anything is cast
-        self.policy, self.device, self.compute_plan = prepared.policy, prepared.device, prepared.plan
-        self.compute_plan: ComputePlan  # native or emulated, and why
+        self.policy, self.device, self._plan = prepared.policy, prepared.device, prepared.plan
         self.model, self.optimizer = model, optimizer
         self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included
         if self.sharded:
@@ -148,8 +147,8 @@ class MixedPrecision:
         if residuals:  # pure_bf16: p + compensation starts at the exact FP32 weight, not at its rounding
             optimizer.start_from(residuals)
         self._region = Region(prepared)  # prepared once: entering it only enters contexts
-        if self._region.fp8 is not None:  # which GEMM layers run FP8 and which were kept, with the reasons
-            self.compute_plan = with_gemm_layers(self.compute_plan, self._region.fp8.selection)
+        if self._region.fp8 is not None:
+            warn_without_fp8_layers(self._region.fp8.selection)
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
         self._order = CallOrder(accumulation_steps)
         self._step_hook = refuse_direct_steps(optimizer, self._order)
@@ -202,6 +201,14 @@ class MixedPrecision:
         self._order.on_forward()
         with self._region.enter() as policy:
             yield policy
+
+    @property
+    def compute_plan(self) -> ComputePlan:
+        """How the policy computes on this device (native or emulated), and why; under an FP8 recipe also which
+        GEMM layers run FP8 and which were kept, each with its reason, speed decisions included as made so far."""
+        if self._region.fp8 is None:
+            return self._plan
+        return with_gemm_layers(self._plan, self._region.fp8.selection)
 
     @property
     def micro_step(self) -> int:

@@ -33,6 +33,11 @@
                 saturating cast and the delayed history's update in one pass compiled by Inductor, on any
                 device it compiles for; the same values, a NaN's sign bit aside;
                 :mod:`mixprec.regions.fp8.fused_cast`). Part of the policy: a run resumes under the same one
+    shapes      which selected layers run FP8 by speed: "faster" (each layer in FP8 only where one training pass
+                of its GEMM shape measured faster in FP8 than in the compute dtype on this device; measured
+                once per shape and cached, :mod:`mixprec.regions.fp8.shape_speed`), "all" (every selected
+                layer, whatever its speed) or "auto" (default: "faster" where the FP8 GEMM kernel runs, as
+                on CUDA; "all" where FP8 is emulated, which is there for its numerics, never for speed)
 
 Scales are powers of two, so scaling is exact and the emulation equals a scaled cast bit for bit.
 
@@ -64,19 +69,31 @@ __all__ = [
     "FP8_FORMATS",
     "GEMM_CHOICES",
     "SCALINGS",
+    "SHAPE_CHOICES",
     "Fp8Recipe",
     "parse_recipe",
 ]
 
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
 CAST_CHOICES = ("eager", "compiled")
+SHAPE_CHOICES = ("auto", "faster", "all")
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 FP4_SCALINGS = ("mxfp4", "nvfp4")  # every operand in fp4_e2m1: the FP8 formats do not apply
 AMAX_REDUCTIONS = ("max", "recent")
 _SEPARATORS = ",+=() "  # the policy grammar's
 _FORMAT_NAMES = {"hybrid": ("fp8_e4m3", "fp8_e5m2"), "e4m3": ("fp8_e4m3", "fp8_e4m3"), "e5m2": ("fp8_e5m2", "fp8_e5m2")}
-_OPTIONS = ("scaling", "history", "amax", "margin", "keep", "only", "gemm", "cast")  # the keys inside the parentheses
+_OPTIONS = (
+    "scaling",
+    "history",
+    "amax",
+    "margin",
+    "keep",
+    "only",
+    "gemm",
+    "cast",
+    "shapes",
+)  # the keys inside the parentheses
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,7 @@ class Fp8Recipe:
     only: tuple[str, ...] = ()  # every GEMM layer
     gemm: str = "auto"
     cast: str = "eager"
+    shapes: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
@@ -112,6 +130,8 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe(gemm=...): received {self.gemm!r}; use one of {', '.join(GEMM_CHOICES)}.")
         if self.cast not in CAST_CHOICES:
             raise ValueError(f"Fp8Recipe(cast=...): received {self.cast!r}; use one of {', '.join(CAST_CHOICES)}.")
+        if self.shapes not in SHAPE_CHOICES:
+            raise ValueError(f"Fp8Recipe(shapes=...): received {self.shapes!r}; use one of {', '.join(SHAPE_CHOICES)}.")
         if self.cast == "compiled" and self.scaling not in ("current", "delayed"):
             raise ValueError(
                 f"Fp8Recipe(cast='compiled') compiles the per-tensor casts (scaling=current or delayed); "

@@ -27,6 +27,7 @@ __all__ = [
     "compute_plan",
     "tf32_matmuls",
     "uses_gemm_attention",
+    "warn_without_fp8_layers",
     "with_gemm_layers",
 ]
 
@@ -85,11 +86,15 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
 
 
 def with_gemm_layers(plan: ComputePlan, selection: GemmSelection) -> ComputePlan:
-    """``plan`` with a model's FP8 layers in its reason: how many GEMM layers run FP8, each kept one and why.
-    A policy that computes no layer of the model in FP8 says so in a warning too."""
+    """``plan`` with a model's FP8 layers in its reason: how many GEMM layers run FP8, each kept one and why."""
+    return dataclasses.replace(plan, reason=f"{plan.reason}; {selection.describe()}")
+
+
+def warn_without_fp8_layers(selection: GemmSelection) -> None:
+    """A warning when an FP8 policy selects none of the model's layers (a model it cannot reach, a recipe that
+    keeps everything)."""
     if not selection.fp8:
         logger.warning("mixprec: the FP8 policy computes none of this model's layers in FP8: %s", selection.describe())
-    return dataclasses.replace(plan, reason=f"{plan.reason}; {selection.describe()}")
 
 
 _EMULATION_NOTE = "GEMM inputs and outputs rounded to the 16-bit format, FP32 accumulation, as on tensor cores"

@@ -13,8 +13,9 @@ and the formats:
 
     fp32    the layer in FP32 (``fp32_names`` of the policy)
     bf16    the base policy's 16-bit compute (or fp16: the profile's ``base``)
-    fp8     FP8 with current tensorwise scaling (``fp8=hybrid(scaling=current)``), on the kernel where the device
-            has one, emulated exactly elsewhere (a CPU: slower than 16 bits, which the profile then says)
+    fp8     FP8 with current tensorwise scaling (``fp8=hybrid(scaling=current,shapes=all)``: FP8 whatever its speed,
+            which is what is measured), on the kernel where the device has one, emulated exactly elsewhere (a CPU:
+            slower than 16 bits, which the profile then says)
 
 :func:`measure_profile` times the shapes of the model at hand on the device at hand (a few seconds; the layers
 of one shape are timed once). A profile measured elsewhere (``--device-profile FILE``: the GPU check writes one
@@ -193,7 +194,7 @@ def layer_policy(base: str, fmt: str) -> str:
     if fmt == "fp32":
         return "fp32"
     if fmt == "fp8":
-        return f"base={base},fp8=hybrid(scaling=current,keep=none)"
+        return f"base={base},fp8=hybrid(scaling=current,keep=none,shapes=all)"
     return base
 
 

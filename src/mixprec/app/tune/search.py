@@ -66,7 +66,7 @@ def assignment_policy(base: str, assignment: dict[str, str], modules: Sequence[s
     if fp32:
         parts.append("names=" + "+".join(fp32))
     if fp8:
-        parts.append("fp8=hybrid(scaling=current,keep=none,only=" + "+".join(fp8) + ")")
+        parts.append("fp8=hybrid(scaling=current,keep=none,only=" + "+".join(fp8) + ",shapes=all)")
     return ",".join(parts)
 
 

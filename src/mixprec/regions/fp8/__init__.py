@@ -9,13 +9,19 @@ from mixprec.regions.fp8.gemm_layers import GemmSelection, KeptLayer, register_g
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.region import Fp8State, fp8_layers, fp8_region, fp8_state, gemm_selection
 from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8, power_of_two_scale
+from mixprec.regions.fp8.shape_speed import CACHE_FILE as SHAPE_CACHE_FILE
+from mixprec.regions.fp8.shape_speed import CACHE_VERSION as SHAPE_CACHE_VERSION
+from mixprec.regions.fp8.shape_speed import ShapeSpeed, shape_key
 
 __all__ = [
+    "SHAPE_CACHE_FILE",
+    "SHAPE_CACHE_VERSION",
     "Fp8LinearState",
     "Fp8State",
     "GemmSelection",
     "KeptLayer",
     "ScaleState",
+    "ShapeSpeed",
     "cast_to_fp8",
     "compiled_cast_failures",
     "fp8_layers",
@@ -30,4 +36,5 @@ __all__ = [
     "scaled_mm_available",
     "scaled_mm_unavailable_reason",
     "select_gemm_layers",
+    "shape_key",
 ]

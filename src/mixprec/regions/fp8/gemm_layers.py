@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,19 +102,36 @@ class GemmSelection:
     fp8: list[tuple[str, nn.Module, Operands]] = field(default_factory=list)
     kept: list[KeptLayer] = field(default_factory=list)
     precision: str = "FP8"  # what the selected layers compute in, as said: "FP8", or "FP4" for the FP4 recipes
+    # where the recipe decides by speed (shapes=faster): each selected layer's last measurement by name, None where
+    # it could not be measured; None where it does not
+    speeds: dict[str, Any] | None = None
 
     def describe(self) -> str:
         """One line: how many GEMM layers run FP8 (or FP4), each kept one with its reason, and the modules not
-        supported."""
+        supported; deciding by speed, those measured slower for their shape and those not measured yet."""
         unsupported = [k for k in self.kept if k.reason.startswith(_NOT_SUPPORTED)]
-        kept = [k for k in self.kept if k not in unsupported]
-        text = f"{len(self.fp8)} of {len(self.fp8) + len(kept)} GEMM layers in {self.precision}"
+        kept = [k for k in self.kept if k not in unsupported] + self._slower()
+        total = len(self.fp8) + len(self.kept) - len(unsupported)
+        text = f"{total - len(kept)} of {total} GEMM layers in {self.precision}"
+        if self.speeds is not None:
+            unseen = sum(1 for name, _, _ in self.fp8 if name not in self.speeds)
+            text += f" ({self.precision} only where a layer's shape measured faster"
+            text += f"; {unseen} not measured yet: each decides at its first pass)" if unseen else ")"
         if kept:
             text += "; kept: " + "; ".join(f"{k.name} ({k.kind}): {k.reason}" for k in kept)
         if unsupported:
             shown = (f"{k.name} ({k.kind}): {k.reason.removeprefix(_NOT_SUPPORTED)}" for k in unsupported)
             text += "; not supported: " + "; ".join(shown)
         return text
+
+    def _slower(self) -> list[KeptLayer]:
+        """Selected layers whose shape measured slower in FP8 than in the compute dtype."""
+        speeds = self.speeds or {}
+        return [
+            KeptLayer(name, type(module).__name__, f"FP8 measured slower for its shape ({speeds[name].describe()})")
+            for name, module, _ in self.fp8
+            if speeds.get(name) is not None and not speeds[name].pays
+        ]
 
 
 def _head_names(model: nn.Module, gemms: list[tuple[str, nn.Module, Operands]]) -> set[str]:

@@ -26,6 +26,7 @@ from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
+from mixprec.regions.fp8.shape_speed import SpeedTable, decides_by_speed
 
 __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
@@ -65,6 +66,11 @@ class Fp8State:
         self._operands = {name: operands for name, _, operands in self.selection.fp8}
         devices = {name: self._operands[name](module)[0].device for name, module in self.modules.items()}
         self.layers = {name: Fp8LinearState(recipe, device) for name, device in devices.items()}
+        # shapes=faster (auto where the FP8 kernel runs): each layer in FP8 only where its shape measured faster
+        device = next(iter(devices.values()), torch.device("cpu"))
+        self.speeds = SpeedTable(recipe, device) if decides_by_speed(recipe, device) else None
+        if self.speeds is not None:
+            self.selection.speeds = self.speeds.decided  # the plan reads the decisions as they are made
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
         self._replaced: dict[str, object] = {}
@@ -76,7 +82,7 @@ class Fp8State:
         # what was there: another state's routing (a region with another recipe) or none
         self._replaced = {name: vars(module).get("forward") for name, module in self.modules.items()}
         for name, module in self.modules.items():
-            module.forward = _Fp8Forward(module, self.layers[name], self, self._operands[name])
+            module.forward = _Fp8Forward(name, module, self.layers[name], self, self._operands[name])
         return True
 
     def remove(self) -> None:
@@ -123,8 +129,10 @@ class _Fp8Forward:
     bound to the copy (a closure would keep computing with the original's weights) and pickling works.
     """
 
-    def __init__(self, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands) -> None:
-        self.module, self.layer, self.state, self.operands = module, layer, state, operands
+    def __init__(
+        self, name: str, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands
+    ) -> None:
+        self.name, self.module, self.layer, self.state, self.operands = name, module, layer, state, operands
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module, out_dtype = self.module, self.state.out_dtype
@@ -133,6 +141,9 @@ class _Fp8Forward:
         if self.state.refuse is not None:
             self.state.refuse("the policy's FP8 GEMM layers")
         weight, bias = self.operands(module)
+        speeds = self.state.speeds
+        if speeds is not None and not speeds.pays(self.name, x, weight, bias, out_dtype):
+            return type(module).forward(module, x)  # its shape measured slower in FP8: the compute dtype
         return fp8_linear(x, weight, bias, self.layer, out_dtype)
 
 

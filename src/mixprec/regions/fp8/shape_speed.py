@@ -1,0 +1,231 @@
+"""FP8 only where it pays: per GEMM shape, whether one training pass is faster in FP8 than in the compute dtype.
+
+FP8 halves a GEMM's time only when the product is large enough to hide the extra passes over memory that
+scaling and casting take (the amaxes, the saturating casts, the transposed copies): on an H200, eager, every
+layer of a 4-layer, width-2048 GPT measured 2x slower in FP8 than in bf16. Under a recipe's ``shapes=faster``
+(and ``shapes=auto``, the default, where the FP8 GEMM kernel runs, as on CUDA), each selected layer decides at
+its first pass with a shape:
+
+    key      the device, torch's version, the recipe's formats, scaling, cast and GEMM path, the compute
+             dtype, and the shape: m rows (tokens or samples in the batch), k in features, n out features,
+             with or without a bias
+    measure  forward + backward of a layer of that shape, in FP8 through the recipe (fresh scale states:
+             the model's amax histories are not touched) and in the compute dtype under torch.autocast, on
+             the layer's device, with inputs in the compute dtype as a 16-bit model passes them; the two
+             take turns, 3 samples of about 5 ms each, the median kept (one pass each where FP8 took over
+             3x as long: an emulation, a CPU's kernel)
+    decide   FP8 where its pass was faster, else the layer's own forward in the compute dtype
+
+A measurement is taken once per shape and process, and kept in ``$MIXPREC_CACHE_DIR/fp8_shapes.json``
+(:mod:`mixprec.compute.cache`), so a machine measures a shape once per torch version. Host-device syncs:
+on CUDA, each sample synchronizes the device (once per shape, at its first pass; none after). Nothing is
+measured where it cannot be: inside a CUDA graph capture the layer runs FP8 (said in the plan as not
+measured). Under torch.compile the decision is made while the step is traced, eagerly, and compiled in as a
+constant (:func:`layer_pays` carries the mark ``torch.compiler.assume_constant_result`` sets); a layer whose
+row count the compiler made symbolic (a dynamic batch) runs FP8. Under torch.distributed each process
+measures for itself: on identical GPUs a shape decides the same way except within timing noise, which
+changes only which rounding that rank's layer computes with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.compute.cache import default_cache_dir, read_cache, write_cache
+from mixprec.compute.device import cpu_model
+from mixprec.policy.fp8_recipe import Fp8Recipe
+from mixprec.regions.fp8.gemm import recipe_uses_kernel
+from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
+
+__all__ = [
+    "CACHE_FILE",
+    "CACHE_VERSION",
+    "ShapeSpeed",
+    "SpeedTable",
+    "decides_by_speed",
+    "layer_pays",
+    "shape_key",
+    "time_shape",
+]
+
+CACHE_FILE = "fp8_shapes.json"
+CACHE_VERSION = 1
+_TARGET_MS = 5.0  # each timed sample repeats the pass until it takes about this long
+_SAMPLES = 3
+_CLEARLY = 3.0  # FP8 this many times slower after one pass: decided without the samples
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class ShapeSpeed:
+    """One training pass (forward, input and weight gradients) of a GEMM shape, in FP8 and in the compute dtype."""
+
+    m: int
+    k: int
+    n: int
+    fp8_ms: float
+    ref_ms: float
+    ref: str  # the compute dtype: "bf16", "fp16"
+    source: str  # "measured", or the cache file it was read from
+
+    @property
+    def pays(self) -> bool:
+        return self.fp8_ms < self.ref_ms
+
+    def describe(self) -> str:
+        return (
+            f"{self.m} rows, {self.k} -> {self.n}: FP8 {self.fp8_ms:.3f} ms, {self.ref} {self.ref_ms:.3f} ms "
+            f"a training pass"
+        )
+
+
+def decides_by_speed(recipe: Fp8Recipe, device: torch.device) -> bool:
+    """Whether ``recipe``'s layers run FP8 only where it measured faster: ``shapes=faster``, or ``auto`` where the
+    FP8 GEMM kernel runs (an emulation is never faster; it runs for its numerics)."""
+    return recipe.shapes == "faster" or (recipe.shapes == "auto" and recipe_uses_kernel(recipe, device))
+
+
+_TABLES: weakref.WeakValueDictionary[str, SpeedTable] = weakref.WeakValueDictionary()
+
+
+class SpeedTable:
+    """The speed decisions of one model's FP8 layers under one recipe: what each layer decided last, by name.
+
+    ``measure`` (tests inject one) times a shape: ``(m, k, n, bias, dtype) -> (fp8_ms, ref_ms)``.
+    """
+
+    def __init__(
+        self,
+        recipe: Fp8Recipe,
+        device: torch.device,
+        measure: Callable[[int, int, int, bool, torch.dtype], tuple[float, float]] | None = None,
+    ) -> None:
+        self.recipe, self.device = recipe, device
+        self.decided: dict[str, ShapeSpeed | None] = {}  # None: seen where nothing could be measured
+        self._known: dict[tuple, ShapeSpeed | None] = {}
+        self._measure = measure or self._timed
+        self.key = f"{id(self)}"
+        _TABLES[self.key] = self
+
+    def pays(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> bool:
+        """Whether layer ``name`` computes this call in FP8: its shape measured faster there (or could not be)."""
+        m = x.numel() // x.shape[-1]
+        # a row count torch.compile made dynamic (a SymInt: dynamo reads it as an int to isinstance, not to
+        # __class__): no one shape to decide
+        if m.__class__ is not int:
+            return True
+        return layer_pays(self.key, name, _DTYPE_NAMES[dtype], m, weight.shape[1], weight.shape[0], bias is not None)
+
+    def speed(self, name: str, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> ShapeSpeed | None:
+        """The shape's measurement (this process's, the cache's, or taken now), recorded as ``name``'s."""
+        shape = (_DTYPE_NAMES[dtype], m, k, n, bias)
+        if shape not in self._known:
+            self._known[shape] = self._cached_or_measured(dtype, m, k, n, bias)
+        self.decided[name] = self._known[shape]
+        return self._known[shape]
+
+    def _cached_or_measured(self, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> ShapeSpeed | None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a CUDA graph being captured: no sync, no timing
+        path = default_cache_dir() / CACHE_FILE
+        key = shape_key(self.recipe, self.device, dtype, m, k, n, bias)
+        entries = read_cache(path, CACHE_VERSION)
+        entry = entries.get(key)
+        if _valid(entry):
+            return ShapeSpeed(m, k, n, entry["fp8_ms"], entry["ref_ms"], _DTYPE_NAMES[dtype], str(path))
+        fp8_ms, ref_ms = self._measure(m, k, n, bias, dtype)
+        torch_tag = f"| torch {torch.__version__} |"
+        kept = {k: v for k, v in entries.items() if torch_tag in k}  # other torch versions are stale
+        kept[key] = {"fp8_ms": round(fp8_ms, 5), "ref_ms": round(ref_ms, 5)}
+        write_cache(path, CACHE_VERSION, kept)
+        return ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), _DTYPE_NAMES[dtype], "measured")
+
+    def _timed(self, m: int, k: int, n: int, bias: bool, dtype: torch.dtype) -> tuple[float, float]:
+        return time_shape(self.recipe, self.device, dtype, m, k, n, bias)
+
+
+def layer_pays(table: str, name: str, dtype: str, m: int, k: int, n: int, bias: bool) -> bool:
+    """Whether layer ``name`` of speed table ``table`` runs FP8 for an (m, k) input to n outputs in ``dtype``."""
+    speed = _TABLES[table].speed(name, _DTYPES[dtype], m, k, n, bias)
+    return speed is None or speed.pays
+
+
+# torch.compile calls it eagerly while tracing and compiles the answer in as a constant (arguments and answer
+# are plain values); the mark torch.compiler.assume_constant_result sets, without importing torch._dynamo
+layer_pays._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def shape_key(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> str:
+    """The cache key of a shape's measurement: the device (a GPU's name; a CPU's model and threads), torch's
+    version, what of the recipe its speed depends on (not which layers it keeps), the compute dtype and the shape,
+    e.g. ``NVIDIA H200 | torch 2.11.0 | hybrid current cast=eager gemm=auto | bf16 | 8192x2048x8192+bias``."""
+    if device.type == "cuda":
+        machine = torch.cuda.get_device_name(device)
+    else:
+        machine = f"{cpu_model()}, {torch.get_num_threads()} threads"
+    recipe_tag = f"{recipe.format_name} {recipe.scaling} cast={recipe.cast} gemm={recipe.gemm}"
+    shape = f"{m}x{k}x{n}" + ("+bias" if bias else "")
+    return f"{machine} | torch {torch.__version__} | {recipe_tag} | {_DTYPE_NAMES[dtype]} | {shape}"
+
+
+def _valid(entry: object) -> bool:
+    return isinstance(entry, dict) and all(
+        isinstance(entry.get(f), (int, float)) and not isinstance(entry.get(f), bool) and entry[f] > 0
+        for f in ("fp8_ms", "ref_ms")
+    )
+
+
+def time_shape(
+    recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, bias: bool
+) -> tuple[float, float]:
+    """Milliseconds of one training pass of an (m, k) -> n layer in FP8 under ``recipe`` and in ``dtype`` under
+    torch.autocast: taking turns, ``_SAMPLES`` samples each, the medians."""
+    # whatever the caller is in (a region's autocast and op overrides, no_grad, inference): time a training pass
+    with torch.inference_mode(False), torch.enable_grad(), torch._C.DisableTorchFunction():
+        generator = torch.Generator().manual_seed(0)  # its own: the model's random streams stay untouched
+        x = torch.randn(m, k, generator=generator).to(device, dtype).requires_grad_()
+        w = (torch.randn(n, k, generator=generator) / k**0.5).to(device).requires_grad_()
+        b = torch.zeros(n, device=device, requires_grad=True) if bias else None
+        state = Fp8LinearState(recipe, device)
+
+        def fp8() -> torch.Tensor:
+            return fp8_linear(x, w, b, state, dtype)
+
+        def ref() -> torch.Tensor:
+            with torch.autocast(device.type, dtype=dtype):
+                return F.linear(x, w, b)
+
+        passes = {"fp8": _pass(fp8, device), "ref": _pass(ref, device)}
+        for run in passes.values():
+            run(1)  # warm-up: kernels, caches
+        once = {mode: max(run(1), 1e-3) for mode, run in passes.items()}
+        if once["fp8"] > _CLEARLY * once["ref"]:  # no closer look needed (an emulation, a CPU kernel: ~100x)
+            return once["fp8"], once["ref"]
+        counts = {mode: max(1, min(1000, round(_TARGET_MS / ms))) for mode, ms in once.items()}
+        samples: dict[str, list[float]] = {mode: [] for mode in passes}
+        for _ in range(_SAMPLES):
+            for mode, run in passes.items():
+                samples[mode].append(run(counts[mode]) / counts[mode])
+    return statistics.median(samples["fp8"]), statistics.median(samples["ref"])
+
+
+def _pass(forward: Callable[[], torch.Tensor], device: torch.device) -> Callable[[int], float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(count: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(count):
+            forward().float().sum().backward()
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    return run
