@@ -39,6 +39,7 @@ POLICIES = {
     "fp8": "fp8",  # FP8 only on the layers whose shape measured faster in FP8 (shapes=auto on CUDA)
     "fp8 all layers": "base=fp8,fp8=(shapes=all)",
     "fp8 delayed": "base=fp8,fp8=(scaling=delayed,shapes=all)",
+    "fp8 rowwise": "base=fp8,fp8=(scaling=rowwise,shapes=all)",  # beside torchao's rowwise
     "fp8, compiled cast": "base=fp8,fp8=(cast=compiled)",
     "fp8 all layers, compiled cast": "base=fp8,fp8=(cast=compiled,shapes=all)",
     "fp8 delayed, compiled cast": "base=fp8,fp8=(scaling=delayed,cast=compiled,shapes=all)",

@@ -298,6 +298,23 @@ def test_state_from_another_policy_is_refused():
         mp.load_state_dict({"scalers": []})
 
 
+def test_state_resumes_under_another_fp8_cast_or_shapes_with_its_histories():
+    model = make_model()
+    saved = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=fp8,fp8=(scaling=delayed)")
+    train_step(saved, model, 0)
+    other = make_model()
+    policy = "base=fp8,fp8=(scaling=delayed,cast=compiled,shapes=faster)"
+    mp = mixprec.MixedPrecision(other, torch.optim.SGD(other.parameters(), lr=0.1), policy)
+    mp.load_state_dict(saved.state_dict())
+    assert mp.state_dict()["fp8"].keys() == saved.state_dict()["fp8"].keys()
+    for name, layer in saved.state_dict()["fp8"].items():
+        assert torch.equal(mp.state_dict()["fp8"][name]["input"]["history"], layer["input"]["history"])
+    third = make_model()
+    current = mixprec.MixedPrecision(third, torch.optim.SGD(third.parameters(), lr=0.1), "fp8")
+    with pytest.raises(ValueError, match=r"saved under policy .*scaling=delayed.*may differ"):
+        current.load_state_dict(saved.state_dict())
+
+
 def test_scheduler_does_not_advance_on_skipped_steps():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -1,6 +1,7 @@
 """FP8 training: exact emulation against torch's float8 casts, scaling, recipes and policies."""
 
 import copy
+import math
 import re
 
 import pytest
@@ -35,6 +36,31 @@ def test_power_of_two_scales_are_the_largest_that_fit():
     assert torch.all(torch.log2(scale) == torch.log2(scale).round())
     assert scale[5:].tolist() == [1.0, 1.0, 1.0]
     assert power_of_two_scale(torch.tensor(1.0), 448.0, margin=2).item() == 64.0
+
+
+@pytest.mark.parametrize("fmt_max", [448.0, 57344.0, 6.0])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_power_of_two_scales_equal_a_search_over_every_binade(fmt_max, margin):
+    """The scale from amax's bits against the largest 2**k found by trying every k, for amaxes across every FP32
+    binade (subnormals included) and the edges; unguarded, the same wherever amax is positive and finite."""
+
+    def largest_fitting(a: float) -> float:
+        if not 0 < a < math.inf:
+            return 1.0
+        k = 300
+        while a * 2.0**k > fmt_max * 2.0**-margin:
+            k -= 1
+        return 2.0 ** max(-126, min(126, k))
+
+    gen = torch.Generator().manual_seed(0)
+    binades = torch.arange(-149, 128, dtype=torch.float64).repeat_interleave(12)
+    spread = (1 + torch.rand(binades.shape, generator=gen, dtype=torch.float64)) * 2.0**binades
+    edges = [0.0, math.inf, math.nan, 1e-45, 1.1754943508222875e-38, 3.4028234663852886e38, fmt_max, fmt_max / 2]
+    amax = torch.cat([spread.float(), torch.tensor(edges), torch.tensor(edges).nextafter(torch.tensor(math.inf))])
+    expected = torch.tensor([largest_fitting(a) for a in amax.tolist()])
+    assert torch.equal(power_of_two_scale(amax, fmt_max, margin), expected)
+    valid = (amax > 0) & (amax < math.inf)
+    assert torch.equal(power_of_two_scale(amax, fmt_max, margin, guard=False)[valid], expected[valid])
 
 
 def test_cast_saturates_finite_values_and_keeps_non_finite_ones_non_finite():

@@ -94,7 +94,7 @@ def test_kernel_agrees_with_emulation_to_the_order_of_additions(device):
 
 
 @pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
 def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
     torch.manual_seed(0)
     x0 = torch.randn(4, 12, 64, device=device)
@@ -111,7 +111,7 @@ def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
         results[gemm] = (y.float(), x.grad, w.grad, b.grad)
     # FP32 accumulation (CPU): a few FP32 roundings apart. 14-bit accumulation (CUDA): the output, rounded
     # to bf16, may differ by one bf16 ulp; the gradients (K = 48 at most) by K of the kernel's roundings
-    # relative to the largest value
+    # relative to the largest value (CUDA's rowwise kernel writes the FP32 gradients in bf16: within that too)
     out_rtol = 1e-5 if device.type == "cpu" else 2.0**-7
     for i, (kernel, emulated) in enumerate(zip(results["scaled_mm"], results["emulated"], strict=True)):
         assert kernel.shape == emulated.shape
@@ -142,6 +142,29 @@ def test_a_model_trains_identically_enough_with_the_kernel(train_mlp):
         _, losses[gemm] = train_mlp(f"base=fp8,fp8=(gemm={gemm},shapes=all)", steps=40, samples=256, classes=4)
     assert losses["scaled_mm"][-1] < 0.7 * losses["scaled_mm"][0]
     assert max(abs(a - b) for a, b in zip(losses["scaled_mm"], losses["emulated"], strict=True)) < 1e-3
+
+
+@pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
+def test_rowwise_scaling_runs_on_the_kernel_where_the_recipe_picks_it(monkeypatch):
+    """The kernel is really called, with one scale per row of ``a`` and per column of ``b``, for all three
+    products, and the plan says so."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(a, b, *, scale_a, scale_b, out_dtype):
+        calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    state = Fp8LinearState(Fp8Recipe(scaling="rowwise", gemm="scaled_mm"))
+    x, w = torch.randn(24, 64, requires_grad=True), nn.Parameter(torch.randn(32, 64) * 0.05)
+    fp8_linear(x, w, None, state, torch.bfloat16).float().sum().backward()
+    assert calls == [((24, 1), (1, 32)), ((24, 1), (1, 64)), ((32, 1), (1, 64))]  # y, dx, dw
+    model = nn.Linear(64, 32)
+    plan = mixprec.MixedPrecision(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "base=fp8,fp8=(scaling=rowwise,gemm=scaled_mm)"
+    )
+    assert "GEMM layers in FP8 on PyTorch's FP8 GEMM (torch._scaled_mm)" in plan.compute_plan.reason
 
 
 def test_the_compute_plan_says_which_fp8_gemm_runs():

@@ -525,6 +525,15 @@ def test_a_checkpoint_of_another_run_is_refused_unless_allowed(tmp_path):
     assert allowed.fit(steps=6, resume=True).steps == 6
 
 
+def test_a_run_resumes_under_another_fp8_cast_or_shapes_but_not_another_scaling(tmp_path):
+    # how the FP8 layers run (one compiled cast or eager passes; FP8 only where faster) changes no saved state
+    make_trainer(tmp_path, "base=fp8,fp8=(scaling=delayed)").fit(steps=3)
+    resumed = make_trainer(tmp_path, "base=fp8,fp8=(scaling=delayed,cast=compiled,shapes=all)")
+    assert resumed.fit(steps=5, resume=True).steps == 5
+    with pytest.raises(mixprec.app.ForeignCheckpointError, match=r"belongs to another run \(policy .*scaling=delayed"):
+        make_trainer(tmp_path, "fp8").fit(steps=6, resume=True)
+
+
 def test_a_run_resumes_with_another_adamw_kernel_but_not_with_another_learning_rate(tmp_path):
     make_trainer(tmp_path, adamw={"foreach": False}).fit(steps=3)  # torch's per-tensor loop, as runs did before
     resumed = make_trainer(tmp_path, adamw={"fused": True})

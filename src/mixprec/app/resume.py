@@ -26,6 +26,7 @@ import torch
 from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.distributed import agree_max
+from mixprec.policy import resumes_under
 
 if TYPE_CHECKING:
     from mixprec.app.trainer_options import RunOptions, TrainData
@@ -165,7 +166,9 @@ def check_run_identity(trainer: RunParts, path: Path, state: dict, *, allow_fore
     differences = [
         f"{key} {saved.get(key)!r} there, {value!r} here"
         for key, value in here.items()
-        if saved.get(key) != value and (key in saved or key not in _ADDED_LATER)
+        if saved.get(key) != value
+        and (key in saved or key not in _ADDED_LATER)
+        and not (key == "policy" and isinstance(saved.get(key), str) and resumes_under(saved[key], trainer.mp.policy))
     ]
     if not differences:
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from mixprec.policy.parse import RUN_OPTIONS, resumes_under
 from mixprec.policy.policy import Policy
 
 __all__ = ["STATE_KEYS", "check_saved_state", "warn_mid_window"]
@@ -22,10 +23,10 @@ def check_saved_state(state: Any, policy: Policy, num_scalers: int, accumulation
             f"{where}: expected keys {sorted(STATE_KEYS)}, received {got}; pass what MixedPrecision.state_dict() "
             "returned."
         )
-    if state["policy"] != str(policy):
+    if not resumes_under(state["policy"], policy):
         raise ValueError(
             f"{where}: the state was saved under policy {state['policy']!r}, this run uses {str(policy)!r}; resume "
-            "with the same policy."
+            f"with the same policy (the FP8 recipe's {' and '.join(RUN_OPTIONS)} may differ)."
         )
     if len(state["scalers"]) != num_scalers:
         raise ValueError(

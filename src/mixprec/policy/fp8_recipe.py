@@ -7,7 +7,8 @@
                 ``amax`` = "max" or "recent"), as Transformer Engine does; the first call, with no
                 history yet, uses the current amax;
                 "rowwise": a current scale per row of each GEMM operand, orthogonal to the product's
-                reduction (tokens and output features forward), as torchao's rowwise recipe; emulated;
+                reduction (tokens and output features forward), as torchao's rowwise recipe; on PyTorch's FP8 GEMM
+                where ``gemm`` picks it (its rowwise scales), else emulated;
                 "blockwise": a current scale per 1x128 tile of activations and gradients and per 128x128
                 tile of weights, DeepSeek-V3's recipe; emulated;
                 "mxfp8": blocks of 32 along each product's reduction with an E8M0 scale (OCP MX v1.0),
@@ -32,7 +33,7 @@
                 (default: PyTorch's operations one by one, about ten launches) or "compiled" (the scale, the
                 saturating cast and the delayed history's update in one pass compiled by Inductor, on any
                 device it compiles for; the same values, a NaN's sign bit aside;
-                :mod:`mixprec.regions.fp8.fused_cast`). Part of the policy: a run resumes under the same one
+                :mod:`mixprec.regions.fp8.fused_cast`). A run may resume under the other (as under another ``shapes``)
     shapes      which selected layers run FP8 by speed: "faster" (each layer in FP8 only where one training pass
                 of its GEMM shape measured faster in FP8 than in the compute dtype on this device; measured
                 once per shape and cached, :mod:`mixprec.regions.fp8.shape_speed`), "all" (every selected

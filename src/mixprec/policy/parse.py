@@ -38,7 +38,7 @@ from mixprec.policy.fp8_recipe import Fp8Recipe, parse_recipe
 from mixprec.policy.policy import Policy
 from mixprec.policy.presets import NO_PRESET, PRESET_ALIASES, PRESETS, resolve_auto
 
-__all__ = ["get_policy", "parse_policy_list", "valid_policy_names"]
+__all__ = ["RUN_OPTIONS", "get_policy", "parse_policy_list", "resumes_under", "valid_policy_names"]
 
 _KEYS = {
     "base": "base",
@@ -64,6 +64,30 @@ _KEYS = {
 }
 _LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
 _TF32 = ("tf32", "tensorfloat32")  # compute spellings that mean FP32 storage with TF32 matmuls
+
+
+# Recipe options that say how the FP8 layers run (one fused cast or several passes; which layers by measured speed),
+# not what a saved state holds: the scale states are the same, so a run may resume under another value of them.
+RUN_OPTIONS = ("cast", "shapes")
+
+
+def resumes_under(saved: str, policy: Policy) -> bool:
+    """Whether a state saved under the policy string ``saved`` resumes under ``policy``: the same policy, or one
+    that differs only in the FP8 recipe's ``RUN_OPTIONS`` (a string that no longer parses: only if equal)."""
+    if saved == str(policy):
+        return True
+    try:
+        other = get_policy(saved)
+    except ValueError:
+        return False
+    return _without_run_options(other) == _without_run_options(policy)
+
+
+def _without_run_options(policy: Policy) -> Policy:
+    if policy.fp8 is None:
+        return policy
+    defaults = {name: getattr(Fp8Recipe(), name) for name in RUN_OPTIONS}
+    return dataclasses.replace(policy, fp8=dataclasses.replace(policy.fp8, **defaults))
 
 
 def valid_policy_names() -> str:

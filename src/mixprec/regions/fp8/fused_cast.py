@@ -143,7 +143,7 @@ def _compiled(key: tuple, state: ScaleState):
     else:
 
         def cast(tensor, amax):
-            scale = power_of_two_scale(amax, fmt.max, margin)
+            scale = power_of_two_scale(amax, fmt.max, margin, guard=False)
             return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
 
     compiled = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)

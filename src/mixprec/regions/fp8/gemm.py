@@ -79,7 +79,7 @@ def recipe_uses_kernel(recipe, device: torch.device) -> bool:
     return recipe.scaling not in EMULATED_SCALINGS and uses_kernel(recipe.gemm, device)
 
 
-EMULATED_SCALINGS = ("rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")  # scalings without a kernel path yet
+EMULATED_SCALINGS = ("blockwise", "mxfp8", "mxfp4", "nvfp4")  # scalings without a kernel path yet
 
 
 def fp8_matmul(
@@ -89,17 +89,33 @@ def fp8_matmul(
     b_scale: torch.Tensor,
     kernel: bool,
     out_dtype: torch.dtype = torch.float32,
+    decode: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale)`` for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N): summed in FP32, then
     rounded once to ``out_dtype`` (nearest even). The kernel rounds in its epilogue, so a bf16 product is
-    written at half an FP32 one's bytes, with no separate cast pass."""
-    if kernel and _kernel_takes(a, b):
+    written at half an FP32 one's bytes, with no separate cast pass.
+
+    Scales are one per tensor, or one per row of ``a`` (M×1) and per column of ``b`` (1×N): rowwise scaling,
+    which CUDA's kernel writes in bf16 alone (a product asked in FP32 is then the bf16 rounding of the FP32 sum,
+    as torchao's rowwise recipe has it; PyTorch's CPU kernel writes FP32).
+
+    ``decode``: the scales' reciprocals, which the kernel takes, where the caller has them already (a layer
+    reuses its operands' in the backward: fewer launches); else computed here."""
+    if kernel and _kernel_takes(a, b, a_scale, b_scale):
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
         # It wants ``a`` row-major and ``b`` column-major, and writes FP32, bf16 or fp16 only.
+        a_decode, b_decode = decode if decode is not None else (a_scale.reciprocal(), b_scale.reciprocal())
         b = b if b.stride(0) == 1 else b.t().contiguous().t()
         written = out_dtype if out_dtype in _KERNEL_OUTPUTS else torch.float32
+        rowwise = a_scale.numel() > 1 or b_scale.numel() > 1
+        if rowwise and a.device.type == "cuda":
+            written = torch.bfloat16
         out = torch._scaled_mm(
-            a.contiguous(), b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=written
+            a.contiguous(),
+            b,
+            scale_a=a_decode.contiguous(),
+            scale_b=b_decode.contiguous(),
+            out_dtype=written,
         )
         return (out[0] if isinstance(out, tuple) else out).to(out_dtype)  # older torch returns (out, amax)
     return (torch.matmul(a.float(), b.float()) / (a_scale * b_scale)).to(out_dtype)
@@ -108,10 +124,13 @@ def fp8_matmul(
 _KERNEL_OUTPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _kernel_takes(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> bool:
     if a.device.type != "cuda":
         return True
-    # CUDA's kernel: the inner and output widths (K, N) multiples of 16, any row count M; no e5m2 × e5m2
+    # CUDA's kernel: the inner and output widths (K, N) multiples of 16, any row count M; no e5m2 × e5m2; with
+    # rowwise scales, an e4m3 ``b`` (its rowwise kernel takes e4m3 × e4m3 and e5m2 × e4m3)
     if any(size % _CUDA_ALIGNMENT for size in (a.shape[1], b.shape[1])):
         return False
+    if a_scale.numel() > 1 or b_scale.numel() > 1:
+        return b.dtype == torch.float8_e4m3fn
     return not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)

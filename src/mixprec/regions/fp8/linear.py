@@ -65,31 +65,40 @@ class _Fp8Linear(torch.autograd.Function):
             xq, sx = scaled_cast(x.reshape(-1, x.shape[-1]), state.input)
             wq, sw = scaled_cast(weight, state.weight)
             kernel = uses_kernel(state.recipe.gemm, x.device)
+            # the kernel takes the scales' reciprocals: taken once here, reused by the backward's products
+            decode = (sx.reciprocal(), sw.reciprocal()) if kernel else (None, None)
             if bias is None:  # rounded once, in the GEMM
-                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype)
+                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, _pair(decode))
             else:  # the bias added in FP32 first, then one rounding
-                y = fp8_matmul(xq, wq.t(), sx, sw, kernel).add_(bias.float())
-            ctx.save_for_backward(xq, wq, sx, sw)
+                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, decode=_pair(decode)).add_(bias.float())
+            ctx.save_for_backward(xq, wq, sx, sw, *decode)
             ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad):
-        xq, wq, sx, sw = ctx.saved_tensors
+        xq, wq, sx, sw, x_decode, w_decode = ctx.saved_tensors
         state, kernel = ctx.state, ctx.kernel
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
             grad = grad.reshape(-1, grad.shape[-1])
             gq, sg = scaled_cast(grad, state.grad)
+            g_decode = sg.reciprocal() if kernel else None
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
-                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype).reshape(ctx.x_shape)
+                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype, _pair((g_decode, w_decode))).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype)
+                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, _pair((g_decode, x_decode)))
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+def _pair(decode: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both reciprocals where the kernel runs, else None (the emulation divides by the scales)."""
+    a, b = decode
+    return None if a is None or b is None else (a, b)
 
 
 def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> torch.Tensor:
@@ -141,19 +150,22 @@ class _Rowwise:
     def output(rows, weight, state: Fp8LinearState) -> torch.Tensor:
         fwd, margin = state.input.format, state.recipe.margin
         sx, sw = _row_scales(rows, fwd, -1, margin), _row_scales(weight, fwd, -1, margin)
-        return fp8_matmul(_to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd).t(), sx, sw.t(), False)
+        kernel = uses_kernel(state.recipe.gemm, rows.device)
+        return fp8_matmul(_to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd).t(), sx, sw.t(), kernel)
 
     @staticmethod
     def input_grad(grad, weight, state: Fp8LinearState) -> torch.Tensor:
         fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
         sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
-        return fp8_matmul(_to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd), sg, sw, False)
+        kernel = uses_kernel(state.recipe.gemm, grad.device)
+        return fp8_matmul(_to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd), sg, sw, kernel)
 
     @staticmethod
     def weight_grad(grad, rows, state: Fp8LinearState) -> torch.Tensor:
         fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
         sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
-        return fp8_matmul(_to_fp8(grad, sg, bwd).t(), _to_fp8(rows, sx, fwd), sg.t(), sx, False)
+        kernel = uses_kernel(state.recipe.gemm, grad.device)
+        return fp8_matmul(_to_fp8(grad, sg, bwd).t(), _to_fp8(rows, sx, fwd), sg.t(), sx, kernel)
 
 
 def fp8_linear(

@@ -39,15 +39,34 @@ __all__ = [
 ]
 
 
-def power_of_two_scale(amax: torch.Tensor, fmt_max: float, margin: int = 0) -> torch.Tensor:
-    """The FP32 scale 2**k, k the largest integer with ``amax * 2**k <= fmt_max``, minus ``margin``."""
-    max_mantissa, max_exponent = math.frexp(fmt_max)
-    mantissa, exponent = torch.frexp(amax.float())
-    # the biased exponent of 2**k (k + 127), clamped to k in [-126, 126]; 127 (k = 0) for a zero,
-    # infinite or NaN amax (NaN fails both tests)
-    biased = ((max_exponent - margin + 127) - exponent).add_(mantissa > max_mantissa, alpha=-1)
-    biased = torch.where((amax > 0) & (amax < math.inf), biased, 127).clamp_(1, 253)
-    return (biased << 23).view(torch.float32)  # 2**k from its exponent bits: exact, fewer launches than ldexp
+def power_of_two_scale(amax: torch.Tensor, fmt_max: float, margin: int = 0, *, guard: bool = True) -> torch.Tensor:
+    """The FP32 scale 2**k, k the largest integer with ``amax * 2**k <= fmt_max``, minus ``margin`` (k within
+    [-126, 126]); 1 for a zero, infinite or NaN amax.
+
+    ``guard=False`` leaves that last rule out (four launches fewer, of eight): the scale of such an amax is then
+    some power of two, which is right for a tensor cast with its own amax (current scaling), whose values are
+    then all zero or hold a non-finite one: zeros and non-finite values cast the same under any scale.
+    """
+    amax = amax.float()
+    # With amax = m * 2**e and limit = fmt_max * 2**-margin = M * 2**E (m, M in [1, 2)), k = E - e - (m > M).
+    # In the bits of a binary float, (e + bias) * 2**p + the mantissa's p bits, bits(limit) - bits(amax) floored to
+    # a multiple of 2**p (its low bits cleared) is exactly (E - e) * 2**p, less 2**p where the mantissas'
+    # difference borrows (m > M): k * 2**p; with bias * 2**p added, the bits of 2**k. Integers throughout, so
+    # exact, and no frexp. In FP32's bits (p = 23) a subnormal amax reads as if normal; that is harmless wherever
+    # limit >= 1 (the scale is then clamped to 2**126 either way) and wrong below, so there FP64's bits are used,
+    # in which every FP32 value is normal.
+    mantissa, exponent = math.frexp(fmt_max)  # fmt_max = mantissa * 2**exponent, mantissa in [0.5, 1)
+    wide = exponent - 1 - margin < 0  # a limit below 1 (fp4_e2m1's 6 with a margin of 3, say)
+    p, bias, ints = (52, 1023, torch.int64) if wide else (23, 127, torch.int32)
+    # plain arithmetic on the format's largest value (every format's has a short mantissa): torch.compile traces
+    # it even where a dynamic graph makes the margin symbolic
+    limit = ((exponent - 1 + bias - margin) << p) + int((2 * mantissa - 1) * (1 << p))
+    k_bits = (limit - (amax.double() if wide else amax).view(ints)).bitwise_and_(-(1 << p))
+    bits = k_bits.clamp_(-126 << p, 126 << p).add_(bias << p)
+    if guard:  # NaN fails both tests
+        bits = torch.where((amax > 0) & (amax < math.inf), bits, bias << p)
+    scale = bits.view(torch.float64 if wide else torch.float32)
+    return scale.float() if wide else scale
 
 
 def cast_to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) -> torch.Tensor:
@@ -69,9 +88,9 @@ def cast_to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) ->
 def cast_to_fp8_storage(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """:func:`cast_to_fp8` held in the format's PyTorch dtype (1 byte a value), for formats PyTorch has.
 
-    Four launches on an FP32 tensor (five otherwise): the multiply, infinities to NaN (e4m3) or kept
-    (e5m2), the saturating clamp (NaN passes it), PyTorch's own float8 cast (one fused pass;
-    mixprec.quantize, which equals it bit for bit, is ten times slower).
+    Four launches on an FP32 or bf16 tensor (five otherwise, fp16's conversion to FP32 first): the multiply,
+    infinities to NaN (e4m3) or kept (e5m2), the saturating clamp (NaN passes it), PyTorch's own float8 cast
+    (one fused pass; mixprec.quantize, which equals it bit for bit, is ten times slower).
     """
     spec = get_format(fmt)
     return saturating_cast(tensor, scale, spec.max, spec.has_inf, spec.torch_dtype)
@@ -84,8 +103,12 @@ def saturating_cast(
 
     Traced by torch.compile, a format's infinities are written as bit patterns rather than by the cast: Triton's
     conversion to e5m2 on Hopper saturates (``cvt.rn.satfinite``), so in a compiled step an overflowing
-    gradient would come out finite, 57344, and never reach the loss scaler."""
-    scaled = tensor.float() * scale
+    gradient would come out finite, 57344, and never reach the loss scaler.
+
+    A bf16 tensor is scaled in bf16 (by a one-value scale: the product stays bf16): exact, as bf16 has FP32's
+    exponent range and the scale is a power of two (a product that would be subnormal there is far below every
+    FP8 format's smallest value, zero either way), and one conversion pass fewer."""
+    scaled = (tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale
     if not has_inf:
         return scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(-fmt_max, fmt_max).to(dtype)
     if torch.compiler.is_compiling():
@@ -101,7 +124,9 @@ _INF_BITS = {torch.float8_e5m2: 0x7C}  # +inf's bits in each FP8 dtype that has 
 
 def amax_of(tensor: torch.Tensor) -> torch.Tensor:
     """The largest magnitude in ``tensor`` as an FP32 scalar on its device (NaN if it holds a NaN): one pass."""
-    return torch.linalg.vector_norm(tensor.detach(), float("inf")).float()
+    if torch.is_grad_enabled():  # inside the FP8 layer's autograd function it is not: no detach to dispatch
+        tensor = tensor.detach()
+    return torch.linalg.vector_norm(tensor, float("inf"), dtype=torch.float32)
 
 
 def delayed_scale(
@@ -150,8 +175,8 @@ class ScaleState:
 
     def scale_from(self, current: torch.Tensor) -> torch.Tensor:
         """The scale for a tensor whose amax is ``current`` (on this state's device); a delayed state records it."""
-        if self.recipe.scaling != "delayed":
-            return power_of_two_scale(current, self.max, self.recipe.margin)
+        if self.recipe.scaling != "delayed":  # the tensor's own amax: no guard needed (power_of_two_scale)
+            return power_of_two_scale(current, self.max, self.recipe.margin, guard=False)
         return delayed_scale(current, self.history, self.recorded, self.max, self.recipe.margin, self.recipe.amax)
 
     def state_dict(self) -> dict:
