@@ -138,7 +138,16 @@ def test_a_second_stop_while_an_update_is_applied_waits_for_it(tmp_path):
     assert_bit_identical(parameters(straight), parameters(resumed))
 
 
-def test_a_ctrl_c_that_is_not_a_stop_signal_inside_an_update_saves_nothing_from_it(tmp_path):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) while the test runs, as in a terminal: a test run that a
+    shell started in the background (``cmd &``) inherits SIGINT ignored, and Python keeps it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_that_is_not_a_stop_signal_inside_an_update_saves_nothing_from_it(tmp_path, python_sigint):
     # SIGINT left out of the stop signals keeps Python's KeyboardInterrupt: raised inside update 8's optimizer
     # step, it used to save update 8's weights as step 7 (the resumed run applied batch 8 twice)
     straight = make_trainer(tmp_path / "straight")

@@ -102,9 +102,10 @@ def _pair(decode: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torc
 
 
 def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> torch.Tensor:
-    """A power-of-two scale per slice of ``tensor`` along ``dim`` (its amax over ``dim``), kept as a dimension."""
-    amax = torch.linalg.vector_norm(tensor, float("inf"), dim=dim, keepdim=True).float()
-    return power_of_two_scale(amax, fmt.max, margin)
+    """A power-of-two scale per slice of ``tensor`` along ``dim`` (its amax over ``dim``), kept as a dimension: each
+    slice's own amax, so no guard (a zero or non-finite slice casts the same under any scale)."""
+    amax = torch.linalg.vector_norm(tensor, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
+    return power_of_two_scale(amax, fmt.max, margin, guard=False)
 
 
 class Recast(torch.autograd.Function):

@@ -29,6 +29,7 @@ changes only which rounding that rank's layer computes with.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import weakref
@@ -54,6 +55,8 @@ __all__ = [
     "shape_key",
     "time_shape",
 ]
+
+logger = logging.getLogger("mixprec")
 
 CACHE_FILE = "fp8_shapes.json"
 CACHE_VERSION = 1
@@ -116,6 +119,8 @@ class SpeedTable:
 
     def pays(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> bool:
         """Whether layer ``name`` computes this call in FP8: its shape measured faster there (or could not be)."""
+        if x.numel() == 0:  # no rows: nothing to time, nothing computed
+            return True
         m = x.numel() // x.shape[-1]
         # a row count torch.compile made dynamic (a SymInt: dynamo reads it as an int to isinstance, not to
         # __class__): no one shape to decide
@@ -145,7 +150,9 @@ class SpeedTable:
         kept = {k: v for k, v in entries.items() if torch_tag in k}  # other torch versions are stale
         kept[key] = {"fp8_ms": round(fp8_ms, 5), "ref_ms": round(ref_ms, 5)}
         write_cache(path, CACHE_VERSION, kept)
-        return ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), _DTYPE_NAMES[dtype], "measured")
+        speed = ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), _DTYPE_NAMES[dtype], "measured")
+        logger.info("mixprec: %s; %s", speed.describe(), "FP8" if speed.pays else f"{speed.ref} kept")
+        return speed
 
     def _timed(self, m: int, k: int, n: int, bias: bool, dtype: torch.dtype) -> tuple[float, float]:
         return time_shape(self.recipe, self.device, dtype, m, k, n, bias)
