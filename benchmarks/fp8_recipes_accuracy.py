@@ -1,6 +1,6 @@
 """Accuracy of each FP8/FP4 training recipe on charlm, against bf16's own seed spread (emulated; any device).
 
-    python benchmarks/fp8_recipes_accuracy.py [--steps 300] [--seeds 0,1,2] [--recipes current,rowwise,...]
+    python benchmarks/fp8_recipes_accuracy.py [--steps 300] [--seeds 0,1,2] [--recipes current,rowwise,...,pure_bf16]
         [--recipe-seeds 0] [--out benchmarks/results/fp8_recipes]
 
 Trains charlm (TinyGPT 4x192) under ``mixed_bf16`` for each of ``--seeds`` (its spread), then under
@@ -25,11 +25,15 @@ from mixprec.app.config import TrainConfig
 from mixprec.app.machine import machine_info
 from mixprec.app.run import run_training
 
-RECIPES = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
+RECIPES = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4", "pure_bf16")
 
 
 def _policy(recipe: str) -> str:
-    return "mixed_bf16" if recipe == "bf16" else f"base=fp8,fp8=hybrid(scaling={recipe})"
+    if recipe == "bf16":
+        return "mixed_bf16"
+    if recipe == "pure_bf16":  # FP8 layers (current scaling) on bf16 weights with the compensated AdamW
+        return "base=pure_bf16,fp8=hybrid"
+    return f"base=fp8,fp8=hybrid(scaling={recipe})"
 
 
 def _run(recipe: str, seed: int, steps: int, scratch: Path) -> dict:

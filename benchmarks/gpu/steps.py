@@ -141,5 +141,6 @@ def training_mode(
     twin = (twins or {}).get(name)
     twin = f"{twin}, compiled" if backend and twin else twin
     policy = (policies or {}).get(name, name)
-    optimizer = "mixprec" if policy == "pure_bf16" else "fused"
+    resolved = mixprec.get_policy(policy)  # 16-bit weights with no FP32 masters (pure_bf16): the compensated AdamW
+    optimizer = "mixprec" if resolved.param_dtype != torch.float32 and not resolved.keeps_fp32_masters else "fused"
     return Mode(label, lambda: mixprec_step(work, device, policy, optimizer, backend), compiled, twin)
