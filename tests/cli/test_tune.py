@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.app.tune.cost import ConvShape, DeviceProfile, GemmShape, predict, shape_from_key
+from mixprec.app.tune.cost import AttentionShape, ConvShape, DeviceProfile, GemmShape, predict, shape_from_key
 from mixprec.app.tune.layers import layer_shapes
 from mixprec.app.tune.search import Candidate, assignment_policy, pareto_front
 
@@ -27,13 +28,17 @@ CHARLM = {  # charlm tiny's GEMM layers: (m, k, n)
 }
 
 
+ATTENTION_SHAPE = AttentionShape(1, 8, 2, 32, 16, causal=True)  # charlm tiny's one attention call
+
+
 def _profile(tmp_path, fp8_over_16: float = 0.5) -> DeviceProfile:
     """A profile as a GPU's would read: FP8 at ``fp8_over_16`` of 16 bits' time, FP32 at twice it (made here: the
-    search's logic on a device where FP8 pays, which this CPU is not)."""
+    search's logic on a device where FP8 pays, which this CPU is not); the attention at 16 bits' throughput."""
     entries = {}
     for m, k, n in CHARLM.values():
         ms = GemmShape(m, k, n).flops / 1e9
         entries[f"{m}x{k}x{n}"] = {"fp32": 2 * ms, "16": ms, "fp8": fp8_over_16 * ms}
+    entries[ATTENTION_SHAPE.key()] = {"fp32": 2 * ATTENTION_SHAPE.flops / 1e9, "16": ATTENTION_SHAPE.flops / 1e9}
     path = DeviceProfile("a GPU (test profile)", "mixed_bf16", entries).save(tmp_path / "profile.json")
     return path
 
@@ -58,8 +63,13 @@ def test_fp8_where_the_profile_says_it_pays_deterministic_and_within_the_toleran
     order = [c["note"].removeprefix("+ ").removesuffix(" in FP8") for c in fp8_trials]
     assert order == sorted(order, key=lambda name: (errors[name], name))
     assert first["chosen"]["prediction"]["scope"] == "layers"  # a foreign profile: no step measured there
-    assert first["chosen"]["prediction"]["speedup"] == pytest.approx(2.0, rel=1e-3)  # every layer at half the time
-    assert first["chosen"]["prediction"]["activation_ratio"] == 0.5
+    # every GEMM layer at half the time and half the saved bytes, the attention (no FP8) unchanged
+    gemm, attention = sum(6 * m * k * n for m, k, n in CHARLM.values()), ATTENTION_SHAPE.flops
+    speedup = (gemm + attention) / (gemm / 2 + attention)
+    assert first["chosen"]["prediction"]["speedup"] == pytest.approx(speedup, rel=1e-3)
+    saved = sum(m * k for m, k, _ in CHARLM.values())
+    ratio = (saved + 2 * ATTENTION_SHAPE.saved_values) / (2 * saved + 2 * ATTENTION_SHAPE.saved_values)
+    assert first["chosen"]["prediction"]["activation_ratio"] == pytest.approx(ratio, abs=1e-4)
     assert first["pareto"] and all(c["prediction"]["speedup"] > 0 for c in first["pareto"])
     verdict = first["verification"]["verdict"]
     assert verdict["within_tolerance"] and verdict["loss_change"] <= 0.5
@@ -200,7 +210,7 @@ def test_a_profile_saved_here_predicts_a_later_tune(tmp_path, mixprec_cli):
     assert measured["device_profile"]["source"] == "measured here"
     assert "cost_model" in measured["verification"]  # predicted against measured steps, measured here
     profile = DeviceProfile.load(saved)
-    assert set(profile.entries) == {f"{m}x{k}x{n}" for m, k, n in CHARLM.values()}
+    assert set(profile.entries) == {f"{m}x{k}x{n}" for m, k, n in CHARLM.values()} | {ATTENTION_SHAPE.key()}
     _, predicted = _tune(mixprec_cli, tmp_path / "b", "--device-profile", saved)
     assert [layer["ms"] for layer in predicted["layers"]] == [layer["ms"] for layer in measured["layers"]]
     assert predicted["chosen"]["prediction"]["scope"] == "layers"
@@ -248,3 +258,43 @@ def test_convolutions_are_shaped_timed_and_take_fp32_or_16_bits(tmp_path, mixpre
     assert all(result["chosen"]["assignment"].get(layer["name"], "16") in ("fp32", "16") for layer in convolutions)
     assert {layer["key"] for layer in convolutions} <= set(DeviceProfile.load(tmp_path / "p.json").entries)
     assert convolutions[0]["key"] in (tmp_path / "digits" / "report.md").read_text()
+
+
+def test_attention_is_one_layer_of_fp32_or_16_bits_and_fp32_where_the_profile_finds_it_faster(tmp_path, mixprec_cli):
+    from mixprec.app.task import TaskConfig, build_task
+    from mixprec.app.tune.layers import ATTENTION
+
+    parts = build_task("charlm", TaskConfig(None, 0, "cpu", "tiny"))
+    x, _ = next(iter(parts.train_data))
+    shapes = layer_shapes(parts.model, x, lambda model, inputs: model(inputs))
+    assert shapes[ATTENTION] == ATTENTION_SHAPE and shape_from_key(ATTENTION_SHAPE.key()) == ATTENTION_SHAPE
+    policy = assignment_policy("mixed_bf16", {ATTENTION: "fp32", "lm_head": "fp32"})
+    assert policy == "base=mixed_bf16,names=lm_head,ops=scaled_dot_product_attention"
+    assert mixprec.get_policy(policy).fp32_ops == ("scaled_dot_product_attention",)
+
+    profile = DeviceProfile.load(_profile(tmp_path))  # FP32 attention at a quarter of its 16 bits' time
+    profile.entries[ATTENTION_SHAPE.key()]["fp32"] = profile.entries[ATTENTION_SHAPE.key()]["16"] / 4
+    path = DeviceProfile("a CPU without fast bf16", "mixed_bf16", profile.entries).save(tmp_path / "a.json")
+    finished, result = _tune(mixprec_cli, tmp_path / "t", "--device-profile", path, "--tolerance", "50%")
+    assert "attention (1 calls)" in finished.stderr
+    first = next(c for c in result["candidates"] if c["note"] == "the layers faster in FP32 than in 16 bits")
+    assert first["assignment"] == {ATTENTION: "fp32"} and "ops=scaled_dot_product_attention" in first["policy"]
+    assert "ops=scaled_dot_product_attention" in result["chosen"]["policy"]
+    layer = next(layer for layer in result["layers"] if layer["name"] == ATTENTION)
+    assert (
+        layer["kind"] == "attention"
+        and layer["formats"] == ["fp32", "16"]
+        and "GEMM layers only" in (layer["reasons"]["fp8"])
+    )
+
+
+def test_attention_of_several_shapes_is_left_to_the_base_and_said():
+    class TwoLengths(nn.Module):
+        def forward(self, x):
+            a = F.scaled_dot_product_attention(x, x, x)
+            return a.sum() + F.scaled_dot_product_attention(x[:, :, :4], x[:, :, :4], x[:, :, :4]).sum()
+
+    said = []
+    shapes = layer_shapes(TwoLengths(), torch.randn(1, 2, 8, 4), lambda model, x: model(x), said.append)
+    assert shapes == {}
+    assert said == ["tune: attention not searched: its 2 calls have 2 shapes (the cost model takes one)"]

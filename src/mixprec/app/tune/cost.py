@@ -2,16 +2,19 @@
 
 A device profile holds, for layer shapes, the milliseconds of one training pass of such a layer (forward, input
 gradient and weight gradient) in each per-layer format, measured through mixprec's own regions, so the casts,
-the FP8 scaling passes and the kernels the compute plan picked are all in the figure. Two kinds of layer:
+the FP8 scaling passes and the kernels the compute plan picked are all in the figure. Three kinds of layer:
 
     GemmShape   a GEMM layer (Linear, Conv1D, the mixprec_gemm protocol): rows ``m`` (tokens or samples per
                 batch), ``k`` in features, ``n`` out features; key ``"3072x192x576"``; FP32, 16 bits or FP8
     ConvShape   a convolution (Conv1d/2d/3d): its input and kernel; key ``"conv2d:8x1x8x8:16:k3x3:s1x1:p1x1:d1x1:g1"``;
                 FP32 or 16 bits (FP8 computes GEMM layers only)
+    AttentionShape  the model's calls of ``F.scaled_dot_product_attention`` (self-attention of one shape), one
+                entry for them all; key ``"sdpa:4x8x6x256x64:causal"`` (calls x batch x heads x length x head
+                size); FP32 (the base with ``ops=scaled_dot_product_attention``) or 16 bits
 
 and the formats:
 
-    fp32    the layer in FP32 (``fp32_names`` of the policy)
+    fp32    the layer in FP32 (``fp32_names`` of the policy; attention: ``fp32_ops``)
     bf16    the base policy's 16-bit compute (or fp16: the profile's ``base``)
     fp8     FP8 with current tensorwise scaling (``fp8=hybrid(scaling=current,shapes=all)``: FP8 whatever its speed,
             which is what is measured), on the kernel where the device has one, emulated exactly elsewhere (a CPU:
@@ -39,13 +42,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.persist import check_overwrite, stamped, write_atomically
 from mixprec.regions import Region
 
 __all__ = [
+    "ATTENTION_OP",
     "FORMATS",
+    "AttentionShape",
     "ConvShape",
     "DeviceProfile",
     "GemmShape",
@@ -181,18 +187,78 @@ class ConvShape:
         return torch.randn(self.batch, self.channels, *self.size, generator=generator)
 
 
-LayerShape = GemmShape | ConvShape
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model's attention in training: ``calls`` calls of ``F.scaled_dot_product_attention`` on ``batch`` x
+    ``heads`` x ``length`` x ``head_dim`` queries, keys and values (self-attention), causal or not. One entry for
+    them all: the policy computes every such call in FP32 or none (``ops=scaled_dot_product_attention``)."""
+
+    calls: int
+    batch: int
+    heads: int
+    length: int
+    head_dim: int
+    causal: bool
+
+    formats = ("fp32", "16")  # FP8 computes GEMM layers only
+    kind = "attention"
+
+    @property
+    def flops(self) -> int:  # the scores and the weighted values, forward, and twice that backward
+        pairs = self.length * self.length // (2 if self.causal else 1)
+        return 12 * self.calls * self.batch * self.heads * pairs * self.head_dim
+
+    @property
+    def saved_values(self) -> int:
+        return 4 * self.calls * self.batch * self.heads * self.length * self.head_dim  # q, k, v and the output
+
+    def key(self) -> str:
+        dims = _spelled((self.calls, self.batch, self.heads, self.length, self.head_dim))
+        return f"sdpa:{dims}:{'causal' if self.causal else 'full'}"
+
+    @classmethod
+    def from_key(cls, key: str) -> AttentionShape:
+        """The shape :meth:`key` wrote (``"sdpa:4x8x6x256x64:causal"``)."""
+        _, dims, mask = key.split(":")
+        calls, batch, heads, length, head_dim = _dims(dims)
+        return cls(calls, batch, heads, length, head_dim, mask == "causal")
+
+    def module(self) -> nn.Module:
+        return _Attention(self.calls, self.causal)
+
+    def example_input(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(3, self.batch, self.heads, self.length, self.head_dim, generator=generator)
+
+
+class _Attention(nn.Module):
+    """``calls`` attention calls on one packed (3, batch, heads, length, head_dim) input: what a profile times."""
+
+    def __init__(self, calls: int, causal: bool) -> None:
+        super().__init__()
+        self.calls, self.causal = calls, causal
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        q, k, v = packed.unbind(0)
+        outputs = [F.scaled_dot_product_attention(q, k, v, is_causal=self.causal) for _ in range(self.calls)]
+        return torch.stack(outputs).sum(0)
+
+
+LayerShape = GemmShape | ConvShape | AttentionShape
+ATTENTION_OP = "scaled_dot_product_attention"  # the op a policy's ops= names to compute attention in FP32
 
 
 def shape_from_key(key: str) -> LayerShape:
-    """The shape a profile key names (``"3072x192x576"``, ``"conv2d:..."``)."""
+    """The shape a profile key names (``"3072x192x576"``, ``"conv2d:..."``, ``"sdpa:..."``)."""
+    if key.startswith("sdpa:"):
+        return AttentionShape.from_key(key)
     return ConvShape.from_key(key) if key.startswith("conv") else GemmShape.from_key(key)
 
 
-def layer_policy(base: str, fmt: str) -> str:
-    """The policy one layer of format ``fmt`` runs under, on top of ``base`` (a 16-bit preset)."""
+def layer_policy(base: str, fmt: str, kind: str = "GEMM") -> str:
+    """The policy one layer of format ``fmt`` runs under, on top of ``base`` (a 16-bit preset); attention in FP32
+    is the base with that op in FP32, as a tuned policy runs it (its inputs cast up, its output down)."""
     if fmt == "fp32":
-        return "fp32"
+        return f"base={base},ops={ATTENTION_OP}" if kind == "attention" else "fp32"
     if fmt == "fp8":
         return f"base={base},fp8=hybrid(scaling=current,keep=none,shapes=all)"
     return base
@@ -274,7 +340,9 @@ def measure_profile(
     profile = DeviceProfile(device_caps(device.type).description, base)
     for index, shape in enumerate(shapes, 1):
         progress(f"cost model: timing layer shape {shape.key()} ({index}/{len(shapes)})")
-        passes = {fmt: _pass(shape, layer_policy(base, fmt), device) for fmt in formats if fmt in shape.formats}
+        passes = {
+            fmt: _pass(shape, layer_policy(base, fmt, shape.kind), device) for fmt in formats if fmt in shape.formats
+        }
         for run in passes.values():
             run(1)  # warm-up: kernels, caches, the FP8 state
         counts = {fmt: _repeats_for(run) for fmt, run in passes.items()}

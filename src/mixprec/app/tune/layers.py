@@ -1,9 +1,11 @@
 """The layers a tune decides on: their training shapes, and which formats each may take, with the reasons.
 
-Two families: the GEMM layers (every layer FP8 can compute, :mod:`mixprec.regions.fp8.gemm_layers`) and the
-convolutions (torch's Conv1d/2d/3d, transposed ones left to the base), which take FP32 or 16 bits. The shapes
-come from one FP32 forward of a training batch (hooks on those layers). The formats come from the doctor's
-statistics on a few training batches:
+Three families: the GEMM layers (every layer FP8 can compute, :mod:`mixprec.regions.fp8.gemm_layers`), the
+convolutions (torch's Conv1d/2d/3d, transposed ones left to the base) and the attention (the model's calls of
+``F.scaled_dot_product_attention``, one entry named ``ATTENTION``: a policy computes them all in FP32 or none),
+which take FP32 or 16 bits. The shapes come from one FP32 forward of a training batch (hooks on those layers, a
+torch function mode for the attention calls: self-attention of one shape; a mask is not timed). The formats come
+from the doctor's statistics on a few training batches:
 
 - a layer whose outputs or inputs overflow the base policy's 16-bit format (fp16's 65504) stays FP32: the
   16-bit compute would turn them into inf;
@@ -22,14 +24,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from mixprec.app.tune.cost import ConvShape, GemmShape, LayerShape
+from mixprec.app.tune.cost import ATTENTION_OP, AttentionShape, ConvShape, GemmShape, LayerShape
 from mixprec.doctor import diagnose, fp8_recipe_report
 from mixprec.numerics import get_format
 from mixprec.regions.fp8 import select_gemm_layers
 
-__all__ = ["LayerChoice", "layer_choices", "layer_shapes"]
+__all__ = ["ATTENTION", "LayerChoice", "layer_choices", "layer_shapes"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,18 @@ class LayerChoice:
     fp8_error: float = 0.0  # relative output error under FP8 against bf16 (the doctor's); the search's order
 
 
-def layer_shapes(model: nn.Module, inputs: Any, forward: Callable[[nn.Module, Any], Any]) -> dict[str, LayerShape]:
-    """Each GEMM layer's training product and each convolution's input, from one FP32 forward of ``inputs``
-    without gradients (a layer called several times adds its rows, or its samples at the same size)."""
+ATTENTION = f"{ATTENTION_OP}()"  # the attention's name among the layers: no module can be named so
+
+
+def layer_shapes(
+    model: nn.Module,
+    inputs: Any,
+    forward: Callable[[nn.Module, Any], Any],
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict[str, LayerShape]:
+    """Each GEMM layer's training product, each convolution's input and the attention calls (as ``ATTENTION``),
+    from one FP32 forward of ``inputs`` without gradients (a layer called several times adds its rows, or its
+    samples at the same size); attention the cost model cannot stand for is left out, said to ``progress``."""
     shapes: dict[str, LayerShape] = {}
     hooks = {name: _gemm_hook(name, operands, shapes) for name, _, operands in select_gemm_layers(model, keep=()).fp8}
     convolutions = {
@@ -57,12 +70,48 @@ def layer_shapes(model: nn.Module, inputs: Any, forward: Callable[[nn.Module, An
     modules = dict(model.named_modules())
     handles = [modules[name].register_forward_pre_hook(hook) for name, hook in hooks.items()]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _AttentionCalls() as attention:
             forward(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
+    shape, why_not = attention.shape()
+    if shape is not None:
+        shapes[ATTENTION] = shape
+    elif why_not:
+        progress(f"tune: attention not searched: {why_not}")
     return shapes
+
+
+class _AttentionCalls(TorchFunctionMode):
+    """The shapes of the ``F.scaled_dot_product_attention`` calls of a forward: (query, key, causal, masked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...], bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args, strict=False))
+            named.update(kwargs)
+            query, key = named["query"], named["key"]
+            masked = named.get("attn_mask") is not None
+            self.calls.append((tuple(query.shape), tuple(key.shape), bool(named.get("is_causal", False)), masked))
+        return func(*args, **kwargs)
+
+    def shape(self) -> tuple[AttentionShape | None, str]:
+        """One shape for all the calls, or None and why (none: no reason to give)."""
+        if not self.calls:
+            return None, ""
+        kinds = set(self.calls)
+        query, key, causal, _ = self.calls[0]
+        if len(kinds) > 1:
+            return None, f"its {len(self.calls)} calls have {len(kinds)} shapes (the cost model takes one)"
+        if len(query) != 4 or query != key:
+            return None, f"query {query} and key {key}: the cost model times batched self-attention"
+        batch, heads, length, head_dim = query
+        return AttentionShape(len(self.calls), batch, heads, length, head_dim, causal), ""
 
 
 def _gemm_hook(name: str, operands: Callable, shapes: dict[str, LayerShape]) -> Callable:
@@ -107,6 +156,10 @@ def layer_choices(
         reasons, formats = {}, list(shape.formats)
         if shape.kind == "convolution":
             reasons["fp8"] = "a convolution: FP8 computes GEMM layers only (Linear, Conv1D, the mixprec_gemm protocol)"
+        elif shape.kind == "attention":
+            reasons["fp8"] = (
+                "attention's products: FP8 computes GEMM layers only (Linear, Conv1D, the mixprec_gemm protocol)"
+            )
         stats = _forward_stats(report, name)
         reach = max(stats.amax, stats.input_amax or 0.0) if stats is not None else 0.0
         if stats is not None and (stats.overflows(sixteen) or reach > top):

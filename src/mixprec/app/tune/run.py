@@ -40,7 +40,7 @@ def tune_task(
     from mixprec.app.evaluate import to_device
     from mixprec.app.run import resolve_device
     from mixprec.app.task import TaskConfig, build_task
-    from mixprec.app.tune.layers import layer_choices, layer_shapes
+    from mixprec.app.tune.layers import ATTENTION, layer_choices, layer_shapes
     from mixprec.persist import TUNE, check_folder, claim_folder
 
     check_folder(out, TUNE, "--out")
@@ -51,16 +51,17 @@ def tune_task(
     batches = [(to_device(x, device), to_device(y, device)) for x, y in itertools.islice(parts.train_data, 4)]
     if not batches:
         raise ValueError(f"task {config.task!r} has no training batch to tune on.")
-    shapes = layer_shapes(parts.model, batches[0][0], lambda model, x: model(x))
+    shapes = layer_shapes(parts.model, batches[0][0], lambda model, x: model(x), progress)
     if not shapes:
         raise ValueError(
             f"task {config.task!r}: the model has no layer to tune (nn.Linear, Conv1D, a convolution, ...)."
         )
     sixteen = "fp16" if "fp16" in options.base else "bf16"
-    convolutions = sum(shape.kind == "convolution" for shape in shapes.values())
+    kinds = [shape.kind for shape in shapes.values()]
+    attention = f", attention ({shapes[ATTENTION].calls} calls)" if ATTENTION in shapes else ""
     progress(
-        f"tune: the doctor's statistics on {len(batches)} batches, {len(shapes) - convolutions} GEMM layers, "
-        f"{convolutions} convolutions"
+        f"tune: the doctor's statistics on {len(batches)} batches, {kinds.count('GEMM')} GEMM layers, "
+        f"{kinds.count('convolution')} convolutions{attention}"
     )
     choices = layer_choices(parts.model, batches, parts.loss_fn, shapes, sixteen, steps=len(batches))
     modules = [name for name, _ in parts.model.named_modules()]

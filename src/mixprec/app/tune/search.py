@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import DeviceProfile, LayerShape, Prediction, measure_profile, predict
-from mixprec.app.tune.layers import LayerChoice
+from mixprec.app.tune.cost import ATTENTION_OP, DeviceProfile, LayerShape, Prediction, measure_profile, predict
+from mixprec.app.tune.layers import ATTENTION, LayerChoice
 from mixprec.app.tune.names import compact_names
 
 __all__ = ["Candidate", "TuneOptions", "assignment_policy", "pareto_front", "search"]
@@ -57,14 +57,17 @@ class Candidate:
 
 
 def assignment_policy(base: str, assignment: dict[str, str], modules: Sequence[str] = ()) -> str:
-    """The policy string of a per-layer assignment: FP32 layers as ``names=``, FP8 ones as ``fp8=(only=...)``;
-    given the model's ``modules`` (every name), the names of one layer across blocks as a glob where it names
-    those layers exactly (:func:`~mixprec.app.tune.names.compact_names`)."""
-    fp32 = compact_names((name for name, fmt in assignment.items() if fmt == "fp32"), modules)
+    """The policy string of a per-layer assignment: FP32 layers as ``names=``, FP32 attention as
+    ``ops=scaled_dot_product_attention``, FP8 layers as ``fp8=(only=...)``; given the model's ``modules`` (every
+    name), the names of one layer across blocks as a glob where it names those layers exactly
+    (:func:`~mixprec.app.tune.names.compact_names`)."""
+    fp32 = compact_names((name for name, fmt in assignment.items() if fmt == "fp32" and name != ATTENTION), modules)
     fp8 = compact_names((name for name, fmt in assignment.items() if fmt == "fp8"), modules)
     parts = [f"base={base}"]
     if fp32:
         parts.append("names=" + "+".join(fp32))
+    if assignment.get(ATTENTION) == "fp32":
+        parts.append(f"ops={ATTENTION_OP}")
     if fp8:
         parts.append("fp8=hybrid(scaling=current,keep=none,only=" + "+".join(fp8) + ",shapes=all)")
     return ",".join(parts)
@@ -175,11 +178,11 @@ def search(
     accepted += _greedy(state, accepted[-1], reference)
     if state.not_tried:
         slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
-        convolutions = sum(choice.shape.kind == "convolution" for choice in choices.values())
+        other = sum(choice.shape.kind != "GEMM" for choice in choices.values())
         progress(
             f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
-            f"slower than their current format by the cost model, {convolutions} convolutions; the others ruled "
-            "out by the doctor)"
+            f"slower than their current format by the cost model, {other} convolutions or attention; the others "
+            "ruled out by the doctor)"
         )
     assignment, verification = _verify(state, accepted)
     return {
