@@ -330,7 +330,9 @@ def _check_profile(part: dict, folder) -> None:
     # the device profile mixprec tune reads, timed per shape and format, and written beside the results
     from mixprec.app.tune.cost import DeviceProfile
 
-    assert {r["shape"] for r in part["records"]} == {"32x16x48", "32x48x16"}
-    assert all(r[f"{fmt}_ms"] > 0 for r in part["records"] for fmt in ("fp32", "16", "fp8"))
+    assert {r["shape"] for r in part["records"]} == {"32x16x48", "32x48x16", "sdpa:1x2x2x16x8:causal"}
+    formats = {"GEMM": ("fp32", "16", "fp8"), "attention": ("fp32", "16")}
+    kinds = {r["shape"]: "attention" if r["shape"].startswith("sdpa:") else "GEMM" for r in part["records"]}
+    assert all(r[f"{fmt}_ms"] > 0 for r in part["records"] for fmt in formats[kinds[r["shape"]]])
     profile = DeviceProfile.load(folder / "device_profile.json")
-    assert profile.base == "mixed_bf16" and set(profile.entries) == {"32x16x48", "32x48x16"}
+    assert profile.base == "mixed_bf16" and set(profile.entries) == {"32x16x48", "32x48x16", "sdpa:1x2x2x16x8:causal"}
