@@ -154,3 +154,20 @@ def test_a_row_count_compiled_as_dynamic_runs_fp8(kernel_cache):
 
     decided = second_batch(FASTER)
     assert torch.equal(decided[0], second_batch("base=mixed_bf16,fp8=hybrid(keep=none,gemm=scaled_mm,shapes=all)")[0])
+
+
+def test_a_copied_fp8_state_decides_in_a_table_of_its_own(kernel_cache):
+    import copy
+    import gc
+
+    kernel_cache(torch.bfloat16)
+    _seed_speeds({(ROWS, 32, 64): (2.0, 1.0), (ROWS, 64, 32): (0.5, 1.0)})
+    state = mixprec.regions.fp8.fp8_state(_model(), mixprec.get_policy(FASTER).fp8)
+    twin = copy.deepcopy(state)  # its own modules and table (pickling goes the same way)
+    assert twin.speeds.key != state.speeds.key
+    del state
+    gc.collect()  # the original's table is gone: the copy's layers must not look for it
+    twin.install()
+    with twin.computing(torch.bfloat16):
+        out = twin.modules["0"](torch.randn(ROWS, 32))
+    assert out.shape == (ROWS, 64) and set(twin.speeds.decided) == {"0"} and not twin.speeds.decided["0"].pays

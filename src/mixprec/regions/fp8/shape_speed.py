@@ -114,8 +114,15 @@ class SpeedTable:
         self.decided: dict[str, ShapeSpeed | None] = {}  # None: seen where nothing could be measured
         self._known: dict[tuple, ShapeSpeed | None] = {}
         self._measure = measure or self._timed
-        self.key = f"{id(self)}"
+        self._register()
+
+    def _register(self) -> None:
+        self.key = f"{id(self)}"  # what layer_pays finds this table by: a plain value, which torch.compile takes
         _TABLES[self.key] = self
+
+    def __setstate__(self, state: dict) -> None:  # a copy (copy.deepcopy, pickle) is a table of its own
+        self.__dict__.update(state)
+        self._register()
 
     def pays(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> bool:
         """Whether layer ``name`` computes this call in FP8: its shape measured faster there (or could not be)."""
