@@ -9,7 +9,9 @@
        says runs faster in FP8 is tried in FP8 on top of those accepted so far, kept when the loss change stays
        within the tolerance; a layer the cost model finds faster in FP32 than in 16 bits takes FP32 at no risk
        to the loss; layers the doctor keeps in FP32 stay there
-    5. verification: the chosen policy, the uniform base and FP32, each over ``seeds`` seeds, longer runs
+    5. verification: the chosen policy, the uniform base and FP32, each over ``seeds`` seeds, longer runs; with the
+       cost model measured here, a uniform policy whose step measured 5% faster than the chosen one's, its loss
+       within the tolerance, replaces it (the cost model counts layers, not a 16-bit base's casts around them)
 
 Every trial prints a progress line; a budget stops the greedy search early (the verification still runs).
 """
@@ -185,6 +187,7 @@ def search(
             "ruled out by the doctor)"
         )
     assignment, verification = _verify(state, accepted)
+    policy, assignment = _fastest_measured(state, assignment, verification)
     return {
         "base": base,
         "tolerance": options.tolerance,
@@ -201,7 +204,7 @@ def search(
         "pareto": [asdict(c) for c in pareto_front(state.candidates)],
         "fp8_not_tried": state.not_tried,
         "chosen": {
-            "policy": assignment_policy(base, assignment, state.modules),
+            "policy": policy,
             "assignment": assignment,
             "prediction": state.predict(assignment).to_dict(),
         },
@@ -348,6 +351,46 @@ def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[st
     if state.base_step_ms is not None:
         summary["cost_model"] = _cost_model_check(state, assignment, summary)
     return assignment, summary
+
+
+_MEASURED_MARGIN = 0.95  # a uniform policy replaces the chosen one only where its step measured 5% faster or more
+
+
+def _fastest_measured(
+    state: SearchState, assignment: dict[str, str], verification: dict[str, Any]
+) -> tuple[str, dict[str, str]]:
+    """The policy to write and its assignment: the verified per-layer one; or, with the cost model measured here,
+    the uniform base or uniform FP32 where the verification measured its step at least 5% faster and its loss
+    within the tolerance. The cost model counts the layers alone, not what a 16-bit base adds around the layers it
+    puts in FP32 (its region, the casts between layers): on a CPU with slow 16-bit kernels the per-layer policy
+    that puts every layer in FP32 can measure far slower than FP32 itself. The verdict then describes the pick."""
+    policy = assignment_policy(state.options.base, assignment, state.modules)
+    if state.base_step_ms is None or "chosen" not in verification:
+        return policy, assignment
+    verdict, chosen_ms = verification["verdict"], verification["chosen"]["ms_per_step"]
+    means = {name: verification[name]["mean"] for name in ("base", "fp32")}
+    reference = means["base"] if math.isfinite(means["base"]) else means["fp32"]  # as the verdict's
+    uniform = {"base": (state.options.base, {}), "fp32": ("fp32", {name: "fp32" for name in state.choices})}
+    faster = [
+        name
+        for name in (("base", "fp32") if assignment else ("fp32",))
+        if verification[name]["ms_per_step"] < _MEASURED_MARGIN * chosen_ms
+        and _change(means[name], reference) <= state.options.tolerance
+    ]
+    if not faster:
+        return policy, assignment
+    name = min(faster, key=lambda n: verification[n]["ms_per_step"])
+    change, ms = _change(means[name], reference), verification[name]["ms_per_step"]
+    state.progress(
+        f"tune: uniform {uniform[name][0]} measured {ms:.2f} ms a step against {chosen_ms:.2f} for {policy}, its "
+        f"loss {100 * change:+.3f}%: chosen instead (the cost model does not count a 16-bit base's casts)"
+    )
+    spread = verdict["base_seed_spread"]
+    verdict.update(
+        loss_change=change, within_tolerance=True, within_base_spread=abs(means[name] - means["base"]) <= spread
+    )
+    verdict["replaced"] = policy
+    return uniform[name]
 
 
 def _seeded(state: SearchState, name: str, policy: str) -> list[tuple[float, float]]:
