@@ -9,6 +9,7 @@ from mixprec.compute.device import DeviceCaps, cpu_isa, device_caps, device_type
 from mixprec.compute.emulation import EmulatedAutocast
 from mixprec.compute.kernels import KERNEL_SETTINGS, KernelPlan, kernel_plan
 from mixprec.compute.nest import map_floating, map_tensors
+from mixprec.compute.timing import interleaved_medians, pass_timer, repeats_for, warm_up
 
 __all__ = [
     "KERNEL_SETTINGS",
@@ -20,7 +21,11 @@ __all__ = [
     "device_type_of",
     "dropped_roundings_note",
     "inductor_keeps_casts",
+    "interleaved_medians",
     "kernel_plan",
     "map_floating",
     "map_tensors",
+    "pass_timer",
+    "repeats_for",
+    "warm_up",
 ]

@@ -4,7 +4,8 @@ Measurements that decide how mixprec computes on this machine (the CPU kernel pr
 pay) are taken once and kept in ``$MIXPREC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mixprec`` or
 ``~/.cache/mixprec``), each file ``{"version": N, "entries": {key: entry}}``. A file of another version, or one
 that does not parse, reads as empty (measured again); a cache that cannot be written (a read-only home) only
-costs a measurement, and a file there that mixprec did not write is left alone.
+costs a measurement, and a file there that mixprec did not write is left alone. Keys name torch's version
+(``... | torch 2.13.0 | ...``): storing an entry drops those another version measured.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 from mixprec.persist import write_atomically
 
-__all__ = ["default_cache_dir", "read_cache", "write_cache"]
+__all__ = ["default_cache_dir", "read_cache", "store", "write_cache"]
 
 _OURS = re.compile(rb'\s*\{\s*"version"\s*:')  # how every cache mixprec writes begins, damaged or not
 
@@ -48,3 +51,12 @@ def write_cache(path: Path, version: int, entries: dict) -> None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps({"version": version, "entries": entries}, indent=1).encode())
+
+
+def store(path: Path, version: int, key: str, entry: object) -> None:
+    """Add ``entry`` under ``key`` to the cache at ``path``, dropping the entries of other torch versions (stale:
+    a new torch measures again)."""
+    this_torch = f"| torch {torch.__version__} |"
+    kept = {k: v for k, v in read_cache(path, version).items() if this_torch in k}
+    kept[key] = entry
+    write_cache(path, version, kept)

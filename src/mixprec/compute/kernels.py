@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.compute.attention import GemmAttention
-from mixprec.compute.cache import default_cache_dir, read_cache, write_cache
+from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
 from mixprec.compute.emulation import EmulatedAutocast
 
@@ -202,15 +202,11 @@ def _measured_here(dtype: torch.dtype, cache_dir: str) -> KernelPlan:
 def _cached_or_measured(dtype: torch.dtype, cache_dir: Path, timer: Timer) -> KernelPlan:
     path = cache_dir / "kernels.json"
     key = machine_key(dtype)
-    entries = read_cache(path, CACHE_VERSION)
-    entry = entries.get(key)
+    entry = read_cache(path, CACHE_VERSION).get(key)
     if _valid_entry(entry) and not _taken_while_busy(entry, timer):
         return KernelPlan(dtype, dict(entry["choices"]), dict(entry.get("timings_ms", {})), f"cached in {path}")
     plan = _measure(dtype, timer)
-    torch_tag = f"| torch {torch.__version__} |"
-    kept = {k: v for k, v in entries.items() if torch_tag in k}  # other torch versions are stale
-    kept[key] = {"choices": plan.choices, "timings_ms": plan.timings_ms}
-    write_cache(path, CACHE_VERSION, kept)
+    store(path, CACHE_VERSION, key, {"choices": plan.choices, "timings_ms": plan.timings_ms})
     return plan
 
 

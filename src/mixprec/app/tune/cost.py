@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.compute import interleaved_medians, pass_timer, repeats_for, warm_up
 from mixprec.persist import check_overwrite, stamped, write_atomically
 from mixprec.regions import Region
 
@@ -66,7 +65,6 @@ __all__ = [
 FORMATS = ("fp32", "16", "fp8")  # per layer: FP32, the base policy's 16-bit compute, FP8
 SAVED_BYTES = {"fp32": 4, "16": 2, "fp8": 1}  # per value of the input a GEMM layer saves for its backward
 KIND = "device profile"
-_TARGET_MS = 5.0  # each timed sample repeats the pass until it takes about this long
 
 
 @dataclass(frozen=True)
@@ -343,14 +341,10 @@ def measure_profile(
         passes = {
             fmt: _pass(shape, layer_policy(base, fmt, shape.kind), device) for fmt in formats if fmt in shape.formats
         }
-        for run in passes.values():
-            run(1)  # warm-up: kernels, caches, the FP8 state
-        counts = {fmt: _repeats_for(run) for fmt, run in passes.items()}
-        samples: dict[str, list[float]] = {fmt: [] for fmt in passes}
-        for _ in range(repeats):
-            for fmt, run in passes.items():
-                samples[fmt].append(run(counts[fmt]) / counts[fmt])
-        profile.entries[shape.key()] = {fmt: round(statistics.median(ms), 5) for fmt, ms in samples.items()}
+        warm_up(passes)  # kernels, caches, the FP8 state
+        counts = {fmt: repeats_for(run(1)) for fmt, run in passes.items()}
+        medians = interleaved_medians(passes, counts, repeats)
+        profile.entries[shape.key()] = {fmt: round(ms, 5) for fmt, ms in medians.items()}
     return profile
 
 
@@ -361,25 +355,13 @@ def _pass(shape: LayerShape, policy: str, device: torch.device) -> Callable[[int
     layer = shape.module().to(device)
     x = shape.example_input(generator).to(device).requires_grad_()
     region = Region(policy, layer)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def run(count: int) -> float:
-        sync()
-        start = time.perf_counter()
-        for _ in range(count):
-            with region.enter():
-                out = layer(x)
-            out.float().sum().backward()
-        sync()
-        return (time.perf_counter() - start) * 1e3
+    def step() -> None:
+        with region.enter():
+            out = layer(x)
+        out.float().sum().backward()
 
-    return run
-
-
-def _repeats_for(run: Callable[[int], float]) -> int:
-    """Passes per timed sample: enough for about ``_TARGET_MS`` (tiny layers take microseconds)."""
-    once = max(run(1), 1e-3)
-    return max(1, min(1000, round(_TARGET_MS / once)))
+    return pass_timer(step, device)
 
 
 @dataclass(frozen=True)

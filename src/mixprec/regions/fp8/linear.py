@@ -66,12 +66,13 @@ class _Fp8Linear(torch.autograd.Function):
             wq, sw = scaled_cast(weight, state.weight)
             kernel = uses_kernel(state.recipe.gemm, x.device)
             # the kernel takes the scales' reciprocals: taken once here, reused by the backward's products
-            decode = (sx.reciprocal(), sw.reciprocal()) if kernel else (None, None)
+            x_decode, w_decode = (sx.reciprocal(), sw.reciprocal()) if kernel else (None, None)
+            decode = (x_decode, w_decode) if kernel else None
             if bias is None:  # rounded once, in the GEMM
-                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, _pair(decode))
+                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, decode)
             else:  # the bias added in FP32 first, then one rounding
-                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, decode=_pair(decode)).add_(bias.float())
-            ctx.save_for_backward(xq, wq, sx, sw, *decode)
+                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, decode=decode).add_(bias.float())
+            ctx.save_for_backward(xq, wq, sx, sw, x_decode, w_decode)
             ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
@@ -87,18 +88,13 @@ class _Fp8Linear(torch.autograd.Function):
             g_decode = sg.reciprocal() if kernel else None
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
-                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype, _pair((g_decode, w_decode))).reshape(ctx.x_shape)
+                decode = (g_decode, w_decode) if kernel else None
+                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype, decode).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, _pair((g_decode, x_decode)))
+                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, (g_decode, x_decode) if kernel else None)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
-
-
-def _pair(decode: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Both reciprocals where the kernel runs, else None (the emulation divides by the scales)."""
-    a, b = decode
-    return None if a is None or b is None else (a, b)
 
 
 def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> torch.Tensor:

@@ -30,8 +30,6 @@ changes only which rounding that rank's layer computes with.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mixprec.compute.cache import default_cache_dir, read_cache, write_cache
+from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
+from mixprec.compute.timing import interleaved_medians, pass_timer, repeats_for, warm_up
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
@@ -60,7 +59,6 @@ logger = logging.getLogger("mixprec")
 
 CACHE_FILE = "fp8_shapes.json"
 CACHE_VERSION = 1
-_TARGET_MS = 5.0  # each timed sample repeats the pass until it takes about this long
 _SAMPLES = 3
 _CLEARLY = 3.0  # FP8 this many times slower after one pass: decided without the samples
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -76,7 +74,6 @@ class ShapeSpeed:
     fp8_ms: float
     ref_ms: float
     ref: str  # the compute dtype: "bf16", "fp16"
-    source: str  # "measured", or the cache file it was read from
 
     @property
     def pays(self) -> bool:
@@ -148,16 +145,12 @@ class SpeedTable:
             return None  # a CUDA graph being captured: no sync, no timing
         path = default_cache_dir() / CACHE_FILE
         key = shape_key(self.recipe, self.device, dtype, m, k, n, bias)
-        entries = read_cache(path, CACHE_VERSION)
-        entry = entries.get(key)
+        entry = read_cache(path, CACHE_VERSION).get(key)
         if _valid(entry):
-            return ShapeSpeed(m, k, n, entry["fp8_ms"], entry["ref_ms"], _DTYPE_NAMES[dtype], str(path))
+            return ShapeSpeed(m, k, n, entry["fp8_ms"], entry["ref_ms"], _DTYPE_NAMES[dtype])
         fp8_ms, ref_ms = self._measure(m, k, n, bias, dtype)
-        torch_tag = f"| torch {torch.__version__} |"
-        kept = {k: v for k, v in entries.items() if torch_tag in k}  # other torch versions are stale
-        kept[key] = {"fp8_ms": round(fp8_ms, 5), "ref_ms": round(ref_ms, 5)}
-        write_cache(path, CACHE_VERSION, kept)
-        speed = ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), _DTYPE_NAMES[dtype], "measured")
+        store(path, CACHE_VERSION, key, {"fp8_ms": round(fp8_ms, 5), "ref_ms": round(ref_ms, 5)})
+        speed = ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), _DTYPE_NAMES[dtype])
         logger.info("mixprec: %s; %s", speed.describe(), "FP8" if speed.pays else f"{speed.ref} kept")
         return speed
 
@@ -210,36 +203,18 @@ def time_shape(
         b = torch.zeros(n, device=device, requires_grad=True) if bias else None
         state = Fp8LinearState(recipe, device)
 
-        def fp8() -> torch.Tensor:
-            return fp8_linear(x, w, b, state, dtype)
+        def fp8() -> None:
+            fp8_linear(x, w, b, state, dtype).float().sum().backward()
 
-        def ref() -> torch.Tensor:
+        def ref() -> None:
             with torch.autocast(device.type, dtype=dtype):
-                return F.linear(x, w, b)
+                y = F.linear(x, w, b)
+            y.float().sum().backward()
 
-        passes = {"fp8": _pass(fp8, device), "ref": _pass(ref, device)}
-        for run in passes.values():
-            run(1)  # warm-up: kernels, caches
-        once = {mode: max(run(1), 1e-3) for mode, run in passes.items()}
+        runs = {"fp8": pass_timer(fp8, device), "ref": pass_timer(ref, device)}
+        warm_up(runs)
+        once = {mode: max(run(1), 1e-3) for mode, run in runs.items()}
         if once["fp8"] > _CLEARLY * once["ref"]:  # no closer look needed (an emulation, a CPU kernel: ~100x)
             return once["fp8"], once["ref"]
-        counts = {mode: max(1, min(1000, round(_TARGET_MS / ms))) for mode, ms in once.items()}
-        samples: dict[str, list[float]] = {mode: [] for mode in passes}
-        for _ in range(_SAMPLES):
-            for mode, run in passes.items():
-                samples[mode].append(run(counts[mode]) / counts[mode])
-    return statistics.median(samples["fp8"]), statistics.median(samples["ref"])
-
-
-def _pass(forward: Callable[[], torch.Tensor], device: torch.device) -> Callable[[int], float]:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def run(count: int) -> float:
-        sync()
-        start = time.perf_counter()
-        for _ in range(count):
-            forward().float().sum().backward()
-        sync()
-        return (time.perf_counter() - start) * 1e3
-
-    return run
+        medians = interleaved_medians(runs, {mode: repeats_for(ms) for mode, ms in once.items()}, _SAMPLES)
+    return medians["fp8"], medians["ref"]
