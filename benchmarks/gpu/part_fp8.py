@@ -6,7 +6,8 @@ has the kernel): a product of two FP8 values is exact in FP32 and both paths acc
       (each operand pairing; a row count not divisible by 16 too, which mixprec sends to the kernel);
     - otherwise each differs from the exact product by at most K * eps32 * (|A| @ |B|) / (scales).
 mixprec's own kernel path (``fp8_matmul(kernel=True)``) must equal the direct ``torch._scaled_mm`` call.
-Throughput: e4m3 x e4m3 -> bf16 against a bf16 matmul at 4096^3 and 8192^3, TFLOP/s, CUDA events.
+Throughput: e4m3 x e4m3 -> bf16 (and, where its probe passed, the blockwise kernel as ``scaling=blockwise`` calls it)
+against a bf16 matmul at 4096^3 and 8192^3, TFLOP/s, CUDA events.
 Where the kernel does not run (a CPU without PyTorch's CPU kernel, a GPU below compute capability 8.9)
 the emulation is held to the exact product alone, with the reason recorded.
 """
@@ -19,6 +20,7 @@ import torch
 from benchmarks.gpu.common import Part, Settings, sync
 
 import mixprec
+from mixprec.regions.fp8.block_gemm import block_kernel_available, block_kernel_unavailable_reason, block_scaled_matmul
 
 __all__ = ["run"]
 
@@ -82,16 +84,22 @@ def _bounded_case(device, shape, kernel) -> dict:
     return _compare(xq, wq.t(), sx.to(device), sw.to(device), kernel, bitwise=False)
 
 
-def _tflops(device: torch.device, n: int, fp8: bool) -> dict:
-    """Median TFLOP/s of an n^3 product over 5 timed loops (CUDA events)."""
+def _tflops(device: torch.device, n: int, kind: str) -> dict:
+    """Median TFLOP/s of an n^3 product (``kind``: bf16, e4m3, e4m3 blockwise) over 5 timed loops (CUDA events)."""
     gen = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, device=device, generator=gen) for _ in range(2))
     one = torch.ones((), device=device)
-    if fp8:
+    if kind == "e4m3":
         a8, b8 = a.to(E4M3), b.to(E4M3).t()  # b column-major
 
         def gemm():
             return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    elif kind == "e4m3 blockwise":  # as the blockwise layers call it: 1x128 x 128x128 scales, FP32 out
+        a8, b8 = a.to(E4M3), b.to(E4M3).t()
+        sa, sb = torch.ones(n, n // 128, device=device), torch.ones(n // 128, n // 128, device=device)
+
+        def gemm():
+            return block_scaled_matmul(a8, sa, b8, sb, square=True, kernel=True)
     else:
         a16, b16 = a.bfloat16(), b.bfloat16()
 
@@ -132,8 +140,11 @@ def run(settings: Settings, part: Part) -> None:
     if not (settings.cuda and kernel):
         part.leave_out("throughput", "FP8 GEMM throughput needs CUDA with compute capability 8.9 or newer")
         return
+    blockwise = block_kernel_available(device)  # the probe: the kernel held to the emulation on spread scales
+    part.meta["blockwise_kernel"] = block_kernel_unavailable_reason(device) or "runs, equal to the emulation"
     for n in (4096, 8192):
-        bf16 = part.case({"case": "throughput", "n": n, "dtype": "bf16"}, lambda n=n: _tflops(device, n, False))
-        fp8 = part.case({"case": "throughput", "n": n, "dtype": "e4m3"}, lambda n=n: _tflops(device, n, True))
-        if bf16 and fp8:
-            part.records[-1]["vs_bf16"] = round(fp8["tflops"] / bf16["tflops"], 2)
+        bf16 = part.case({"case": "throughput", "n": n, "dtype": "bf16"}, lambda n=n: _tflops(device, n, "bf16"))
+        for kind in ("e4m3", "e4m3 blockwise") if blockwise else ("e4m3",):
+            fp8 = part.case({"case": "throughput", "n": n, "dtype": kind}, lambda n=n, k=kind: _tflops(device, n, k))
+            if bf16 and fp8:
+                part.records[-1]["vs_bf16"] = round(fp8["tflops"] / bf16["tflops"], 2)

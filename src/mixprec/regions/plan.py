@@ -18,7 +18,13 @@ import torch
 from mixprec.compute.device import device_caps
 from mixprec.compute.kernels import KernelPlan, kernel_plan
 from mixprec.policy.policy import DTYPE_NAMES, Policy
-from mixprec.regions.fp8.gemm import recipe_uses_kernel, scaled_mm_unavailable_reason, uses_kernel, wants_kernel
+from mixprec.regions.fp8.gemm import (
+    recipe_kernel_missing,
+    recipe_uses_kernel,
+    scaled_mm_unavailable_reason,
+    uses_kernel,
+    wants_kernel,
+)
 from mixprec.regions.fp8.gemm_layers import GemmSelection
 
 __all__ = [
@@ -72,7 +78,7 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     kernel = recipe_uses_kernel(recipe, device)
     how = "on PyTorch's FP8 GEMM (torch._scaled_mm)" if kernel else "emulated with FP32 arithmetic"
     if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
-        why = f"{recipe.scaling} scaling has no kernel path yet" if uses_kernel(recipe.gemm, device) else None
+        why = recipe_kernel_missing(recipe, device) if uses_kernel(recipe.gemm, device) else None
         how += f" ({why or scaled_mm_unavailable_reason(device)})"
     kept = f", kept out: {'+'.join(recipe.keep)}" if recipe.keep else ""
     if recipe.precision == "FP4":

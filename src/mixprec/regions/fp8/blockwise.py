@@ -12,7 +12,9 @@ block's partial sum to FP32 do:
     dw = g^T @ x    g and x in 128x1 tiles along M (the tokens)
 
 Scales are powers of two from each tile's current amax, so scaling is exact. A dimension that is not a
-multiple of 128 is padded with zeros, which change no tile's amax. Emulated on every device for now.
+multiple of 128 is padded with zeros, which change no tile's amax. The blockwise products run on cuBLAS's
+blockwise kernel where the recipe picks the kernel and it passed its probe on the device
+(:mod:`mixprec.regions.fp8.block_gemm`), else emulated; MXFP8 is emulated on every device for now.
 """
 
 from __future__ import annotations
@@ -22,69 +24,63 @@ import torch.nn.functional as F
 
 from mixprec.numerics.block_formats import BlockFormat, quantize_blocks
 from mixprec.numerics.formats import Format
+from mixprec.regions.fp8.block_gemm import BLOCK, block_scaled_matmul
+from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
 
 __all__ = ["BLOCK", "BLOCKWISE", "MXFP8", "MX_BLOCK", "round_tiles"]
 
-BLOCK = 128
-
 
 def _cast_tiles(t: torch.Tensor, fmt: Format, margin: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` (R, C) padded to whole tiles of ``rows`` x ``cols``, cast to ``fmt`` with a power-of-two scale per
-    tile (as FP32 values), and the scales expanded to one per element."""
+    """``t`` (R, C) padded with zeros to whole tiles of ``rows`` x ``cols`` and cast to ``fmt``'s storage with a
+    power-of-two scale per tile, and the scales, one per tile (R / rows, C / cols)."""
     padded = F.pad(t.float(), (0, -t.shape[1] % cols, 0, -t.shape[0] % rows))
     r, c = padded.shape
     tiles = padded.reshape(r // rows, rows, c // cols, cols)
     amax = torch.linalg.vector_norm(tiles, float("inf"), dim=(1, 3), keepdim=True)
-    scale = power_of_two_scale(amax, fmt.max, margin).expand_as(tiles)
-    quantized = cast_to_fp8_storage(tiles, scale, fmt).float()
-    return quantized.reshape(r, c), scale.reshape(r, c)
+    scale = power_of_two_scale(amax, fmt.max, margin)
+    return cast_to_fp8_storage(tiles, scale, fmt).reshape(r, c), scale.reshape(r // rows, c // cols)
 
 
 def round_tiles(t: torch.Tensor, fmt: Format, rows: int, cols: int, margin: int = 0) -> torch.Tensor:
     """``t`` (R, C) cast to ``fmt`` with a power-of-two scale per tile of ``rows`` x ``cols`` and scaled back, in
     FP32: what a tiled recipe makes of it (a tile of the whole tensor: tensorwise; of a row: rowwise)."""
     quantized, scale = _cast_tiles(t, fmt, margin, rows, cols)
-    return (quantized / scale)[: t.shape[0], : t.shape[1]]
-
-
-def _blocked_matmul(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-    """sum over K blocks of (qa_k @ qb_k) / (sa_k sb_k): ``qa``/``sa`` (M, K) with scales constant over each
-    block of 128 along K in a row, ``qb``/``sb`` (K, N) constant over each block along K in a column."""
-    m, k = qa.shape
-    n = qb.shape[1]
-    blocks = k // BLOCK
-    partial = torch.einsum("mbi,bin->bmn", qa.reshape(m, blocks, BLOCK), qb.reshape(blocks, BLOCK, n))
-    a_scale = sa.reshape(m, blocks, BLOCK)[:, :, 0].t().unsqueeze(2)  # (blocks, M, 1)
-    b_scale = sb.reshape(blocks, BLOCK, n)[:, 0, :].unsqueeze(1)  # (blocks, 1, N)
-    return (partial / (a_scale * b_scale)).sum(0)
+    per_value = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+    return (quantized.float() / per_value)[: t.shape[0], : t.shape[1]]
 
 
 class BLOCKWISE:
     """The blockwise recipe's three products (through :class:`~mixprec.regions.fp8.linear.Recast`, which casts
     each operand again for each product from the saved high-precision tensors: the weight's 128x128 tiles for
-    dx are the forward's, cast again the same way)."""
+    dx are the forward's, cast again the same way), each a :func:`block_scaled_matmul`: on cuBLAS's blockwise
+    kernel where the recipe picks the kernel and it passed its probe, else emulated."""
 
     @staticmethod
     def output(rows, weight, state) -> torch.Tensor:  # x in 1x128 tiles along K, w in 128x128 tiles
         fwd, margin = state.input.format, state.recipe.margin
         qx, sx = _cast_tiles(rows, fwd, margin, 1, BLOCK)
         qw, sw = _cast_tiles(weight, fwd, margin, BLOCK, BLOCK)
-        return _blocked_matmul(qx, sx, qw.t(), sw.t())[:, : weight.shape[0]]
+        y = block_scaled_matmul(qx, sx, qw.t(), sw.t(), True, _kernel(state, rows))
+        return y[:, : weight.shape[0]]
 
     @staticmethod
     def input_grad(grad, weight, state) -> torch.Tensor:  # g in 1x128 tiles along N, w in its 128x128 tiles
         margin = state.recipe.margin
         qg, sg = _cast_tiles(grad, state.grad.format, margin, 1, BLOCK)
         qw, sw = _cast_tiles(weight, state.input.format, margin, BLOCK, BLOCK)
-        return _blocked_matmul(qg, sg, qw, sw)[:, : weight.shape[1]]
+        return block_scaled_matmul(qg, sg, qw, sw, True, _kernel(state, grad))[:, : weight.shape[1]]
 
     @staticmethod
     def weight_grad(grad, rows, state) -> torch.Tensor:  # reduced over the tokens: both in 128x1 tiles along M
         margin = state.recipe.margin
         qg, sg = _cast_tiles(grad, state.grad.format, margin, BLOCK, 1)
         qx, sx = _cast_tiles(rows, state.input.format, margin, BLOCK, 1)
-        return _blocked_matmul(qg.t(), sg.t(), qx, sx)
+        return block_scaled_matmul(qg.t(), sg.t(), qx, sx, False, _kernel(state, grad))
+
+
+def _kernel(state, t: torch.Tensor) -> bool:
+    return recipe_uses_kernel(state.recipe, t.device)
 
 
 MX_BLOCK = 32

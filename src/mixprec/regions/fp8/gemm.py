@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp8_matmul", "recipe_uses_kernel", "scaled_mm_available", "scaled_mm_unavailable_reason", "uses_kernel"]
+__all__ = [
+    "fp8_matmul",
+    "recipe_kernel_missing",
+    "recipe_uses_kernel",
+    "scaled_mm_available",
+    "scaled_mm_unavailable_reason",
+    "uses_kernel",
+]
 
 _CUDA_ALIGNMENT = 16
 
@@ -74,12 +81,31 @@ def uses_kernel(gemm: str, device: torch.device) -> bool:
 
 
 def recipe_uses_kernel(recipe, device: torch.device) -> bool:
-    """Whether ``recipe``'s layers compute on the FP8 GEMM kernel on ``device``: its ``gemm`` setting picks it
-    there, and its scaling has a kernel path (the scalings in EMULATED_SCALINGS are emulated everywhere for now)."""
-    return recipe.scaling not in EMULATED_SCALINGS and uses_kernel(recipe.gemm, device)
+    """Whether ``recipe``'s layers compute on an FP8 GEMM kernel on ``device``: its ``gemm`` setting picks it there,
+    and its scaling has a kernel path that runs there. Called inside compiled steps: each probe it reads is taken
+    as a constant there."""
+    if recipe.scaling in EMULATED_SCALINGS or not uses_kernel(recipe.gemm, device):
+        return False
+    if recipe.scaling == "blockwise":
+        from mixprec.regions.fp8.block_gemm import block_kernel_available  # it builds on this module
+
+        return block_kernel_available(device)
+    return True
 
 
-EMULATED_SCALINGS = ("blockwise", "mxfp8", "mxfp4", "nvfp4")  # scalings without a kernel path yet
+def recipe_kernel_missing(recipe, device: torch.device) -> str | None:
+    """Why ``recipe``'s scaling has no kernel path on ``device`` where the plain kernel runs (the scalings in
+    EMULATED_SCALINGS have none yet; blockwise's is used where its own probe passed), or None."""
+    if recipe.scaling in EMULATED_SCALINGS:
+        return f"{recipe.scaling} scaling has no kernel path yet"
+    if recipe.scaling == "blockwise":
+        from mixprec.regions.fp8.block_gemm import block_kernel_unavailable_reason  # it builds on this module
+
+        return block_kernel_unavailable_reason(device)
+    return None
+
+
+EMULATED_SCALINGS = ("mxfp8", "mxfp4", "nvfp4")  # scalings without a kernel path yet (MX, NVFP4: Blackwell's)
 
 
 def fp8_matmul(
