@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixprec.regions.fp8.gemm import error_line
+
 __all__ = ["BLOCK", "block_kernel_available", "block_kernel_unavailable_reason", "block_scaled_matmul"]
 
 BLOCK = 128
@@ -96,8 +98,7 @@ def _probe(device: torch.device) -> str | None:
         try:
             got = _on_kernel(a, sa, b, sb, square)
         except (RuntimeError, NotImplementedError, ValueError, TypeError) as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            return f"F.scaled_mm refused blockwise scales on {device}: {type(error).__name__}: {first[:300]}"
+            return f"F.scaled_mm refused blockwise scales on {device}: {error_line(error)}"
         want = _emulated(a, sa, b, sb, square)
         if not bool(torch.isfinite(got).all()) or (got - want).norm() > _PROBE_RTOL * want.norm():  # host syncs, once
             error = ((got - want).norm() / want.norm()).item()

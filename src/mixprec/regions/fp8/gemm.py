@@ -65,9 +65,14 @@ def _probe(device: torch.device) -> str | None:
         one = torch.ones((), device=device)
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError) as error:  # kept: on a GPU that should have it, this is a finding
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return f"torch._scaled_mm failed on {device}: {type(error).__name__}: {first[:300]}"
+        return f"torch._scaled_mm failed on {device}: {error_line(error)}"
     return None
+
+
+def error_line(error: BaseException) -> str:
+    """A kernel's error in one line for a probe's reason: its type and the first line of its message."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def wants_kernel(gemm: str, device: torch.device) -> bool:
