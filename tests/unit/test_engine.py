@@ -82,6 +82,31 @@ def test_skipped_step_leaves_everything_bit_identical(policy, poison):
     assert stats.recent_overflow_steps == (3,)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
+def test_unscaled_policies_skip_and_tell_inf_from_nan_on_every_device(policy, device):
+    # off the CPU with a fused optimizer nothing waits for the host: the check's one read (each gradient's max
+    # magnitude) flags the step for the optimizer and tells inf from NaN for the statistics
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    fused = {"fused": True} if device != "cpu" else {}
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2, **fused), policy)
+    x, y = (t.to(device) for t in batch(0))
+    last = [p for p in model.parameters() if p.dim() == 2][-1]
+    for poison in (None, float("inf"), None, float("nan"), None):
+        before = [p.detach().clone() for p in model.parameters()]
+        with mp.autocast():
+            loss = F.cross_entropy(model(x), y)
+        hook = last.register_hook(lambda grad, poison=poison: grad + poison) if poison is not None else None
+        mp.backward(loss)
+        if hook is not None:
+            hook.remove()
+        mp.step()
+        moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert moved == (poison is None)
+    stats = mp.stats()
+    assert (stats.steps, stats.skipped_steps, stats.inf_steps, stats.nan_steps) == (5, 2, 1, 1)
+
+
 @pytest.mark.parametrize(
     ("policy", "scaler"),
     [

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -38,6 +40,41 @@ def test_noop_checks_without_changing_the_gradients():
     assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))  # subnormals and all, unchanged
     assert mixprec.NoOpLossScaler().unscale_(grads[:1]).tolist() == [0.0]
     assert mixprec.NoOpLossScaler().unscale_([]).tolist() == [0.0]
+
+
+def test_noop_checks_off_the_cpu_by_one_read_whose_magnitudes_tell_inf_from_nan(device):
+    inf, nan = float("inf"), float("nan")
+    grads = [
+        torch.tensor([-0.0, 1e-40, inf, 2.0], device=device),
+        torch.tensor([nan, 1.0], device=device, dtype=torch.bfloat16),
+        torch.zeros(0, device=device),  # an empty shard
+        torch.tensor([3.0, -5.0], device=device),
+    ]
+    before = [g.clone() for g in grads]
+    found, magnitudes = mixprec.NoOpLossScaler().unscale_checked_(grads)
+    assert found.tolist() == [1.0] and found.device.type == device
+    for got, want in zip(grads, before, strict=True):  # not written: the same bits, -0.0 and NaN included
+        bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), want.view(bits))
+    if device == "cpu":  # PyTorch's AMP kernel read them (a multiply by one): no magnitudes
+        assert magnitudes is None
+    else:  # the empty tensor left out; an inf and a NaN told apart with no further pass
+        assert magnitudes.tolist()[2] == 5.0 and math.isinf(magnitudes[0]) and math.isnan(magnitudes[1])
+        assert [bool(kind) for kind in mixprec.numerics.kinds_of(magnitudes)] == [True, True]
+    clean = [torch.ones(3, device=device), torch.zeros(0, device=device)]
+    assert mixprec.NoOpLossScaler().unscale_checked_(clean)[0].tolist() == [0.0]
+
+
+def test_max_magnitudes_flag_and_kinds():
+    from mixprec.numerics import kinds_of, magnitudes_not_finite, max_magnitudes
+
+    grouped = {(torch.device("cpu"), torch.float32): [torch.tensor([1.0, -7.0]), torch.zeros(0)]}
+    magnitudes = max_magnitudes(grouped, torch.device("cpu"))
+    assert magnitudes.tolist() == [7.0] and magnitudes_not_finite(magnitudes).tolist() == [0.0]
+    magnitudes = max_magnitudes([torch.tensor([float("nan"), float("inf")]), torch.tensor([float("-inf")])], "cpu")
+    assert magnitudes_not_finite(magnitudes).tolist() == [1.0]
+    assert [bool(k) for k in kinds_of(magnitudes)] == [True, True]  # a tensor holding both counts as NaN
+    assert magnitudes_not_finite(max_magnitudes([], torch.device("cpu"))).tolist() == [0.0]
 
 
 def test_noop_returns_the_loss_itself():

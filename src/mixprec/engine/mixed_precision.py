@@ -295,13 +295,13 @@ class MixedPrecision:
         else:
             grads = [grad for grad in map(_GRAD, optimized) if grad is not None]  # read in C
         unscaled = [local(g) for g in grads] if self.sharded else grads
-        found = self.scalers[loss_id].unscale_(self._grouped(optimized, unscaled, into_sums))
+        found, magnitudes = self.scalers[loss_id].unscale_checked_(self._grouped(optimized, unscaled, into_sums))
         before = self._found[loss_id]
         self._found[loss_id] = found if before is None else torch.maximum(before, found)  # 0 or 1, as fused steps need
         if classify_later:
-            self._unclassified = (unscaled, found)
+            self._unclassified = (unscaled, found, magnitudes)
         else:
-            self._log.classify(unscaled, found)
+            self._log.classify(unscaled, found, magnitudes=magnitudes)
         if into_sums:
             for param, grad in zip(params, grads, strict=True):
                 if id(param) in self._sums:
@@ -409,7 +409,8 @@ class MixedPrecision:
             flags = per_loss[0] if len(per_loss) == 1 else torch.cat(per_loss)  # one loss: no concatenation
             host = [flag != 0 for flag in flags.tolist()]
         if self._unclassified is not None:
-            self._log.classify(*self._unclassified, None if host is None else any(host))
+            grads, found, magnitudes = self._unclassified
+            self._log.classify(grads, found, None if host is None else any(host), magnitudes)
             self._unclassified = None
         if self.sharded and (host is None or any(host)):  # the same on every rank: the flags are agreed
             self._log.agree_kinds()  # a shard's NaN is every rank's skip (DDP replicas agree already)
@@ -449,7 +450,8 @@ class MixedPrecision:
         self._scaled_by: int | None = None  # the loss whose gradients, at its scale, are in .grad
         self._found: list[torch.Tensor | None] = [None] * self.num_losses  # each loss's found-inf flag
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unscaled FP32 sums, by id(param)
-        self._unclassified: tuple[list[torch.Tensor], torch.Tensor] | None = None  # step()'s, until its flag is read
+        # step()'s gradients, flag and magnitudes (None where the check did not read them), until its flag is read
+        self._unclassified: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None
         self._grads_carry_scale = False
 
     def zero_grad(self) -> None:

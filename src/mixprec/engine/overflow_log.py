@@ -20,7 +20,7 @@ import torch
 
 from mixprec.checks import whole_number
 from mixprec.distributed.ranks import agree_max, world
-from mixprec.numerics.finite import max_magnitudes, nonfinite_kinds
+from mixprec.numerics.finite import kinds_of, max_magnitudes, nonfinite_kinds
 from mixprec.scaling.dynamic import DynamicLossScaler
 
 __all__ = ["FoundInf", "OverflowLog", "StepRecord"]
@@ -96,19 +96,25 @@ class OverflowLog:
         self._last_log = float("-inf")
 
     # -- the window in progress ---------------------------------------------------------------
-    def classify(self, grads: Sequence[torch.Tensor], found: torch.Tensor, host: bool | None = None) -> None:
+    def classify(
+        self,
+        grads: Sequence[torch.Tensor],
+        found: torch.Tensor,
+        host: bool | None = None,
+        magnitudes: torch.Tensor | None = None,
+    ) -> None:
         """Tell inf from NaN in just-unscaled ``grads`` (``found``: their flag), before clipping or summing
         can turn one into the other.
 
         Only flagged gradients need the pass: clean ones cost nothing where the flag is known (``host``,
         read already) or free to read (the CPU); elsewhere it runs on the device every time, so that
-        nothing waits.
+        nothing waits, unless the check read the gradients' ``magnitudes`` already (no pass at all then).
         """
         if host is None and self._reads_free:
             host = bool(found.item())  # a memory load on the CPU
         if host is not None and not host:
             return
-        has_inf, has_nan = nonfinite_kinds(grads, self._device)
+        has_inf, has_nan = nonfinite_kinds(grads, self._device) if magnitudes is None else kinds_of(magnitudes)
         if self._kinds is not None:
             has_inf, has_nan = has_inf | self._kinds[0], has_nan | self._kinds[1]
         self._kinds = (has_inf, has_nan)

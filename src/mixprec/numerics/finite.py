@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["max_magnitudes", "nonfinite_kinds", "unscale_and_check_"]
+__all__ = ["kinds_of", "magnitudes_not_finite", "max_magnitudes", "nonfinite_kinds", "unscale_and_check_"]
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -64,30 +64,43 @@ def _unscale_and_check_group_(group: list[torch.Tensor], found: torch.Tensor, in
     if group[0].dtype != torch.bfloat16 or group[0].device.type == "cpu":
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
         return
-    group = [tensor for tensor in group if tensor.numel()]  # CUDA's _foreach_norm refuses an empty one (FSDP2 shards)
-    if not group:
-        return
-    found.add_(torch.isfinite(max_magnitudes(group, found.device)).logical_not().any())
+    found.add_(magnitudes_not_finite(max_magnitudes(group, found.device)))  # empty tensors left out (FSDP2 shards)
     inv = inv_scale.reshape(())  # a 0-d parameter's gradient takes it too
     for tensor in group:
         tensor.copy_(tensor.float().mul_(inv))
 
 
-def max_magnitudes(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Every tensor's max |value| as one FP32 vector on ``device`` (NaN where a tensor holds a NaN): one
-    ``_foreach_norm(inf)`` launch per (device, dtype) group, no host sync; empty for no tensors."""
-    amax = [
-        torch.stack(torch._foreach_norm(group, float("inf"))).to(device, non_blocking=True).float()
-        for group in _groups(tensors).values()
-    ]
+def max_magnitudes(tensors: Sequence[torch.Tensor] | Grouped, device: torch.device) -> torch.Tensor:
+    """Every non-empty tensor's max |value| as one FP32 vector on ``device`` (NaN where a tensor holds a NaN): one
+    ``_foreach_norm(inf)`` launch per (device, dtype) group (``tensors`` may come grouped so), no host sync; empty
+    for no tensors. A read-only pass: on CUDA, half the memory traffic of the AMP kernel, which writes every value
+    back; on the CPU about 6x slower than that kernel (measured: 16M FP32 values, 65 ms against 10)."""
+    groups = tensors if isinstance(tensors, Mapping) else _groups(tensors)
+    amax = []
+    for group in groups.values():
+        group = [tensor for tensor in group if tensor.numel()]  # CUDA's _foreach_norm refuses an empty one
+        if group:
+            amax.append(torch.stack(torch._foreach_norm(group, float("inf"))).to(device, non_blocking=True).float())
+    if len(amax) == 1:
+        return amax[0]
     return torch.cat(amax) if amax else torch.zeros(0, dtype=torch.float32, device=device)
 
 
+def magnitudes_not_finite(magnitudes: torch.Tensor) -> torch.Tensor:
+    """The found-inf flag of tensors whose :func:`max_magnitudes` these are: a 1-element FP32 tensor, 1.0 where any
+    is inf or NaN (as :func:`unscale_and_check_` returns it)."""
+    return torch.isfinite(magnitudes).logical_not().any().float().reshape(1)
+
+
 def nonfinite_kinds(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(has_inf, has_nan): two 0-d bool tensors on ``device``, from one max-magnitude pass per group.
+    """(has_inf, has_nan): two 0-d bool tensors on ``device``, from one max-magnitude pass per group."""
+    return kinds_of(max_magnitudes(tensors, device))
+
+
+def kinds_of(magnitudes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(has_inf, has_nan) of tensors whose :func:`max_magnitudes` these are.
 
     A tensor's max |value| is NaN if it holds a NaN and inf if it holds an inf but no NaN, so a
     tensor holding both counts as NaN only.
     """
-    stacked = max_magnitudes(tensors, device)
-    return torch.isinf(stacked).any(), torch.isnan(stacked).any()
+    return torch.isinf(magnitudes).any(), torch.isnan(magnitudes).any()

@@ -20,7 +20,7 @@ import torch
 
 from mixprec.numerics.finite import Grouped, unscale_and_check_
 
-__all__ = ["LossScaler", "check_state_type"]
+__all__ = ["LossScaler", "check_state_type", "device_of"]
 
 
 class LossScaler(ABC):
@@ -53,11 +53,14 @@ class LossScaler(ABC):
     # -- the protocol --------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale``, in the loss's dtype (autograd carries the factor into every gradient)."""
+        return self._checked(loss) * self._scale_on(loss.device).to(loss.dtype)
+
+    def _checked(self, loss: torch.Tensor) -> torch.Tensor:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}.scale(loss=...) needs a torch.Tensor; received {type(loss).__name__}."
             )
-        return loss * self._scale_on(loss.device).to(loss.dtype)
+        return loss
 
     def unscale_(self, grads: Sequence[torch.Tensor] | Grouped) -> torch.Tensor:
         """Divide ``grads`` by the scale in place, in one fused pass per device and dtype (``grads`` may come
@@ -66,17 +69,19 @@ class LossScaler(ABC):
         Returns a 1-element fp32 tensor on the scale's device: 1.0 when any gradient is inf or NaN.
         The reciprocal is computed in fp64, as GradScaler does: fp32 division can be inexact.
         """
-        if isinstance(grads, Mapping):  # keyed by (device, dtype)
-            device = next(iter(grads), (torch.device("cpu"),))[0]
-        else:
-            device = grads[0].device if grads else torch.device("cpu")
-        scale = self._scale_on(device)
+        return self.unscale_checked_(grads)[0]
+
+    def unscale_checked_(self, grads: Sequence[torch.Tensor] | Grouped) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`unscale_`'s flag, and the gradients' max magnitudes where the check read them
+        (:func:`mixprec.numerics.max_magnitudes`; None where it did not): they tell an inf from a NaN with no
+        further pass over the gradients."""
+        scale = self._scale_on(device_of(grads))
         cached = self._reciprocal
         # kept while the scale tensor is unchanged (every write to it is in place and bumps its version): a
         # static scale's reciprocal is computed once, not three launches a step
         if cached is None or cached[0] is not scale or cached[1] != scale._version:
             cached = self._reciprocal = (scale, scale._version, scale.double().reciprocal().float())
-        return unscale_and_check_(grads, cached[2])
+        return unscale_and_check_(grads, cached[2]), None
 
     @abstractmethod
     def update(self, found_inf: torch.Tensor) -> None:
@@ -119,3 +124,10 @@ def check_state_type(scaler: LossScaler, state: dict[str, Any], expected: str) -
             f"{type(scaler).__name__}.load_state_dict: the state is from a {state['type']!r} scaler, "
             f"this one is {expected!r}; build the matching scaler before loading."
         )
+
+
+def device_of(grads: Sequence[torch.Tensor] | Grouped) -> torch.device:
+    """The first gradient's device (the CPU for none): where the scale and the found-inf flag live."""
+    if isinstance(grads, Mapping):  # keyed by (device, dtype)
+        return next(iter(grads), (torch.device("cpu"),))[0]
+    return grads[0].device if grads else torch.device("cpu")

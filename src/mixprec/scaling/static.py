@@ -1,17 +1,21 @@
 """Scalers whose scale never changes: none at all, or a fixed factor.
 
-Both still run the fused finite check in ``unscale_``, so a step whose gradients hold inf or NaN is
-skipped under any scaler: bf16 and FP32 runs are protected too.
+Both still run the finite check in ``unscale_``, so a step whose gradients hold inf or NaN is
+skipped under any scaler: bf16 and FP32 runs are protected too. With no scale, nothing is divided: off the CPU
+the check is one read-only pass (each gradient's max magnitude, which also tells inf from NaN), where PyTorch's
+AMP kernel would write every value back multiplied by one; on the CPU that kernel is the fastest read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mixprec.checks import positive_number
-from mixprec.scaling.base import LossScaler, check_state_type
+from mixprec.numerics.finite import Grouped, magnitudes_not_finite, max_magnitudes
+from mixprec.scaling.base import LossScaler, check_state_type, device_of
 
 __all__ = ["NoOpLossScaler", "StaticLossScaler"]
 
@@ -28,8 +32,16 @@ class NoOpLossScaler(LossScaler):
         super().__init__(1.0)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        super().scale(loss)  # validates and places the scale; the loss itself is returned unchanged
+        self._scale_on(self._checked(loss).device)  # placed where a scale would be; the loss itself unchanged
         return loss
+
+    def unscale_checked_(self, grads: Sequence[torch.Tensor] | Grouped) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = device_of(grads)
+        if device.type == "cpu":  # PyTorch's AMP kernel is the fastest read there; a multiply by one changes nothing
+            return super().unscale_checked_(grads)
+        self._scale_on(device)
+        magnitudes = max_magnitudes(grads, device)
+        return magnitudes_not_finite(magnitudes), magnitudes
 
     def update(self, found_inf: torch.Tensor) -> None:
         pass
