@@ -82,6 +82,12 @@ def test_noop_returns_the_loss_itself():
     assert mixprec.NoOpLossScaler().scale(loss) is loss
 
 
+def test_only_no_scaling_has_a_scale_known_without_a_read():
+    assert mixprec.NoOpLossScaler().fixed_scale == 1.0
+    assert mixprec.StaticLossScaler(8.0).fixed_scale is None  # a loaded state may change it
+    assert mixprec.DynamicLossScaler().fixed_scale is None
+
+
 def test_static_never_moves():
     assert run(mixprec.StaticLossScaler(64.0), [1, 0, 0, 1, 1, 0]) == [64.0] * 6
 

@@ -155,11 +155,14 @@ class OverflowLog:
         self._kinds = None
 
     def scales(self) -> list[torch.Tensor | float]:
-        """Every scaler's scale now: read on the CPU (a memory load), a device copy elsewhere."""
+        """Every scaler's scale now: read on the CPU (a memory load), a device copy elsewhere; a scale that never
+        changes (no scaling) as it is, with neither."""
         snapshots: list[torch.Tensor | float] = []
         for scaler in self._scalers:
             tensor = scaler.scale_tensor
-            if tensor is None:
+            if scaler.fixed_scale is not None:
+                snapshots.append(scaler.fixed_scale)
+            elif tensor is None:
                 snapshots.append(scaler.get_scale())
             else:
                 snapshots.append(float(tensor.item()) if self._reads_free else tensor.clone())

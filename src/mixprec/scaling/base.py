@@ -46,6 +46,11 @@ class LossScaler(ABC):
         """The current scale on its device (None before first use); reading it does not sync."""
         return self._scale
 
+    @property
+    def fixed_scale(self) -> float | None:
+        """The scale where it can never change (no scaling: 1.0), known on the host with no read; else None."""
+        return None
+
     def get_scale(self) -> float:
         """The current scale as a Python float. Host sync: reads the device tensor."""
         return float(self._scale.item()) if self._scale is not None else self._init_scale

@@ -31,6 +31,10 @@ class NoOpLossScaler(LossScaler):
     def __init__(self) -> None:
         super().__init__(1.0)
 
+    @property
+    def fixed_scale(self) -> float:
+        return 1.0
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         self._scale_on(self._checked(loss).device)  # placed where a scale would be; the loss itself unchanged
         return loss
