@@ -47,9 +47,12 @@ def test_compiled_cast_equals_eager(device: str, scaling: str, fmt: str) -> None
     compiled = ScaleState(fmt, Fp8Recipe(**options, cast="compiled"), device)
     for dtype in (torch.bfloat16, torch.float32):
         for tensor in _operands(device, dtype):
-            want_q, want_scale = scaled_cast(tensor, eager)
-            got_q, got_scale = scaled_cast(tensor, compiled)
+            want_q, want_scale, want_decode = scaled_cast(tensor, eager, decode=True)
+            got_q, got_scale, got_decode = scaled_cast(tensor, compiled, decode=True)
             assert torch.equal(got_scale, want_scale), (dtype, tuple(tensor.shape))
+            assert torch.equal(got_decode, want_decode) and torch.equal(
+                got_decode * got_scale, torch.ones_like(got_scale)
+            )
             assert _same(got_q, want_q), (dtype, tuple(tensor.shape))
             # the delayed state's history and count are updated in place, equally
             assert torch.equal(compiled.history, eager.history) and torch.equal(compiled.recorded, eager.recorded)

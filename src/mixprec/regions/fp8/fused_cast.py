@@ -67,11 +67,12 @@ _FAILED: dict[tuple, str] = {}  # why compiling failed, by key: that key's later
 _WARNED: set[tuple] = set()
 
 
-def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_cast(tensor: torch.Tensor, state: ScaleState, decode: bool = False) -> tuple[torch.Tensor, ...]:
     """``tensor`` cast to ``state``'s FP8 format with the scale its recipe gives (current or delayed; a delayed
     state records the amax), and that scale: :meth:`ScaleState.scale_for` then
     :func:`~mixprec.regions.fp8.scaling.cast_to_fp8_storage`, the cast compiled where the recipe says
-    ``cast=compiled``."""
+    ``cast=compiled``. ``decode``: also the scale's reciprocal (exact: a power of two), which PyTorch's FP8 GEMM
+    takes; the compiled pass computes it with the scale, not as a launch of its own."""
     state.to(tensor.device)
     recipe = state.recipe
     amax, delayed = amax_of(tensor), recipe.scaling == "delayed"
@@ -85,14 +86,15 @@ def scaled_cast(tensor: torch.Tensor, state: ScaleState) -> tuple[torch.Tensor, 
         flat = _flat_alias(tensor)
         try:
             if delayed:
-                q, scale = _compiled(key, state)(flat, amax, state.history, state.recorded)
+                q, scale, inverse = _compiled(key, state)(flat, amax, state.history, state.recorded)
             else:
-                q, scale = _compiled(key, state)(flat, amax)
-            return q.view(tensor.shape), scale
+                q, scale, inverse = _compiled(key, state)(flat, amax)
+            return (q.view(tensor.shape), scale, inverse) if decode else (q.view(tensor.shape), scale)
         except Exception as error:
             _fall_back(key, error)
     scale = state.scale_from(amax)
-    return cast_to_fp8_storage(tensor, scale, state.format), scale
+    q = cast_to_fp8_storage(tensor, scale, state.format)
+    return (q, scale, scale.reciprocal()) if decode else (q, scale)
 
 
 def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,13 +140,13 @@ def _compiled(key: tuple, state: ScaleState):
 
         def cast(tensor, amax, history, recorded):
             scale = delayed_scale(amax, history, recorded, fmt.max, margin, amax_rule)
-            return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
+            return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale, scale.reciprocal()
 
     else:
 
         def cast(tensor, amax):
             scale = power_of_two_scale(amax, fmt.max, margin, guard=False)
-            return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale
+            return saturating_cast(tensor, scale, fmt.max, fmt.has_inf, fmt.dtype), scale, scale.reciprocal()
 
     compiled = torch.compile(_own_code(cast, "_".join(map(str, key))), dynamic=True, fullgraph=True)
     return _COMPILED.setdefault(key, compiled)  # two threads at once: both use the first one stored

@@ -54,6 +54,15 @@ class Fp8LinearState:
             getattr(self, role).load_state_dict(state[role])
 
 
+def _cast(
+    tensor: torch.Tensor, role: ScaleState, kernel: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An operand's FP8 storage, its scale, and, for the kernel, the scale's reciprocal (else None)."""
+    if kernel:
+        return scaled_cast(tensor, role, decode=True)
+    return (*scaled_cast(tensor, role), None)
+
+
 def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
     return cast_to_fp8_storage(tensor, scale, fmt)
 
@@ -62,11 +71,10 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
-            xq, sx = scaled_cast(x.reshape(-1, x.shape[-1]), state.input)
-            wq, sw = scaled_cast(weight, state.weight)
             kernel = uses_kernel(state.recipe.gemm, x.device)
             # the kernel takes the scales' reciprocals: taken once here, reused by the backward's products
-            x_decode, w_decode = (sx.reciprocal(), sw.reciprocal()) if kernel else (None, None)
+            xq, sx, x_decode = _cast(x.reshape(-1, x.shape[-1]), state.input, kernel)
+            wq, sw, w_decode = _cast(weight, state.weight, kernel)
             decode = (x_decode, w_decode) if kernel else None
             if bias is None:  # rounded once, in the GEMM
                 y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, decode)
@@ -84,8 +92,7 @@ class _Fp8Linear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch._C.DisableTorchFunction(), torch.autocast(grad.device.type, enabled=False):
             grad = grad.reshape(-1, grad.shape[-1])
-            gq, sg = scaled_cast(grad, state.grad)
-            g_decode = sg.reciprocal() if kernel else None
+            gq, sg, g_decode = _cast(grad, state.grad, kernel)
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
                 decode = (g_decode, w_decode) if kernel else None
