@@ -121,6 +121,30 @@ def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
     assert results["scaled_mm"][0].shape == (4, 12, 32)
 
 
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("gemm", ["scaled_mm", "emulated"])
+def test_the_bias_joins_the_fp32_sum_in_the_outputs_dtype_before_the_one_rounding(device, gemm):
+    # as F.linear under torch.autocast computes it (its bias cast to bf16), and as the kernel's epilogue adds it: a
+    # 16-bit output with no FP32 copy written and read again
+    torch.manual_seed(0)
+    x, w = torch.randn(24, 64, device=device), torch.randn(32, 64, device=device) * 0.05
+    bias = 1.0 + torch.arange(32, device=device) * 2.0**-12  # most of it not representable in bf16
+    recipe = Fp8Recipe(scaling="current", gemm=gemm)
+    with_bias = fp8_linear(x, w, bias, Fp8LinearState(recipe), torch.bfloat16)
+    product = fp8_linear(x, w, None, Fp8LinearState(recipe), torch.float32)
+    expected = (product + bias.bfloat16().float()).bfloat16()
+    if device.type == "cpu" or gemm == "emulated":
+        assert torch.equal(with_bias, expected)
+    else:  # CUDA: another kernel for the other output dtype may sum in another order
+        torch.testing.assert_close(with_bias, expected, rtol=2.0**-7, atol=0)
+    assert not torch.equal(expected, (product + bias).bfloat16())  # the case tells the two roundings apart
+    full = fp8_linear(x, w, bias, Fp8LinearState(recipe), torch.float32)  # an FP32 output: the FP32 bias itself
+    if device.type == "cpu" or gemm == "emulated":
+        assert torch.equal(full, product + bias)
+    else:
+        torch.testing.assert_close(full, product + bias)
+
+
 def test_auto_uses_the_kernel_on_cuda_only_and_the_choice_is_part_of_the_policy():
     from mixprec.regions.fp8.gemm import uses_kernel
 
@@ -151,9 +175,9 @@ def test_rowwise_scaling_runs_on_the_kernel_where_the_recipe_picks_it(monkeypatc
     calls = []
     scaled_mm = torch._scaled_mm
 
-    def recording(a, b, *, scale_a, scale_b, out_dtype):
+    def recording(a, b, *, scale_a, scale_b, bias=None, out_dtype):
         calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
-        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     state = Fp8LinearState(Fp8Recipe(scaling="rowwise", gemm="scaled_mm"))

@@ -121,10 +121,16 @@ def fp8_matmul(
     kernel: bool,
     out_dtype: torch.dtype = torch.float32,
     decode: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(a / a_scale) @ (b / b_scale)`` for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N): summed in FP32, then
-    rounded once to ``out_dtype`` (nearest even). The kernel rounds in its epilogue, so a bf16 product is
+    """``(a / a_scale) @ (b / b_scale) [+ bias]`` for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N): summed in FP32,
+    then rounded once to the dtype asked for (nearest even). The kernel rounds in its epilogue, so a bf16 product is
     written at half an FP32 one's bytes, with no separate cast pass.
+
+    ``bias`` (N): rounded to ``out_dtype`` first, then added to the FP32 product before the one rounding, as the
+    kernel's epilogue adds it and as ``F.linear`` under ``torch.autocast`` does (its bias cast to the compute dtype);
+    for an FP32 product that is the FP32 bias itself. On the kernel, a 16-bit product takes it in the epilogue: no
+    FP32 output written and read again, no launch of its own.
 
     Scales are one per tensor, or one per row of ``a`` (M×1) and per column of ``b`` (1×N): rowwise scaling,
     which CUDA's kernel writes in bf16 alone (a product asked in FP32 is then the bf16 rounding of the FP32 sum,
@@ -132,6 +138,7 @@ def fp8_matmul(
 
     ``decode``: the scales' reciprocals, which the kernel takes, where the caller has them already (a layer
     reuses its operands' in the backward: fewer launches); else computed here."""
+    rounded_bias = None if bias is None else bias.to(out_dtype)
     if kernel and _kernel_takes(a, b, a_scale, b_scale):
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
         # It wants ``a`` row-major and ``b`` column-major, and writes FP32, bf16 or fp16 only.
@@ -141,15 +148,21 @@ def fp8_matmul(
         rowwise = a_scale.numel() > 1 or b_scale.numel() > 1
         if rowwise and a.device.type == "cuda":
             written = torch.bfloat16
+        in_epilogue = rounded_bias is not None and written == out_dtype and written != torch.float32
         out = torch._scaled_mm(
             a.contiguous(),
             b,
             scale_a=a_decode.contiguous(),
             scale_b=b_decode.contiguous(),
+            bias=rounded_bias if in_epilogue else None,
             out_dtype=written,
         )
-        return (out[0] if isinstance(out, tuple) else out).to(out_dtype)  # older torch returns (out, amax)
-    return (torch.matmul(a.float(), b.float()) / (a_scale * b_scale)).to(out_dtype)
+        out = out[0] if isinstance(out, tuple) else out  # older torch returns (out, amax)
+        if rounded_bias is None or in_epilogue:
+            return out.to(out_dtype)
+        return (out.float() + rounded_bias.float()).to(out_dtype)
+    product = torch.matmul(a.float(), b.float()) / (a_scale * b_scale)
+    return (product if rounded_bias is None else product.add_(rounded_bias.float())).to(out_dtype)
 
 
 _KERNEL_OUTPUTS = (torch.float32, torch.bfloat16, torch.float16)

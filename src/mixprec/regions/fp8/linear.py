@@ -1,6 +1,7 @@
 """A Linear layer computed in FP8, emulated exactly with FP32 arithmetic on any device.
 
-Forward:   y = (q4(x * sx) @ q4(w * sw)^T) / (sx * sw) + b
+Forward:   y = (q4(x * sx) @ q4(w * sw)^T) / (sx * sw) + b   (b in the output's dtype, as autocast's Linear has it;
+           summed in FP32, rounded once)
 Backward:  dx = (q5(g * sg) @ q4(w * sw)) / (sg * sw),  dw = (q5(g * sg)^T @ q4(x * sx)) / (sg * sx),
            db = sum(g) (from the unquantized gradient, as FP8 GEMM libraries do)
 
@@ -76,10 +77,8 @@ class _Fp8Linear(torch.autograd.Function):
             xq, sx, x_decode = _cast(x.reshape(-1, x.shape[-1]), state.input, kernel)
             wq, sw, w_decode = _cast(weight, state.weight, kernel)
             decode = (x_decode, w_decode) if kernel else None
-            if bias is None:  # rounded once, in the GEMM
-                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, decode)
-            else:  # the bias added in FP32 first, then one rounding
-                y = fp8_matmul(xq, wq.t(), sx, sw, kernel, decode=decode).add_(bias.float())
+            # rounded once, the bias (in the output's dtype) added in the GEMM's epilogue
+            y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, decode, bias)
             ctx.save_for_backward(xq, wq, sx, sw, x_decode, w_decode)
             ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -121,8 +120,8 @@ class Recast(torch.autograd.Function):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
             rows = x.reshape(-1, x.shape[-1])
             y = products.output(rows, weight, state)
-            if bias is not None:
-                y = y + bias.float()
+            if bias is not None:  # in the output's dtype, as the per-tensor layer's epilogue adds it; summed in FP32
+                y = y.add_(bias.to(out_dtype))
             ctx.save_for_backward(rows, weight)
             ctx.state, ctx.products, ctx.has_bias, ctx.x_shape = state, products, bias is not None, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
