@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mixprec.numerics.block_formats import BlockFormat, quantize_blocks
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.block_gemm import BLOCK, block_scaled_matmul
-from mixprec.regions.fp8.gemm import recipe_uses_kernel
+from mixprec.regions.fp8.gemm import recipe_uses_kernel, with_bias
 from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
 
 __all__ = ["BLOCK", "BLOCKWISE", "MXFP8", "MX_BLOCK", "round_tiles"]
@@ -57,12 +57,12 @@ class BLOCKWISE:
     kernel where the recipe picks the kernel and it passed its probe, else emulated."""
 
     @staticmethod
-    def output(rows, weight, state) -> torch.Tensor:  # x in 1x128 tiles along K, w in 128x128 tiles
+    def output(rows, weight, state, bias, out_dtype) -> torch.Tensor:  # x in 1x128 tiles along K, w in 128x128 tiles
         fwd, margin = state.input.format, state.recipe.margin
         qx, sx = _cast_tiles(rows, fwd, margin, 1, BLOCK)
         qw, sw = _cast_tiles(weight, fwd, margin, BLOCK, BLOCK)
         y = block_scaled_matmul(qx, sx, qw.t(), sw.t(), True, _kernel(state, rows))
-        return y[:, : weight.shape[0]]
+        return with_bias(y[:, : weight.shape[0]], bias, out_dtype)
 
     @staticmethod
     def input_grad(grad, weight, state) -> torch.Tensor:  # g in 1x128 tiles along N, w in its 128x128 tiles
@@ -100,9 +100,9 @@ class MXFP8:
     sums in another order)."""
 
     @staticmethod
-    def output(rows, weight, state) -> torch.Tensor:
+    def output(rows, weight, state, bias, out_dtype) -> torch.Tensor:
         fwd = state.input.format
-        return _mx(rows, fwd) @ _mx(weight, fwd).t()
+        return with_bias(_mx(rows, fwd) @ _mx(weight, fwd).t(), bias, out_dtype)
 
     @staticmethod
     def input_grad(grad, weight, state) -> torch.Tensor:  # reduced over the output features: w down its columns

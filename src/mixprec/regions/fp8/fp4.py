@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.numerics.block_formats import BLOCK_FORMATS, quantize_blocks
+from mixprec.regions.fp8.gemm import with_bias
 
 __all__ = ["MXFP4", "NVFP4", "NVFP4_TILES", "hadamard_rotation", "nvfp4_weight", "rotate_tokens", "tiles", "untiles"]
 
@@ -109,8 +110,8 @@ class NVFP4:
     """NVFP4's three products (see the module docstring)."""
 
     @staticmethod
-    def output(rows, weight, state) -> torch.Tensor:
-        return _q(rows, "nvfp4") @ nvfp4_weight(weight).t()
+    def output(rows, weight, state, bias, out_dtype) -> torch.Tensor:
+        return with_bias(_q(rows, "nvfp4") @ nvfp4_weight(weight).t(), bias, out_dtype)
 
     @staticmethod
     def input_grad(grad, weight, state) -> torch.Tensor:  # the forward's quantized weight: its tiles are square
@@ -125,8 +126,8 @@ class MXFP4:
     """MXFP4's three products (see the module docstring): blocks of 32 with E8M0 scales (OCP rule)."""
 
     @staticmethod
-    def output(rows, weight, state) -> torch.Tensor:
-        return _q(rows, "mxfp4") @ _q(weight, "mxfp4").t()
+    def output(rows, weight, state, bias, out_dtype) -> torch.Tensor:
+        return with_bias(_q(rows, "mxfp4") @ _q(weight, "mxfp4").t(), bias, out_dtype)
 
     @staticmethod
     def input_grad(grad, weight, state) -> torch.Tensor:  # reduced over the output features: w down its columns

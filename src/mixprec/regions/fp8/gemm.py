@@ -138,7 +138,6 @@ def fp8_matmul(
 
     ``decode``: the scales' reciprocals, which the kernel takes, where the caller has them already (a layer
     reuses its operands' in the backward: fewer launches); else computed here."""
-    rounded_bias = None if bias is None else bias.to(out_dtype)
     if kernel and _kernel_takes(a, b, a_scale, b_scale):
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
         # It wants ``a`` row-major and ``b`` column-major, and writes FP32, bf16 or fp16 only.
@@ -148,21 +147,29 @@ def fp8_matmul(
         rowwise = a_scale.numel() > 1 or b_scale.numel() > 1
         if rowwise and a.device.type == "cuda":
             written = torch.bfloat16
-        in_epilogue = rounded_bias is not None and written == out_dtype and written != torch.float32
+        in_epilogue = bias is not None and written == out_dtype and written != torch.float32
         out = torch._scaled_mm(
             a.contiguous(),
             b,
             scale_a=a_decode.contiguous(),
             scale_b=b_decode.contiguous(),
-            bias=rounded_bias if in_epilogue else None,
+            bias=bias.to(out_dtype) if in_epilogue else None,
             out_dtype=written,
         )
         out = out[0] if isinstance(out, tuple) else out  # older torch returns (out, amax)
-        if rounded_bias is None or in_epilogue:
-            return out.to(out_dtype)
-        return (out.float() + rounded_bias.float()).to(out_dtype)
-    product = torch.matmul(a.float(), b.float()) / (a_scale * b_scale)
-    return (product if rounded_bias is None else product.add_(rounded_bias.float())).to(out_dtype)
+        return out.to(out_dtype) if in_epilogue else with_bias(out, bias, out_dtype)
+    return with_bias(torch.matmul(a.float(), b.float()) / (a_scale * b_scale), bias, out_dtype)
+
+
+def with_bias(product: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``product`` + ``bias`` rounded once to ``out_dtype``: the bias rounded to ``out_dtype`` first (as the kernel's
+    epilogue takes it, and as ``F.linear`` under ``torch.autocast`` casts it), added in FP32. ``product`` (FP32, or
+    the kernel's 16-bit output) is not kept: an FP32 one is added to in place."""
+    if bias is None:
+        return product.to(out_dtype)
+    if product.dtype != torch.float32:
+        product = product.float()
+    return product.add_(bias.to(out_dtype)).to(out_dtype)
 
 
 _KERNEL_OUTPUTS = (torch.float32, torch.bfloat16, torch.float16)

@@ -112,16 +112,15 @@ def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> tor
 
 class Recast(torch.autograd.Function):
     """A Linear layer whose operands are cast again for each of its three products, from the high-precision
-    input and weight saved for backward: ``products`` computes them (the output, the input's and the weight's
-    gradients), as the finer recipes need, whose scales run along each product's reduction."""
+    input and weight saved for backward: ``products`` computes them (the output, in ``out_dtype`` with the bias
+    added as :func:`~mixprec.regions.fp8.gemm.with_bias` adds it; the input's and the weight's gradients, in FP32),
+    as the finer recipes need, whose scales run along each product's reduction."""
 
     @staticmethod
     def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype, products: Any):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
             rows = x.reshape(-1, x.shape[-1])
-            y = products.output(rows, weight, state)
-            if bias is not None:  # in the output's dtype, as the per-tensor layer's epilogue adds it; summed in FP32
-                y = y.add_(bias.to(out_dtype))
+            y = products.output(rows, weight, state, bias, out_dtype)  # the bias as the per-tensor layer adds it
             ctx.save_for_backward(rows, weight)
             ctx.state, ctx.products, ctx.has_bias, ctx.x_shape = state, products, bias is not None, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -150,11 +149,12 @@ class _Rowwise:
     row and w per column (input feature); dw = g^T @ x with g per column (output feature) and x per column."""
 
     @staticmethod
-    def output(rows, weight, state: Fp8LinearState) -> torch.Tensor:
+    def output(rows, weight, state: Fp8LinearState, bias, out_dtype) -> torch.Tensor:
         fwd, margin = state.input.format, state.recipe.margin
         sx, sw = _row_scales(rows, fwd, -1, margin), _row_scales(weight, fwd, -1, margin)
         kernel = uses_kernel(state.recipe.gemm, rows.device)
-        return fp8_matmul(_to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd).t(), sx, sw.t(), kernel)
+        qx, qw = _to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd)
+        return fp8_matmul(qx, qw.t(), sx, sw.t(), kernel, out_dtype, bias=bias)
 
     @staticmethod
     def input_grad(grad, weight, state: Fp8LinearState) -> torch.Tensor:
