@@ -17,11 +17,12 @@ BLOCK = 128
 _REAL_SCALED_MM = F.scaled_mm
 
 
-def _reference_scaled_mm(flip_a_scales: bool = False):
-    """F.scaled_mm's blockwise semantics on any device, asserting the layouts PyTorch's tests build
-    (test/test_scaled_matmul_cuda.py): ``a`` row-major, ``b`` column-major; 1x128 scales of ``a`` (M, K/128)
-    outer-dimension-major; those of ``b`` (K/128, N) row-major; 128x128 scales of ``b`` (K/128 padded to a multiple
-    of 4, N/128), K-major. ``flip_a_scales``: a kernel that reads ``a``'s scales in the wrong order."""
+def _reference_scaled_mm(flip_a_scales: bool = False, refuse_1x128_b: bool = False):
+    """F.scaled_mm's blockwise semantics on any device, asserting the layouts PyTorch's meta functions check
+    (test_the_arguments_pass_pytorchs_own_checks runs those): ``a`` row-major, ``b`` column-major; 1x128 scales of
+    ``a`` (M, K/128) and of ``b`` (N, K/128), outer-dimension-major; 128x128 scales of ``b`` (K/128 padded to a
+    multiple of 4 with zeros, N/128), K-major. ``flip_a_scales``: a kernel that reads ``a``'s scales in the wrong
+    order; ``refuse_1x128_b``: one that takes 128x128 right-hand scales only."""
     calls = []
 
     def scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
@@ -29,20 +30,30 @@ def _reference_scaled_mm(flip_a_scales: bool = False):
         n, blocks = b.shape[1], k // BLOCK
         assert a.stride(1) == 1 and b.stride(0) == 1
         assert recipe_a == F.ScalingType.BlockWise1x128
-        assert scale_a.shape == (m, blocks) and scale_a.stride(0) == 1
+        assert scale_a.shape == (m, blocks) and _outer_major(scale_a)
         if recipe_b == F.ScalingType.BlockWise128x128:
-            assert scale_b.shape == (math.ceil(blocks / 4) * 4, math.ceil(n / BLOCK)) and scale_b.stride(0) == 1
+            padded = math.ceil(blocks / 4) * 4
+            assert scale_b.shape == (padded, math.ceil(n / BLOCK)) and _outer_major(scale_b)
+            assert not scale_b[blocks:].any()
             b_decode = scale_b[:blocks].repeat_interleave(BLOCK, dim=1)[:, :n]
         else:
             assert recipe_b == F.ScalingType.BlockWise1x128
-            assert scale_b.shape == (blocks, n) and scale_b.stride(1) == 1
-            b_decode = scale_b
+            if refuse_1x128_b:
+                raise NotImplementedError("1x128 x 1x128 blockwise scaling is not supported here")
+            assert scale_b.shape == (n, blocks) and _outer_major(scale_b)
+            b_decode = scale_b.t()
         a_decode = scale_a.flip(0) if flip_a_scales else scale_a
         calls.append((recipe_b.name, (m, k, n)))
         partial = torch.einsum("mbi,bin->bmn", a.float().reshape(m, blocks, BLOCK), b.float().reshape(blocks, BLOCK, n))
         return (partial * (a_decode.t().unsqueeze(2) * b_decode.unsqueeze(1))).sum(0).to(output_dtype)
 
     return scaled_mm, calls
+
+
+def _outer_major(scales: torch.Tensor) -> bool:
+    """Stored column by column (a dimension of size one has any stride)."""
+    rows, columns = scales.shape
+    return (rows == 1 or scales.stride(0) == 1) and (columns == 1 or scales.stride(1) == rows)
 
 
 @pytest.fixture
@@ -91,7 +102,7 @@ def test_a_kernel_that_reads_the_scales_wrong_fails_the_probe_and_the_layers_sta
     monkeypatch.setattr(F, "scaled_mm", scaled_mm)
     cpu = torch.device("cpu")
     why = block_gemm.block_kernel_unavailable_reason(cpu)
-    assert why is not None and why.startswith("PyTorch's blockwise FP8 GEMM differed from the emulation on cpu")
+    assert why is not None and "PyTorch's blockwise FP8 GEMM differed from the emulation on cpu" in why
     policy = mixprec.get_policy("base=fp8,fp8=(scaling=blockwise,gemm=scaled_mm)")
     model = nn.Linear(256, 128)
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy)
@@ -99,6 +110,92 @@ def test_a_kernel_that_reads_the_scales_wrong_fails_the_probe_and_the_layers_sta
     calls.clear()
     _train_pass(*_layer_case(cpu), policy.fp8)
     assert calls == []  # no layer called the kernel that failed its probe
+
+
+@pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
+def test_a_refused_weight_gradient_product_is_emulated_alone_and_the_plan_says_so(monkeypatch, fresh_probe):
+    scaled_mm, calls = _reference_scaled_mm(refuse_1x128_b=True)
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm)
+    cpu = torch.device("cpu")
+    assert block_gemm.block_kernel_runs(cpu, True) and not block_gemm.block_kernel_runs(cpu, False)
+    model = nn.Linear(256, 128)
+    policy = "base=fp8,fp8=(scaling=blockwise,gemm=scaled_mm)"
+    reason = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy).compute_plan.reason
+    assert "GEMM layers in FP8 on PyTorch's FP8 GEMM (torch._scaled_mm) (1x128 x 1x128 (the weight gradient) " in reason
+    assert "emulated: F.scaled_mm refused blockwise scales on cpu: NotImplementedError" in reason
+    calls.clear()
+    on_kernel = _train_pass(*_layer_case(cpu), Fp8Recipe(scaling="blockwise", gemm="scaled_mm"))
+    emulated = _train_pass(*_layer_case(cpu), Fp8Recipe(scaling="blockwise", gemm="emulated"))
+    assert [name for name, _ in calls] == ["BlockWise128x128", "BlockWise128x128"]  # y and dx; dw emulated
+    assert all(torch.equal(a, b) for a, b in zip(on_kernel, emulated, strict=True))
+
+
+@pytest.mark.parametrize("k,n", [(384, 256), (200, 48), (512, 384)])
+def test_the_arguments_pass_pytorchs_own_checks(k, n):
+    # PyTorch's meta functions hold F.scaled_mm's shapes and strides, on any machine: each of the three products of a
+    # blockwise layer (K/128 of 3 padded to 4 for the 128x128 scales; widths padded to whole tiles)
+    meta, e4m3, rows = torch.device("meta"), torch.float8_e4m3fn, 256
+    k_pad, n_pad = -(-k // BLOCK) * BLOCK, -(-n // BLOCK) * BLOCK
+    x, w, g = (torch.empty(shape, device=meta, dtype=e4m3) for shape in ((rows, k_pad), (n_pad, k_pad), (rows, n_pad)))
+    products = {
+        "y": (
+            x,
+            torch.ones(rows, k_pad // BLOCK, device=meta),
+            w.t(),
+            torch.ones(k_pad // BLOCK, n_pad // BLOCK, device=meta),
+            True,
+        ),
+        "dx": (
+            g,
+            torch.ones(rows, n_pad // BLOCK, device=meta),
+            w,
+            torch.ones(n_pad // BLOCK, k_pad // BLOCK, device=meta),
+            True,
+        ),
+        "dw": (
+            g[:, :n].t(),
+            torch.ones(n, rows // BLOCK, device=meta),
+            x[:, :k],
+            torch.ones(rows // BLOCK, k, device=meta),
+            False,
+        ),
+    }
+    for name, (a, sa, b, sb, square) in products.items():
+        if a.shape[0] % 16 or b.shape[1] % 16:  # emulated: not sent to the kernel
+            continue
+        out = F.scaled_mm(*block_gemm.scaled_mm_arguments(a, sa, b, sb, square), output_dtype=torch.float32)
+        assert out.shape == (a.shape[0], b.shape[1]) and out.dtype == torch.float32, name
+
+
+@pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
+def test_a_compiled_blockwise_layer_calls_the_kernel_as_it_is(monkeypatch, fresh_probe):
+    # torch.compile would lower F.scaled_mm to the older torch._scaled_mm, which checks other layouts: the custom op
+    # keeps the call as eager code makes it. Inductor, forward (its C++ backend fails on this recipe's backward graph
+    # under torch 2.13, the emulation's too); the whole training pass through dynamo and AOT autograd.
+    scaled_mm, calls = _reference_scaled_mm()
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm)
+    x0, w0, b0, grad = _layer_case(torch.device("cpu"))
+    state = Fp8LinearState(Fp8Recipe(scaling="blockwise", gemm="scaled_mm"))
+    assert block_gemm.block_kernel_unavailable_reason(torch.device("cpu")) is None  # probed, as the compute plan does
+
+    def layer(x, w, b):
+        return fp8_linear(x, w, b, state, torch.bfloat16)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        calls.clear()
+        want = layer(x0, w0, b0)
+        # the bias's round trip through bf16 kept: Inductor folds it otherwise (compute/compiled_casts.py)
+        got = torch.compile(layer, fullgraph=True, options={"emulate_precision_casts": True})(x0, w0, b0)
+        assert len(calls) == 2 and torch.equal(got, want)
+    results = []
+    for function in (torch.compile(layer, fullgraph=True, backend="aot_eager"), layer):
+        x, w, b = x0.clone().requires_grad_(), nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
+        calls.clear()
+        function(x, w, b).float().backward(grad)
+        results.append((x.grad, w.grad, b.grad, len(calls)))
+    assert results[0][3] == results[1][3] == 3
+    assert all(torch.equal(a, b) for a, b in zip(results[0][:3], results[1][:3], strict=True))
 
 
 def test_where_pytorch_has_no_blockwise_kernel_the_plan_says_why():
@@ -112,9 +209,10 @@ def test_where_pytorch_has_no_blockwise_kernel_the_plan_says_why():
     assert "emulated with FP32 arithmetic" in reason and "blockwise scaling" in reason
 
 
-def test_the_blockwise_probe_carries_the_mark_that_makes_torch_compile_take_it_as_a_constant():
+def test_the_blockwise_probes_carry_the_mark_that_makes_torch_compile_take_them_as_constants():
     marked = torch.compiler.assume_constant_result(lambda device: True)
-    assert vars(marked) and vars(marked).items() <= vars(block_gemm.block_kernel_available).items()
+    for probe in (block_gemm.block_kernel_available, block_gemm.block_kernel_runs):
+        assert vars(marked) and vars(marked).items() <= vars(probe).items()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

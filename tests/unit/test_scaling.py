@@ -65,6 +65,37 @@ def test_noop_checks_off_the_cpu_by_one_read_whose_magnitudes_tell_inf_from_nan(
     assert mixprec.NoOpLossScaler().unscale_checked_(clean)[0].tolist() == [0.0]
 
 
+def test_noops_read_only_check_equals_the_amp_kernels_flag(monkeypatch):
+    # the accelerators' path, run on the CPU: the same flag as PyTorch's AMP kernel, nothing written
+    from mixprec.scaling import static
+
+    cases = [[torch.ones(3)], [torch.tensor([1.0, float("inf")])], [torch.zeros(0), torch.tensor([float("nan")])], []]
+    monkeypatch.setattr(static, "_AMP_KERNEL_DEVICES", ())
+    for grads in cases:
+        before = [g.clone() for g in grads]
+        found, magnitudes = mixprec.NoOpLossScaler().unscale_checked_(grads)
+        want = mixprec.numerics.unscale_and_check_([g.clone() for g in grads], torch.ones(1)) if grads else None
+        assert found.tolist() == (want.tolist() if want is not None else [0.0])
+        assert magnitudes is not None and len(magnitudes) == sum(g.numel() > 0 for g in grads)
+        for got, was in zip(grads, before, strict=True):  # not written
+            assert torch.equal(got.view(torch.int32), was.view(torch.int32))
+
+
+def test_a_scaler_that_overrides_unscale_is_what_the_step_calls():
+    class Halving(mixprec.StaticLossScaler):
+        def unscale_(self, grads):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().unscale_(grads)
+
+    scaler = Halving(2.0)
+    model = torch.nn.Linear(4, 2)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16", scaler=scaler)
+    with mp.autocast():
+        loss = model(torch.ones(3, 4)).float().sum()
+    mp.backward(loss)
+    assert mp.step() and scaler.calls == 1
+
+
 def test_max_magnitudes_flag_and_kinds():
     from mixprec.numerics import kinds_of, magnitudes_not_finite, max_magnitudes
 

@@ -77,9 +77,11 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     device = torch.device(device_type)
     kernel = recipe_uses_kernel(recipe, device)
     how = "on PyTorch's FP8 GEMM (torch._scaled_mm)" if kernel else "emulated with FP32 arithmetic"
+    missing = recipe_kernel_missing(recipe, device) if uses_kernel(recipe.gemm, device) else None
     if wants_kernel(recipe.gemm, device) and not kernel:  # asked for here but absent: say why
-        why = recipe_kernel_missing(recipe, device) if uses_kernel(recipe.gemm, device) else None
-        how += f" ({why or scaled_mm_unavailable_reason(device)})"
+        how += f" ({missing or scaled_mm_unavailable_reason(device)})"
+    elif kernel and missing:  # on the kernel, some of the products emulated (blockwise's weight gradient)
+        how += f" ({missing})"
     kept = f", kept out: {'+'.join(recipe.keep)}" if recipe.keep else ""
     if recipe.precision == "FP4":
         note = f"GEMM layers in FP4 {how} (fp4_e2m1 inputs, weights and gradients, {recipe.scaling} scaling{kept})"

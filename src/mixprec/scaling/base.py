@@ -74,19 +74,20 @@ class LossScaler(ABC):
         Returns a 1-element fp32 tensor on the scale's device: 1.0 when any gradient is inf or NaN.
         The reciprocal is computed in fp64, as GradScaler does: fp32 division can be inexact.
         """
-        return self.unscale_checked_(grads)[0]
-
-    def unscale_checked_(self, grads: Sequence[torch.Tensor] | Grouped) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`unscale_`'s flag, and the gradients' max magnitudes where the check read them
-        (:func:`mixprec.numerics.max_magnitudes`; None where it did not): they tell an inf from a NaN with no
-        further pass over the gradients."""
         scale = self._scale_on(device_of(grads))
         cached = self._reciprocal
         # kept while the scale tensor is unchanged (every write to it is in place and bumps its version): a
         # static scale's reciprocal is computed once, not three launches a step
         if cached is None or cached[0] is not scale or cached[1] != scale._version:
             cached = self._reciprocal = (scale, scale._version, scale.double().reciprocal().float())
-        return unscale_and_check_(grads, cached[2]), None
+        return unscale_and_check_(grads, cached[2])
+
+    def unscale_checked_(self, grads: Sequence[torch.Tensor] | Grouped) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`unscale_`'s flag, and the gradients' max magnitudes where the check read them
+        (:func:`mixprec.numerics.max_magnitudes`; None where it did not): they tell an inf from a NaN with no
+        further pass over the gradients. What MixedPrecision calls: here :meth:`unscale_` (a subclass's own
+        included) and no magnitudes."""
+        return self.unscale_(grads), None
 
     @abstractmethod
     def update(self, found_inf: torch.Tensor) -> None:

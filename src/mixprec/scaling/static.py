@@ -19,6 +19,9 @@ from mixprec.scaling.base import LossScaler, check_state_type, device_of
 
 __all__ = ["NoOpLossScaler", "StaticLossScaler"]
 
+# where PyTorch's AMP kernel (unscale by one, and check) reads gradients faster than their max magnitudes do
+_AMP_KERNEL_DEVICES = ("cpu",)
+
 
 class NoOpLossScaler(LossScaler):
     """No loss scaling (scale 1): the default for bf16 and FP32 policies.
@@ -39,12 +42,15 @@ class NoOpLossScaler(LossScaler):
         self._scale_on(self._checked(loss).device)  # placed where a scale would be; the loss itself unchanged
         return loss
 
+    def unscale_(self, grads: Sequence[torch.Tensor] | Grouped) -> torch.Tensor:
+        """Check ``grads`` (nothing to divide by one); the flag as :meth:`LossScaler.unscale_` returns it."""
+        return self.unscale_checked_(grads)[0]
+
     def unscale_checked_(self, grads: Sequence[torch.Tensor] | Grouped) -> tuple[torch.Tensor, torch.Tensor | None]:
-        device = device_of(grads)
-        if device.type == "cpu":  # PyTorch's AMP kernel is the fastest read there; a multiply by one changes nothing
-            return super().unscale_checked_(grads)
-        self._scale_on(device)
-        magnitudes = max_magnitudes(grads, device)
+        if device_of(grads).type in _AMP_KERNEL_DEVICES:  # the fastest read there; a multiply by one changes nothing
+            return super().unscale_(grads), None
+        scale = self._scale_on(device_of(grads))  # the flag on the scale's device, as the AMP kernel's
+        magnitudes = max_magnitudes(grads, scale.device)
         return magnitudes_not_finite(magnitudes), magnitudes
 
     def update(self, found_inf: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mixprec.numerics.block_formats import BlockFormat, quantize_blocks
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.block_gemm import BLOCK, block_scaled_matmul
-from mixprec.regions.fp8.gemm import recipe_uses_kernel, with_bias
+from mixprec.regions.fp8.gemm import uses_kernel, with_bias
 from mixprec.regions.fp8.scaling import cast_to_fp8_storage, power_of_two_scale
 
 __all__ = ["BLOCK", "BLOCKWISE", "MXFP8", "MX_BLOCK", "round_tiles"]
@@ -54,7 +54,7 @@ class BLOCKWISE:
     """The blockwise recipe's three products (through :class:`~mixprec.regions.fp8.linear.Recast`, which casts
     each operand again for each product from the saved high-precision tensors: the weight's 128x128 tiles for
     dx are the forward's, cast again the same way), each a :func:`block_scaled_matmul`: on cuBLAS's blockwise
-    kernel where the recipe picks the kernel and it passed its probe, else emulated."""
+    kernel where the recipe picks the kernel and it passed its probe for that product's tiles, else emulated."""
 
     @staticmethod
     def output(rows, weight, state, bias, out_dtype) -> torch.Tensor:  # x in 1x128 tiles along K, w in 128x128 tiles
@@ -80,7 +80,8 @@ class BLOCKWISE:
 
 
 def _kernel(state, t: torch.Tensor) -> bool:
-    return recipe_uses_kernel(state.recipe, t.device)
+    """Whether the recipe picks PyTorch's FP8 GEMM on ``t``'s device (each product's own probe decides then)."""
+    return uses_kernel(state.recipe.gemm, t.device)
 
 
 MX_BLOCK = 32
