@@ -17,7 +17,7 @@ from benchmarks.gpu.steps import Mode
 
 from mixprec.app.bench.timing import Timing, interleaved
 
-__all__ = ["Prepared", "prepare", "prepare_all", "profile_steps", "time_modes"]
+__all__ = ["Prepared", "add_beyond_twin", "prepare", "prepare_all", "profile_steps", "time_modes"]
 
 _MB = 2**20
 
@@ -99,7 +99,41 @@ def profile_steps(made: Prepared, device: torch.device, steps: int = 3) -> dict:
         launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["kernels_per_step"] = round(len(launched) / steps, 1)
         figures["top_kernels"] = _top_kernels(launched, steps)
+        figures["kernel_counts"] = _kernel_counts(launched, steps)
     return figures
+
+
+def _kernel_counts(launched: list, steps: int) -> dict[str, list[float]]:
+    """Every kernel a step launches, by name (cut to 80 characters): [ms, launches] per step."""
+    totals: dict[str, list[float]] = {}
+    for event in launched:
+        total = totals.setdefault(event.name[:80], [0.0, 0])
+        total[0] += event.time_range.elapsed_us() / 1e3 / steps
+        total[1] += 1 / steps
+    return {name: [round(ms, 4), round(n, 1)] for name, (ms, n) in totals.items()}
+
+
+def add_beyond_twin(records: list[dict], twins: dict[str, str], count: int = 8) -> None:
+    """Each profiled mixprec record whose hand-written twin was profiled too gets ``beyond_twin``: the kernels it
+    launches more of, or spends more GPU time in, than the twin (most extra time first), each with the extra
+    milliseconds and launches per step; what tells where a step slower than the loop spends the difference."""
+    by_mode = {record["mode"]: record for record in records if record.get("kernel_counts")}
+    for mode, twin in twins.items():
+        if mode not in by_mode or twin not in by_mode:
+            continue
+        ours, theirs = by_mode[mode]["kernel_counts"], by_mode[twin]["kernel_counts"]
+        extra = []
+        for name, (ms, launches) in ours.items():
+            their_ms, their_launches = theirs.get(name, (0.0, 0.0))
+            if launches > their_launches or ms > their_ms * 1.05 + 0.005:  # 5 us or 5%: not noise
+                extra.append(
+                    {
+                        "kernel": name,
+                        "extra_ms": round(ms - their_ms, 3),
+                        "extra_launches": round(launches - their_launches, 1),
+                    }
+                )
+        by_mode[mode]["beyond_twin"] = sorted(extra, key=lambda k: -k["extra_ms"])[:count]
 
 
 def _top_kernels(launched: list, steps: int, count: int = 8) -> list[dict]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, free_memory, log
-from benchmarks.gpu.measure import prepare_all, profile_steps, time_modes
+from benchmarks.gpu.measure import add_beyond_twin, prepare_all, profile_steps, time_modes
 from benchmarks.gpu.steps import BF16_WEIGHTS_LOOP, TORCH_LOOPS, Mode, Workload, training_mode
 
 import mixprec
@@ -116,6 +116,8 @@ def _phase(settings: Settings, part: Part, work: Workload, phase: str, batch: in
             profile = part.attempt({**record, "profile": True}, lambda m=made: profile_steps(m, settings.device))
             record.update(profile or {})
         part.records.append(record)
+    here = [r for r in part.records if r.get("phase") == phase and r.get("batch") == batch]
+    add_beyond_twin(here, {made.mode.name: made.mode.twin for made in ready if made.mode.twin})
     log(f"  {phase} batch {batch}: " + ", ".join(f"{n} {t.median_ms:.1f} ms" for n, t in timings.items()))
     del ready
     free_memory()

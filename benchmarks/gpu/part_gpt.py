@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from benchmarks.gpu import models
 from benchmarks.gpu.common import Part, Settings, bf16_peak_flops, free_memory, log
-from benchmarks.gpu.measure import Prepared, prepare, prepare_all, profile_steps, time_modes
+from benchmarks.gpu.measure import Prepared, add_beyond_twin, prepare, prepare_all, profile_steps, time_modes
 from benchmarks.gpu.steps import BF16_WEIGHTS_LOOP, TORCH_LOOPS, Mode, Workload, training_mode
 
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
@@ -173,6 +173,7 @@ def run_table(settings: Settings, part: Part, work: Workload, table: Table, mode
             part.attempt({"mode": name, "profile": True}, lambda m=made: profile_steps(m, settings.device)) or {}
         )
         part.records.append(record)
+    add_beyond_twin(part.records, {made.mode.name: made.mode.twin for made in ready if made.mode.twin})
 
 
 def _raise_recompile_limit() -> None:

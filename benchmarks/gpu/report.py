@@ -99,6 +99,11 @@ def _part(name: str, part: dict) -> list[str]:
     for record in (r for r in good if r.get("top_kernels")):
         kernels = "; ".join(f"{k['kernel'][:60]} {k['ms']} ms x{k['launches']}" for k in record["top_kernels"][:4])
         lines.append(f"- {record['mode']}, most GPU time: {kernels}")
+    for record in (r for r in good if r.get("beyond_twin")):
+        extra = "; ".join(
+            f"{k['kernel'][:60]} {k['extra_ms']:+} ms {k['extra_launches']:+}x" for k in record["beyond_twin"][:5]
+        )
+        lines.append(f"- {record['mode']}, beyond its hand-written twin: {extra}")
     for record in good:
         if record.get("failing") or record.get("skip_reasons"):
             lines += [f"- {line}" for line in record.get("failing", [])]

@@ -336,3 +336,19 @@ def _check_profile(part: dict, folder) -> None:
     assert all(r[f"{fmt}_ms"] > 0 for r in part["records"] for fmt in formats[kinds[r["shape"]]])
     profile = DeviceProfile.load(folder / "device_profile.json")
     assert profile.base == "mixed_bf16" and set(profile.entries) == {"32x16x48", "32x48x16", "sdpa:1x2x2x16x8:causal"}
+
+
+def test_a_mixprec_row_names_the_kernels_it_launches_beyond_its_hand_written_twin():
+    from benchmarks.gpu.measure import add_beyond_twin
+
+    records = [
+        {"mode": "torch autocast bf16", "kernel_counts": {"gemm": [10.0, 30.0], "add": [0.5, 20.0]}},
+        {
+            "mode": "mixed_bf16",
+            "kernel_counts": {"gemm": [10.001, 30.0], "add": [0.5, 20.0], "foreach_norm": [0.3, 2.0]},
+        },
+        {"mode": "fp8", "kernel_counts": {"gemm": [12.0, 30.0]}},  # its twin was not profiled: nothing said
+    ]
+    add_beyond_twin(records, {"mixed_bf16": "torch autocast bf16", "fp8": "torch autocast bf16 compiled"})
+    assert records[1]["beyond_twin"] == [{"kernel": "foreach_norm", "extra_ms": 0.3, "extra_launches": 2.0}]
+    assert "beyond_twin" not in records[0] and "beyond_twin" not in records[2]
