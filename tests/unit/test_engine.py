@@ -767,6 +767,38 @@ def test_a_gradient_norm_past_fp32s_range_skips_the_update(policy):
     assert mp.step()
 
 
+@pytest.mark.parametrize("policy", ["mixed_bf16", "pure_bf16", "mixed_fp16", "o2_bf16"])
+def test_with_nothing_to_divide_clipping_reads_the_gradients_once(policy):
+    # no loss scale, one loss, no FP32 masters: the norm's own pass is the finite check (the AMP kernel does not
+    # run); a scale to divide (fp16) or masters to fill (o2) still unscale and check first
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.checks = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.checks += func.overloadpacket.__name__ == "_amp_foreach_non_finite_check_and_unscale_"
+            return func(*args, **(kwargs or {}))
+
+    model = make_model()
+    mp = mixprec.MixedPrecision(model, make_optimizer(model, policy), policy)
+    x, y = batch(0)
+    with mp.autocast():
+        loss = F.cross_entropy(model(x), y)
+    mp.backward(loss)
+    with Count() as count:
+        mp.clip_grad_norm_(1.0)
+        assert mp.step()
+    assert count.checks == (0 if policy in ("mixed_bf16", "pure_bf16") else 1)
+    for poison in (float("inf"), float("nan")):  # and such a step is still skipped, its kind told
+        before = snapshot(mp, model)
+        assert not train_step(mp, model, 3, poison=poison, clip=1.0)[0]
+        assert_bit_identical(before, snapshot(mp, model))
+    assert (mp.stats().inf_steps, mp.stats().nan_steps) == (1, 1)
+
+
 def test_a_state_saved_mid_window_says_its_gradients_are_missing_and_the_window_restarts():
     model = make_model()
     mp = mixprec.MixedPrecision(model, make_optimizer(model, "mixed_fp16"), "mixed_fp16", accumulation_steps=4)

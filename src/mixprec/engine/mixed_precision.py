@@ -263,22 +263,23 @@ class MixedPrecision:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
         self._unscale_now("unscale_()")
 
-    def _unscale_now(self, caller: str) -> None:
-        """unscale_() and clip_grad_norm_()'s unscale: the call order, the guards, then the unscale."""
+    def _unscale_now(self, caller: str, check: bool = True) -> None:
+        """unscale_() and clip_grad_norm_()'s unscale: the call order, the guards, then the unscale (``check``:
+        with the finite check; clip_grad_norm_'s norm checks them instead, where nothing is to be divided)."""
         self._order.check_unscale(caller)
         self._guards.before_gradients(self)
         self._order.on_unscale()
-        self._unscale()
+        self._unscale(check=check)
 
-    def _unscale(self, classify_later: bool = False) -> None:
+    def _unscale(self, classify_later: bool = False, check: bool = True) -> None:
         """At the window's end, unscale the last loss's gradients: in place (with one loss, the window's only
         unscale, no copy), or into the FP32 sums of the losses before, which then become the gradients."""
-        self._unscale_scaled(into_sums=bool(self._sums), classify_later=classify_later)
+        self._unscale_scaled(into_sums=bool(self._sums), classify_later=classify_later, check=check)
         for param, grad in self._sums.values():
             param.grad = grad if param.dtype == torch.float32 else grad.to(param.dtype)
         self._sums = {}
 
-    def _unscale_scaled(self, into_sums: bool, classify_later: bool = False) -> None:
+    def _unscale_scaled(self, into_sums: bool, classify_later: bool = False, check: bool = True) -> None:
         """Unscale the gradients in ``.grad`` (the masters' for o2) with the scaler of the loss that made them,
         in place, or into FP32 sums that gradients of another scale can join; note the loss's found-inf flag.
 
@@ -286,6 +287,8 @@ class MixedPrecision:
         the other; ``classify_later``: step()'s own unscale, whose flags step() reads next (free then)."""
         loss_id, self._scaled_by = self._scaled_by, None
         self._grads_carry_scale = False
+        if not check:  # nothing to divide, and the norm clip_grad_norm_ takes next flags them (_flag_from_norm)
+            return
         if self.masters is not None:
             self.masters.grads_to_masters()
         optimized = self._optimizer_params()
@@ -352,17 +355,35 @@ class MixedPrecision:
                 f"MixedPrecision.clip_grad_norm_(max_norm=...) needs a positive number (math.inf: measure the norm "
                 f"without clipping); received {max_norm!r}."
             )
+        # with nothing to divide (no loss scale, one loss, no FP32 masters), the norm's own pass is the finite check
+        by_norm = not self._order.unscaled and max_norm != float("inf") and self._norm_checks_gradients
         if not self._order.unscaled:
-            self._unscale_now("clip_grad_norm_()")
+            self._unscale_now("clip_grad_norm_()", check=not by_norm)
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
         total = total_norm(grads, norm_type, self.device, self.sharded)
         if max_norm != float("inf"):  # measuring alone changes nothing: non-finite gradients skip anyway
+            if by_norm:
+                self._flag_from_norm(total)
             self._skip_if_not_finite(total)
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient)
         return total
+
+    @property
+    def _norm_checks_gradients(self) -> bool:
+        """Whether clip_grad_norm_'s norm can stand for the finite check: one loss whose scaler divides by nothing,
+        gradients on the model's own (unsharded) parameters."""
+        return self.num_losses == 1 and self.masters is None and not self.sharded and self.scalers[0].fixed_scale == 1.0
+
+    def _flag_from_norm(self, norm: torch.Tensor) -> None:
+        """The one loss's found-inf flag from its gradients' total norm: inf or NaN where one is (a NaN makes the norm
+        NaN, an inf makes it inf; squares past FP32's range, inf too: skipped as clipping would skip them), and the
+        statistics' inf-or-NaN from it, before clipping can turn one into the other."""
+        found = (~torch.isfinite(norm)).float().reshape(1)
+        self._found[0] = found
+        self._log.classify([], found, magnitudes=norm.reshape(1))
 
     def _skip_if_not_finite(self, norm: torch.Tensor) -> None:
         """A non-finite gradient norm is an overflow: every loss of this window gets its found-inf flag."""
