@@ -20,7 +20,7 @@ import torch
 from benchmarks.gpu.common import Part, Settings, sync
 
 import mixprec
-from mixprec.regions.fp8.block_gemm import block_kernel_available, block_kernel_unavailable_reason, block_scaled_matmul
+from mixprec.regions.fp8.block_gemm import block_kernel_runs, block_kernel_unavailable_reason, block_scaled_matmul
 
 __all__ = ["run"]
 
@@ -140,7 +140,7 @@ def run(settings: Settings, part: Part) -> None:
     if not (settings.cuda and kernel):
         part.leave_out("throughput", "FP8 GEMM throughput needs CUDA with compute capability 8.9 or newer")
         return
-    blockwise = block_kernel_available(device)  # the probe: the kernel held to the emulation on spread scales
+    blockwise = block_kernel_runs(device, True)  # the probe: the kernel held to the emulation on spread scales
     part.meta["blockwise_kernel"] = block_kernel_unavailable_reason(device) or "runs, equal to the emulation"
     for n in (4096, 8192):
         bf16 = part.case({"case": "throughput", "n": n, "dtype": "bf16"}, lambda n=n: _tflops(device, n, "bf16"))

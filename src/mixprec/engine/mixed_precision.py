@@ -287,7 +287,7 @@ class MixedPrecision:
         the other; ``classify_later``: step()'s own unscale, whose flags step() reads next (free then)."""
         loss_id, self._scaled_by = self._scaled_by, None
         self._grads_carry_scale = False
-        if not check:  # nothing to divide, and the norm clip_grad_norm_ takes next flags them (_flag_from_norm)
+        if not check:  # nothing to divide, and the norm clip_grad_norm_ takes next flags them (_skip_if_not_finite)
             return
         if self.masters is not None:
             self.masters.grads_to_masters()
@@ -364,9 +364,7 @@ class MixedPrecision:
             return torch.zeros((), device=self.device)
         total = total_norm(grads, norm_type, self.device, self.sharded)
         if max_norm != float("inf"):  # measuring alone changes nothing: non-finite gradients skip anyway
-            if by_norm:
-                self._flag_from_norm(total)
-            self._skip_if_not_finite(total)
+            self._skip_if_not_finite(total, checks_gradients=by_norm)
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient)
         return total
@@ -377,17 +375,17 @@ class MixedPrecision:
         gradients on the model's own (unsharded) parameters."""
         return self.num_losses == 1 and self.masters is None and not self.sharded and self.scalers[0].fixed_scale == 1.0
 
-    def _flag_from_norm(self, norm: torch.Tensor) -> None:
-        """The one loss's found-inf flag from its gradients' total norm: inf or NaN where one is (a NaN makes the norm
-        NaN, an inf makes it inf; squares past FP32's range, inf too: skipped as clipping would skip them), and the
-        statistics' inf-or-NaN from it, before clipping can turn one into the other."""
-        found = (~torch.isfinite(norm)).float().reshape(1)
-        self._found[0] = found
-        self._log.classify([], found, magnitudes=norm.reshape(1))
+    def _skip_if_not_finite(self, norm: torch.Tensor, checks_gradients: bool = False) -> None:
+        """A non-finite gradient norm is an overflow: every loss of this window gets its found-inf flag.
 
-    def _skip_if_not_finite(self, norm: torch.Tensor) -> None:
-        """A non-finite gradient norm is an overflow: every loss of this window gets its found-inf flag."""
+        ``checks_gradients``: the norm stands for the finite check (nothing was divided, one loss), so it sets that
+        loss's flag and the statistics' inf-or-NaN, before clipping can turn one into the other: a NaN makes the norm
+        NaN, an inf makes it inf (squares past FP32's range too: skipped, as clipping would skip them)."""
         not_finite = (~torch.isfinite(norm)).float().reshape(1)
+        if checks_gradients:
+            self._found[0] = not_finite
+            self._log.classify([], not_finite, magnitudes=norm.reshape(1))
+            return
         self._found = [flag if flag is None else torch.maximum(flag, not_finite) for flag in self._found]
 
     def step(self) -> StepResult:

@@ -159,9 +159,9 @@ class OverflowLog:
         changes (no scaling) as it is, with neither."""
         snapshots: list[torch.Tensor | float] = []
         for scaler in self._scalers:
-            tensor = scaler.scale_tensor
-            if scaler.fixed_scale is not None:
-                snapshots.append(scaler.fixed_scale)
+            tensor, fixed = scaler.scale_tensor, scaler.fixed_scale
+            if fixed is not None:
+                snapshots.append(fixed)
             elif tensor is None:
                 snapshots.append(scaler.get_scale())
             else:

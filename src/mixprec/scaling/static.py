@@ -47,9 +47,10 @@ class NoOpLossScaler(LossScaler):
         return self.unscale_checked_(grads)[0]
 
     def unscale_checked_(self, grads: Sequence[torch.Tensor] | Grouped) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if device_of(grads).type in _AMP_KERNEL_DEVICES:  # the fastest read there; a multiply by one changes nothing
+        device = device_of(grads)
+        if device.type in _AMP_KERNEL_DEVICES:  # the fastest read there; a multiply by one changes nothing
             return super().unscale_(grads), None
-        scale = self._scale_on(device_of(grads))  # the flag on the scale's device, as the AMP kernel's
+        scale = self._scale_on(device)  # the flag on the scale's device, as the AMP kernel's
         magnitudes = max_magnitudes(grads, scale.device)
         return magnitudes_not_finite(magnitudes), magnitudes
 

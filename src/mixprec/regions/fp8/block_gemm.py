@@ -28,7 +28,6 @@ from mixprec.regions.fp8.gemm import error_line
 
 __all__ = [
     "BLOCK",
-    "block_kernel_available",
     "block_kernel_runs",
     "block_kernel_unavailable_reason",
     "block_scaled_matmul",
@@ -113,14 +112,6 @@ def block_kernel_runs(device: torch.device, square: bool) -> bool:
 
 # taken as a constant by torch.compile, as the plain kernel's probe is (mixprec.regions.fp8.gemm)
 block_kernel_runs._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def block_kernel_available(device: torch.device) -> bool:
-    """Whether the blockwise layers' output and input gradient (1x128 x 128x128) run on the kernel on ``device``."""
-    return block_kernel_runs(device, True)
-
-
-block_kernel_available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def block_kernel_unavailable_reason(device: torch.device) -> str | None:
