@@ -421,8 +421,13 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
         "measured_ms": measured,
         "predicted_over_measured": {n: predicted[n] / measured[n] for n in predicted if measured[n] > 0},
         # against the base: a machine that drifts between the timing and the runs moves both steps alike
-        "speedup_vs_base_predicted": {n: predicted["base"] / predicted[n] for n in predicted if "base" in predicted},
-        "speedup_vs_base_measured": {n: measured["base"] / measured[n] for n in measured if "base" in measured},
+        # a prediction of 0 ms or less (the layers timed alone past the whole step: a busy machine) has no ratio
+        "speedup_vs_base_predicted": {
+            n: predicted["base"] / ms for n, ms in predicted.items() if "base" in predicted and ms > 0
+        },
+        "speedup_vs_base_measured": {
+            n: measured["base"] / ms for n, ms in measured.items() if "base" in measured and ms > 0
+        },
         "ranking_predicted": order,
         "ranking_measured": sorted(measured, key=measured.get),
         "ranking_agrees": order == sorted(measured, key=measured.get),
