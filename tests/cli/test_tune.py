@@ -151,6 +151,12 @@ def test_profiles_round_trip_predict_unmeasured_shapes_and_refuse_other_files(tm
     shapes = {name: GemmShape(*mkn) for name, mkn in CHARLM.items()}
     assert predict({}, shapes, profile, base_step_ms=None).speedup == 1.0
     assert predict({"lm_head": "fp32"}, shapes, profile, base_step_ms=100.0).step_ms > 100.0
+    # layers timed alone past the whole step (a busy machine): scaled to fit it, the prediction stays positive
+    layers_ms = sum(profile.layer_ms(shape, "16")[0] for shape in shapes.values())
+    every_fp8 = {name: "fp8" for name in CHARLM}
+    busy = predict(every_fp8, shapes, profile, base_step_ms=layers_ms / 4)
+    assert busy.step_ms == pytest.approx(layers_ms / 8, rel=0.02) and busy.speedup == pytest.approx(2.0, rel=1e-3)
+    assert any("this prediction is not to be trusted" in note for note in busy.notes)
     (tmp_path / "other.json").write_text('{"something": 1}')
     refused = mixprec_cli("tune", "charlm", *TINY, "--device-profile", tmp_path / "other.json", "--out", tmp_path / "o")
     assert refused.returncode != 0 and "not a device profile mixprec wrote" in refused.stderr

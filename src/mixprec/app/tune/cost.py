@@ -402,7 +402,10 @@ def predict(
             "inside the model; this prediction is not to be trusted"
         )
     if base_step_ms is not None:
-        step, scope = max(base_step_ms - base_ms + ms, 1e-9), "step"
+        # layers timed alone past the whole step are scaled down to fit it (their share taken as the whole
+        # step), so a prediction stays positive and the base's own prediction stays its measured step
+        fit = min(1.0, base_step_ms / base_ms) if base_ms > 0 else 1.0
+        step, scope = base_step_ms - fit * base_ms + fit * ms, "step"
         base = base_step_ms
     else:
         step, scope, base = ms, "layers", base_ms

@@ -73,7 +73,7 @@ def report_text(result: dict[str, Any]) -> str:
         ratios = ", ".join(
             f"{name} {check['speedup_vs_base_predicted'][name]:.3f}x / {check['speedup_vs_base_measured'][name]:.3f}x"
             for name in check.get("speedup_vs_base_measured", {})
-            if name != "base"
+            if name != "base" and name in check["speedup_vs_base_predicted"]
         )
         lines += [
             "",
