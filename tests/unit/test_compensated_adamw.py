@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -261,6 +263,35 @@ def test_single_pass_true_refuses_where_it_cannot_run(monkeypatch):
     optimizer = mixprec.AdamW([param])
     optimizer.step()  # the default takes the eager path
     assert optimizer.state[param]["kahan_comp"].abs().sum() > 0
+
+
+def test_a_step_under_a_dispatch_mode_runs_eager_and_leaves_the_compiler_as_it_was():
+    # FlopCounterMode around a step (a user counting FLOPs): torch.compile cannot trace under it, and a compile
+    # that failed there switched dynamo's static sizes off for the rest of the process
+    import torch._dynamo.config
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    start = torch.randn(37).to(torch.bfloat16)
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    ours, eager = mixprec.AdamW([params[0]], single_pass=True), mixprec.AdamW([params[1]], single_pass=False)
+
+    def step_both(under_mode: bool) -> None:
+        grad = torch.randn(37).to(torch.bfloat16)
+        params[0].grad, params[1].grad = grad.clone(), grad.clone()
+        with FlopCounterMode(display=False) if under_mode else contextlib.nullcontext():
+            ours.step()
+        eager.step()
+
+    step_both(under_mode=True)  # the first step, where the kernel would compile: the eager path, no refusal
+    assert torch.equal(params[0], params[1])
+    assert torch.equal(ours.state[params[0]]["kahan_comp"], eager.state[params[1]]["kahan_comp"])
+    assert torch._dynamo.config.assume_static_by_default
+    for _ in range(2):  # outside the mode the kernel compiles and runs (single_pass=True would refuse otherwise)
+        step_both(under_mode=False)
+    ours_value = params[0].float() + ours.state[params[0]]["kahan_comp"].float()
+    eager_value = params[1].float() + eager.state[params[1]]["kahan_comp"].float()
+    torch.testing.assert_close(ours_value, eager_value, rtol=0, atol=1e-6)  # the kernel's stated bound
 
 
 def test_a_compiled_kernel_that_drops_the_compensation_is_caught_and_the_eager_path_keeps_it(monkeypatch, caplog):

@@ -140,3 +140,22 @@ def test_a_compiled_cast_keeps_e5m2_infinities(device: str) -> None:
     got = compiled(values)
     assert got[:4].tolist() == eager[:4].tolist() == [math.inf, -math.inf, 57344.0, -3.0]
     assert got[4].isnan() and eager[4].isnan()
+
+
+@pytest.mark.filterwarnings("error:.*compiling the FP8 cast failed:RuntimeWarning")
+def test_under_a_dispatch_mode_the_cast_runs_eager_and_compiles_after() -> None:
+    """torch.compile cannot trace under a user's TorchDispatchMode (FlopCounterMode around a step): the cast runs
+    eagerly there, records no failure, and compiles once outside (a failure would have ended it for good)."""
+    import torch._dynamo.config
+    from torch.utils.flop_counter import FlopCounterMode
+
+    recipe = Fp8Recipe(forward="fp8_e5m2", backward="fp8_e5m2", margin=2, cast="compiled")  # a key of its own
+    state, eager = ScaleState("fp8_e5m2", recipe), ScaleState("fp8_e5m2", Fp8Recipe(margin=2))
+    for tensor in _operands(torch.device("cpu"), torch.float32):
+        with FlopCounterMode(display=False):
+            q, scale = scaled_cast(tensor, state)
+        want_q, want_scale = scaled_cast(tensor, eager)
+        assert torch.equal(scale, want_scale) and _same(q, want_q)
+        assert compiled_cast_failures() == {} and torch._dynamo.config.assume_static_by_default
+        q, scale = scaled_cast(tensor, state)  # outside the mode: the compiled pass
+        assert torch.equal(scale, want_scale) and _same(q, want_q)

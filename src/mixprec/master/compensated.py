@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mixprec.compute.compile_guard import compile_blocked
 from mixprec.distributed.ranks import local
 from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, run_kahan_adamw_group, why_unavailable
 from mixprec.numerics.quantize import quantize
@@ -277,7 +278,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _kernel_available(self, device_type: str) -> bool:
         """Whether the compiled kernel for ``device_type`` runs; single_pass=True refuses where it cannot."""
-        if self._single_pass is False:
+        if self._single_pass is False or compile_blocked():  # under a dispatch mode: eager, compiled at the next
             return False
         if kahan_adamw_kernel(device_type) is None:
             if self._single_pass:

@@ -31,7 +31,8 @@ the step counts stay on the device, so that a step reads nothing back; it compil
 model with its parameter groups), at the first step. Where no compiler is present (no C++ compiler; no
 Triton), compiling fails, or the compiled kernel drops the compensation (checked once against the eager
 function: torch 2.11's Inductor ignores ``emulate_precision_casts`` on the CPU and folds the round trip), the
-optimizer keeps the eager path and says so once.
+optimizer keeps the eager path and says so once. A step taken under a user's TorchDispatchMode (an op or FLOP
+counter) runs the eager path without compiling (:mod:`mixprec.compute.compile_guard`), and the next compiles.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ the eager cast's values: bit for bit, except
 that a NaN may come out with the other sign bit (both are NaN, and NaN is all an overflow needs to reach the
 loss scaler). Where compiling fails (no Triton, no C++ compiler), that format and recipe cast eagerly from then
 on, with one warning, and :func:`compiled_cast_failures` says why; past dynamo's recompile limit a call casts
-eagerly and the next tries again.
+eagerly and the next tries again. Under a user's TorchDispatchMode nothing compiles: that call casts eagerly
+and records no failure (:mod:`mixprec.compute.compile_guard`).
 
 The graph takes a flat alias of the tensor's storage (a 1-D tensor of one dynamic size, not a view: dynamo would
 guard a view's base, its shape and the equalities between its sizes), so every layer shape shares it; what
@@ -36,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from mixprec.compute.compile_guard import compile_blocked
 from mixprec.numerics.formats import Format
 from mixprec.regions.fp8.scaling import (
     ScaleState,
@@ -82,6 +84,7 @@ def scaled_cast(tensor: torch.Tensor, state: ScaleState, decode: bool = False) -
         and key not in _FAILED
         and tensor.is_contiguous()
         and not torch.compiler.is_compiling()
+        and not compile_blocked()  # under a user's dispatch mode: eager, and no failure recorded
     ):
         flat = _flat_alias(tensor)
         try:
