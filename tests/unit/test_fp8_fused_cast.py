@@ -159,3 +159,53 @@ def test_under_a_dispatch_mode_the_cast_runs_eager_and_compiles_after() -> None:
         assert compiled_cast_failures() == {} and torch._dynamo.config.assume_static_by_default
         q, scale = scaled_cast(tensor, state)  # outside the mode: the compiled pass
         assert torch.equal(scale, want_scale) and _same(q, want_q)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_cast_under_a_tensors_own_scale_equals_the_saturating_cast(device: str, fmt: str) -> None:
+    """own_scale_cast leaves out the clamp (and e5m2's infinity test): with a scale from the tensor's own amax, per
+    tensor or per row, no finite value passes the format's largest. Held to the full saturating cast over many
+    binades, zeros, subnormal-sized values, infinities and NaN, in FP32 and bf16, margins 0 and 2."""
+    from mixprec.numerics.formats import get_format
+    from mixprec.regions.fp8.scaling import cast_to_fp8_storage, own_scale_cast, power_of_two_scale
+
+    spec = get_format(fmt)
+    for dtype in (torch.float32, torch.bfloat16):
+        for tensor in _operands(torch.device(device), dtype):
+            for margin in (0, 2):
+                whole = torch.linalg.vector_norm(tensor, math.inf, dtype=torch.float32)
+                rows = torch.linalg.vector_norm(tensor, math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+                for amax in (whole, rows):
+                    scale = power_of_two_scale(amax, spec.max, margin, guard=False)
+                    got, want = own_scale_cast(tensor, scale, spec), cast_to_fp8_storage(tensor, scale, spec)
+                    assert _same(got, want), (dtype, tuple(tensor.shape), margin, amax.numel())
+    # the largest finite values of the source dtype, alone and beside an infinity (an amax of inf)
+    for dtype in (torch.float32, torch.bfloat16):
+        big = torch.finfo(dtype).max
+        for values in ([big, -big, 1.0], [math.inf, big, -big, 3.0]):
+            tensor = torch.tensor(values, dtype=dtype, device=device)
+            scale = power_of_two_scale(torch.linalg.vector_norm(tensor, math.inf), spec.max, guard=False)
+            assert _same(own_scale_cast(tensor, scale, spec), cast_to_fp8_storage(tensor, scale, spec)), values
+
+
+def test_the_cast_under_a_tensors_own_scale_is_two_or_three_operations() -> None:
+    """Eager, each operation is a kernel launch on a GPU: the multiply, e4m3's infinities to NaN, the conversion."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixprec.regions.fp8.scaling import own_scale_cast
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tensor, scale = torch.randn(64, 32, dtype=torch.bfloat16), torch.tensor(4.0)
+    for fmt, want in (("fp8_e4m3", ["mul", "nan_to_num_", "_to_copy"]), ("fp8_e5m2", ["mul", "_to_copy"])):
+        own_scale_cast(tensor, scale, fmt)  # the first call probes the cast (once per device and dtypes)
+        with Ops() as ops:
+            own_scale_cast(tensor, scale, fmt)
+        assert ops.names == want, fmt

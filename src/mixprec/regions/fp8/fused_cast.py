@@ -44,6 +44,7 @@ from mixprec.regions.fp8.scaling import (
     amax_of,
     cast_to_fp8_storage,
     delayed_scale,
+    own_scale_cast,
     power_of_two_scale,
     saturating_cast,
 )
@@ -96,7 +97,7 @@ def scaled_cast(tensor: torch.Tensor, state: ScaleState, decode: bool = False) -
         except Exception as error:
             _fall_back(key, error)
     scale = state.scale_from(amax)
-    q = cast_to_fp8_storage(tensor, scale, state.format)
+    q = (cast_to_fp8_storage if delayed else own_scale_cast)(tensor, scale, state.format)  # the scale is its own
     return (q, scale, scale.reciprocal()) if decode else (q, scale)
 
 

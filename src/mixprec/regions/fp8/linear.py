@@ -28,7 +28,7 @@ from mixprec.numerics.formats import Format
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.fused_cast import scaled_cast
 from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
-from mixprec.regions.fp8.scaling import ScaleState, cast_to_fp8_storage, power_of_two_scale
+from mixprec.regions.fp8.scaling import ScaleState, own_scale_cast, power_of_two_scale
 
 __all__ = ["Fp8LinearState", "fp8_linear"]
 
@@ -65,7 +65,8 @@ def _cast(
 
 
 def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    return cast_to_fp8_storage(tensor, scale, fmt)
+    """``tensor`` in ``fmt``'s storage under scales from its own slices' amaxes (:func:`_row_scales`)."""
+    return own_scale_cast(tensor, scale, fmt)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -34,6 +34,7 @@ __all__ = [
     "cast_to_fp8",
     "cast_to_fp8_storage",
     "delayed_scale",
+    "own_scale_cast",
     "power_of_two_scale",
     "saturating_cast",
 ]
@@ -108,7 +109,11 @@ def saturating_cast(
     A bf16 tensor is scaled in bf16 (by a one-value scale: the product stays bf16): exact, as bf16 has FP32's
     exponent range and the scale is a power of two (a product that would be subnormal there is far below every
     FP8 format's smallest value, zero either way), and one conversion pass fewer."""
-    scaled = (tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale
+    return _saturate((tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale, fmt_max, has_inf, dtype)
+
+
+def _saturate(scaled: torch.Tensor, fmt_max: float, has_inf: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The scaled values cast to ``dtype``: finite ones saturating at ±``fmt_max``, infinities kept or made NaN."""
     if not has_inf:
         return scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan).clamp_(-fmt_max, fmt_max).to(dtype)
     if torch.compiler.is_compiling():
@@ -120,6 +125,45 @@ def saturating_cast(
 
 
 _INF_BITS = {torch.float8_e5m2: 0x7C}  # +inf's bits in each FP8 dtype that has one (-inf: with the sign bit)
+
+
+def own_scale_cast(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """:func:`cast_to_fp8_storage` where ``scale`` came from ``tensor``'s own amax (per tensor, row or tile, by
+    :func:`power_of_two_scale`): eagerly three launches in e4m3 and two in e5m2, against four and five.
+
+    Such a scale keeps every finite value within the format's largest: it is the largest power of two that keeps
+    the amax there, and an infinite amax gives one below 2**-112, which keeps every finite FP32 value within. So
+    the saturating clamp has nothing to clamp. Infinities still become what :func:`cast_to_fp8` promises: NaN in
+    e4m3 (PyTorch's cast would saturate them to ±448), kept in e5m2, whose eager cast keeps them where a probe
+    says so for that device and pair of dtypes (once each: a host sync; CUDA's and the CPU's do, cuda_fp8's
+    ``__NV_SATFINITE`` would not). A NaN amax gives some scale, and the tensor holds that NaN whatever the rest
+    becomes. Traced by torch.compile (Triton's conversions saturate), or while a CUDA graph is captured (no
+    read-back for the probe), the full saturating cast."""
+    spec = get_format(fmt)
+    scaled = (tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale
+    if torch.compiler.is_compiling():
+        return _saturate(scaled, spec.max, spec.has_inf, spec.torch_dtype)
+    if not spec.has_inf:
+        return scaled.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan).to(spec.torch_dtype)
+    if _cast_keeps_infinities(scaled.device, scaled.dtype, spec.torch_dtype):
+        return scaled.to(spec.torch_dtype)
+    return _saturate(scaled, spec.max, spec.has_inf, spec.torch_dtype)
+
+
+_KEEPS_INFINITIES: dict[tuple, bool] = {}
+
+
+def _cast_keeps_infinities(device: torch.device, source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether PyTorch's eager cast from ``source`` to ``target`` (a format with infinities) on ``device`` keeps
+    ±inf and NaN (probed once per triple: a host sync)."""
+    key = (device, source, target)
+    if key not in _KEEPS_INFINITIES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # no read-back during a capture: the full cast, and the probe at the next eager call
+        values = torch.tensor([math.inf, -math.inf, math.nan, 1.0], device=device, dtype=source)
+        cast = values.to(target).float().cpu()
+        _KEEPS_INFINITIES[key] = torch.equal(cast.nan_to_num(nan=7.0), values.float().cpu().nan_to_num(nan=7.0))
+    return _KEEPS_INFINITIES[key]
 
 
 def amax_of(tensor: torch.Tensor) -> torch.Tensor:
