@@ -3,7 +3,9 @@
 The model is the one FP8's goals are set on (docs/fp8.md): TinyGPT, 4 layers of width 2048 (16 heads,
 context 1024), batch 8 x 1024 tokens. Rows: the hand-written ``torch.autocast`` bf16 loop, mixprec's
 ``mixed_bf16``, and FP8 under each per-tensor recipe mixprec runs on the FP8 kernel (``current``, the
-default, and ``delayed``) on every layer (``shapes=all``), and ``fp8`` as it runs by default (each layer in FP8
+default, and ``delayed``) on every layer (``shapes=all``; the per-tensor one also with every product promoted to
+FP32, ``fast_accum=none``, beside the default's fast accumulation of the forward product), and ``fp8`` as it runs by
+default (each layer in FP8
 only where its shape measured faster, ``shapes=auto``; the measurements in the part's record), eager and
 compiled, and eager with each operand's cast compiled (``cast=compiled``,
 ``, compiled cast`` rows: what that option buys); beside them torchao's float8 training (tensorwise and
@@ -38,6 +40,8 @@ POLICIES = {
     "mixed_bf16": "mixed_bf16",
     "fp8": "fp8",  # FP8 only on the layers whose shape measured faster in FP8 (shapes=auto on CUDA)
     "fp8 all layers": "base=fp8,fp8=(shapes=all)",
+    # every product promoted to FP32 (the default asks fast accumulation of the forward product, as torchao does)
+    "fp8 all layers, FP32 accumulation": "base=fp8,fp8=(shapes=all,fast_accum=none)",
     "fp8 delayed": "base=fp8,fp8=(scaling=delayed,shapes=all)",
     "fp8 rowwise": "base=fp8,fp8=(scaling=rowwise,shapes=all)",  # beside torchao's rowwise
     "fp8 blockwise": "base=fp8,fp8=(scaling=blockwise,shapes=all)",  # cuBLAS's 1x128 / 128x128 kernel (Hopper)
@@ -54,6 +58,7 @@ COMPILED = (
     "fp8",
     "fp8 all layers",
     "torchao tensorwise",
+    "fp8 all layers, FP32 accumulation",
     "mixed_bf16",
     "fp8 on pure_bf16",
     "torchao rowwise",

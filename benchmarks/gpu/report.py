@@ -28,6 +28,7 @@ COLUMNS = {
             ("kernel_equals_emulation", "kernel == emulation"), ("kernel_error_over_bound", "kernel error / bound"),
             ("emulation_error_over_bound", "emulation error / bound"),
             ("mixprec_kernel_path_equals_kernel", "mixprec path == kernel"),
+            ("fast_accum_error_over_bound", "fast accum error / bound"),
             ("n", "n"), ("dtype", "dtype"), ("tflops", "TFLOP/s"), ("vs_bf16", "vs bf16")],
     "bert": [("phase", "phase"), ("batch", "batch"), ("mode", "precision"), ("median_ms", "ms"),
              ("samples_per_s", "samples/s"), ("speedup_vs_fp32", "vs fp32"), ("vs_torch_loop", "vs torch loop"),

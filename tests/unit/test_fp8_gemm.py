@@ -1,5 +1,6 @@
 """PyTorch's real FP8 GEMM (torch._scaled_mm) held to mixprec's exact emulation, on every device that has it."""
 
+import dataclasses
 import math
 
 import pytest
@@ -95,14 +96,15 @@ def test_kernel_agrees_with_emulation_to_the_order_of_additions(device):
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
-def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
+@pytest.mark.parametrize("fast_accum", ["none", "auto"])
+def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling, fast_accum):
     torch.manual_seed(0)
     x0 = torch.randn(4, 12, 64, device=device)
     w0, b0 = torch.randn(32, 64, device=device) * 0.05, torch.randn(32, device=device)
     grad = torch.randn(4, 12, 32, device=device) * 1e-3
     results = {}
     for gemm in ("scaled_mm", "emulated"):
-        state = Fp8LinearState(Fp8Recipe(scaling=scaling, gemm=gemm))
+        state = Fp8LinearState(Fp8Recipe(scaling=scaling, gemm=gemm, fast_accum=fast_accum))
         x, w, b = x0.clone().requires_grad_(), nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
         for _ in range(2):  # the second call uses the delayed history
             x.grad = w.grad = b.grad = None
@@ -112,13 +114,52 @@ def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling):
     # FP32 accumulation (CPU): a few FP32 roundings apart. 14-bit accumulation (CUDA): the output, rounded
     # to bf16, may differ by one bf16 ulp; the gradients (K = 48 at most) by K of the kernel's roundings
     # relative to the largest value (CUDA's rowwise kernel writes the FP32 gradients in bf16: within that too)
+    # Fast accumulation of the output ("auto"; CUDA: no promotion to FP32 at all): within K = 64 of the kernel's
+    # roundings of the magnitude sum; the CPU's kernel sums in FP32 whatever it is asked
     out_rtol = 1e-5 if device.type == "cpu" else 2.0**-7
+    magnitude = (x0.abs().reshape(-1, 64) @ w0.abs().t()).max().item() + b0.abs().max().item()
+    fast_atol = 64 * _accumulation_eps(device) * magnitude if device.type == "cuda" and fast_accum == "auto" else 0.0
     for i, (kernel, emulated) in enumerate(zip(results["scaled_mm"], results["emulated"], strict=True)):
         assert kernel.shape == emulated.shape
         rtol = out_rtol if i == 0 else 1e-5
         atol = (1e-6 if device.type == "cpu" else 48 * _accumulation_eps(device)) * emulated.abs().max().item()
-        torch.testing.assert_close(kernel, emulated, rtol=rtol, atol=atol)
+        torch.testing.assert_close(kernel, emulated, rtol=rtol, atol=atol + (fast_atol if i == 0 else 0.0))
     assert results["scaled_mm"][0].shape == (4, 12, 32)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
+@pytest.mark.parametrize(
+    ("fast_accum", "fast"),
+    [("auto", (True, False, False)), ("output", (True, False, False)), ("all", (True,) * 3), ("none", (False,) * 3)],
+)
+def test_the_products_ask_the_kernel_for_the_accumulation_the_recipe_names(monkeypatch, scaling, fast_accum, fast):
+    # the output, input gradient and weight gradient, in that order; the emulation has no such choice
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, use_fast_accum=False, **kwargs):
+        calls.append(use_fast_accum)
+        return real(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    recipe = Fp8Recipe(scaling=scaling, gemm="scaled_mm", fast_accum=fast_accum)
+    x, w = torch.randn(16, 32, requires_grad=True), nn.Parameter(torch.randn(48, 32) * 0.05)
+    fp8_linear(x, w, None, Fp8LinearState(recipe), torch.bfloat16).float().sum().backward()
+    assert tuple(calls) == fast
+    assert mixprec.get_policy(f"base=fp8,fp8=(scaling={scaling},fast_accum={fast_accum})").fp8 == dataclasses.replace(
+        recipe, gemm="auto"
+    )
+
+
+def test_fast_accumulation_is_a_run_option_of_the_kernels_layers():
+    assert str(Fp8Recipe(fast_accum="none")) == "hybrid(fast_accum=none)" and str(Fp8Recipe()) == "hybrid"
+    with pytest.raises(ValueError, match=r"fast_accum=\.\.\.\): received 'fast'; use one of auto, output, all, none"):
+        Fp8Recipe(fast_accum="fast")
+    with pytest.raises(ValueError, match="scaling='blockwise' has no such product: leave fast_accum out"):
+        mixprec.get_policy("base=fp8,fp8=(scaling=blockwise,fast_accum=all)")
+    assert not Fp8Recipe(scaling="blockwise").fast_accumulation("output")  # auto: none where no kernel takes it
+    # a state saved under one accumulation resumes under another: the scale states are the same
+    assert mixprec.policy.resumes_under("base=fp8,fp8=(fast_accum=none)", mixprec.get_policy("fp8"))
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -175,7 +216,7 @@ def test_rowwise_scaling_runs_on_the_kernel_where_the_recipe_picks_it(monkeypatc
     calls = []
     scaled_mm = torch._scaled_mm
 
-    def recording(a, b, *, scale_a, scale_b, bias=None, out_dtype):
+    def recording(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False):
         calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
         return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 

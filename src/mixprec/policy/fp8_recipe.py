@@ -39,6 +39,13 @@
                 once per shape and cached, :mod:`mixprec.regions.fp8.shape_speed`), "all" (every selected
                 layer, whatever its speed) or "auto" (default: "faster" where the FP8 GEMM kernel runs, as
                 on CUDA; "all" where FP8 is emulated, which is there for its numerics, never for speed)
+    fast_accum  which products of the per-tensor and rowwise layers ask PyTorch's FP8 GEMM for fast
+                accumulation (``use_fast_accum``: on Hopper the tensor cores' partial sums are never promoted to
+                FP32, faster and less precise): "output" (the forward product, as torchao's float8 training
+                and Transformer Engine run it; "auto", the default, is "output" for those scalings and "none"
+                for the others), "all" (the gradients' products too) or "none" (every product promoted).
+                The emulation and the CPU's kernel accumulate in FP32 whatever it says. A run may resume
+                under another (as under another ``cast``)
 
 Scales are powers of two, so scaling is exact and the emulation equals a scaled cast bit for bit.
 
@@ -66,6 +73,7 @@ from mixprec.checks import shown
 __all__ = [
     "AMAX_REDUCTIONS",
     "CAST_CHOICES",
+    "FAST_ACCUM_CHOICES",
     "FP4_SCALINGS",
     "FP8_FORMATS",
     "GEMM_CHOICES",
@@ -78,6 +86,8 @@ __all__ = [
 GEMM_CHOICES = ("auto", "emulated", "scaled_mm")
 CAST_CHOICES = ("eager", "compiled")
 SHAPE_CHOICES = ("auto", "faster", "all")
+FAST_ACCUM_CHOICES = ("auto", "output", "all", "none")
+FAST_ACCUM_SCALINGS = ("current", "delayed", "rowwise")  # their products run on PyTorch's FP8 GEMM
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 FP4_SCALINGS = ("mxfp4", "nvfp4")  # every operand in fp4_e2m1: the FP8 formats do not apply
@@ -94,6 +104,7 @@ _OPTIONS = (
     "gemm",
     "cast",
     "shapes",
+    "fast_accum",
 )  # the keys inside the parentheses
 
 
@@ -110,6 +121,7 @@ class Fp8Recipe:
     gemm: str = "auto"
     cast: str = "eager"
     shapes: str = "auto"
+    fast_accum: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
@@ -133,6 +145,16 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe(cast=...): received {self.cast!r}; use one of {', '.join(CAST_CHOICES)}.")
         if self.shapes not in SHAPE_CHOICES:
             raise ValueError(f"Fp8Recipe(shapes=...): received {self.shapes!r}; use one of {', '.join(SHAPE_CHOICES)}.")
+        if self.fast_accum not in FAST_ACCUM_CHOICES:
+            raise ValueError(
+                f"Fp8Recipe(fast_accum=...): received {self.fast_accum!r}; use one of {', '.join(FAST_ACCUM_CHOICES)}."
+            )
+        if self.fast_accum in ("output", "all") and self.scaling not in FAST_ACCUM_SCALINGS:
+            raise ValueError(
+                f"Fp8Recipe(fast_accum={self.fast_accum!r}) asks PyTorch's FP8 GEMM of the per-tensor and rowwise "
+                f"layers (scaling=current, delayed or rowwise); scaling={self.scaling!r} has no such product: "
+                "leave fast_accum out."
+            )
         if self.cast == "compiled" and self.scaling not in ("current", "delayed"):
             raise ValueError(
                 f"Fp8Recipe(cast='compiled') compiles the per-tensor casts (scaling=current or delayed); "
@@ -144,6 +166,12 @@ class Fp8Recipe:
             raise ValueError(f"Fp8Recipe(margin=...): received {self.margin!r}; use 0 or more powers of two.")
         for name in ("keep", "only"):
             object.__setattr__(self, name, _globs(name, getattr(self, name)))
+
+    def fast_accumulation(self, product: str) -> bool:
+        """Whether ``product`` ("output", "input_grad" or "weight_grad") asks the kernel for fast accumulation."""
+        if self.fast_accum == "auto":
+            return product == "output" and self.scaling in FAST_ACCUM_SCALINGS
+        return self.fast_accum == "all" or (self.fast_accum == "output" and product == "output")
 
     @property
     def precision(self) -> str:

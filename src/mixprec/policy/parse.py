@@ -66,9 +66,10 @@ _LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
 _TF32 = ("tf32", "tensorfloat32")  # compute spellings that mean FP32 storage with TF32 matmuls
 
 
-# Recipe options that say how the FP8 layers run (one fused cast or several passes; which layers by measured speed),
-# not what a saved state holds: the scale states are the same, so a run may resume under another value of them.
-RUN_OPTIONS = ("cast", "shapes")
+# Recipe options that say how the FP8 layers run (one fused cast or several passes; which layers by measured speed;
+# the kernel's accumulation), not what a saved state holds: the scale states are the same, so a run may resume
+# under another value of them.
+RUN_OPTIONS = ("cast", "shapes", "fast_accum")
 
 
 def resumes_under(saved: str, policy: Policy) -> bool:

@@ -83,6 +83,9 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     elif kernel and missing:  # on the kernel, some of the products emulated (blockwise's weight gradient)
         how += f" ({missing})"
     kept = f", kept out: {'+'.join(recipe.keep)}" if recipe.keep else ""
+    if kernel and device.type == "cuda":  # the CPU's kernel sums in FP32 whatever it is asked
+        fast = [p for p in ("output", "input_grad", "weight_grad") if recipe.fast_accumulation(p)]
+        kept += f", fast accumulation in the {', '.join(_PRODUCTS[p] for p in fast)}" if fast else ""
     if recipe.precision == "FP4":
         note = f"GEMM layers in FP4 {how} (fp4_e2m1 inputs, weights and gradients, {recipe.scaling} scaling{kept})"
     else:
@@ -105,6 +108,7 @@ def warn_without_fp8_layers(selection: GemmSelection) -> None:
         logger.warning("mixprec: the FP8 policy computes none of this model's layers in FP8: %s", selection.describe())
 
 
+_PRODUCTS = {"output": "forward product", "input_grad": "input gradient", "weight_grad": "weight gradient"}
 _EMULATION_NOTE = "GEMM inputs and outputs rounded to the 16-bit format, FP32 accumulation, as on tensor cores"
 
 

@@ -122,6 +122,7 @@ def fp8_matmul(
     out_dtype: torch.dtype = torch.float32,
     decode: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale) [+ bias]`` for 2-D FP8 tensors ``a`` (M×K) and ``b`` (K×N): summed in FP32,
     then rounded once to the dtype asked for (nearest even). The kernel rounds in its epilogue, so a bf16 product is
@@ -137,7 +138,9 @@ def fp8_matmul(
     as torchao's rowwise recipe has it; PyTorch's CPU kernel writes FP32).
 
     ``decode``: the scales' reciprocals, which the kernel takes, where the caller has them already (a layer
-    reuses its operands' in the backward: fewer launches); else computed here."""
+    reuses its operands' in the backward: fewer launches); else computed here. ``fast_accum``: the kernel's fast
+    accumulation (on Hopper, partial sums never promoted to FP32: faster, less precise); the emulation and the
+    CPU's kernel sum in FP32 either way."""
     if kernel and _kernel_takes(a, b, a_scale, b_scale):
         # the kernel multiplies by its scales: pass the reciprocals (exact, they are powers of two).
         # It wants ``a`` row-major and ``b`` column-major, and writes FP32, bf16 or fp16 only.
@@ -155,6 +158,7 @@ def fp8_matmul(
             scale_b=b_decode.contiguous(),
             bias=bias.to(out_dtype) if in_epilogue else None,
             out_dtype=written,
+            use_fast_accum=fast_accum,
         )
         out = out[0] if isinstance(out, tuple) else out  # older torch returns (out, amax)
         return out.to(out_dtype) if in_epilogue else with_bias(out, bias, out_dtype)

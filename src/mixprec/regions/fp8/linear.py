@@ -79,7 +79,8 @@ class _Fp8Linear(torch.autograd.Function):
             wq, sw, w_decode = _cast(weight, state.weight, kernel)
             decode = (x_decode, w_decode) if kernel else None
             # rounded once, the bias (in the output's dtype) added in the GEMM's epilogue
-            y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, decode, bias)
+            fast = state.recipe.fast_accumulation("output")
+            y = fp8_matmul(xq, wq.t(), sx, sw, kernel, out_dtype, decode, bias, fast)
             ctx.save_for_backward(xq, wq, sx, sw, x_decode, w_decode)
             ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -96,9 +97,12 @@ class _Fp8Linear(torch.autograd.Function):
             grad_x = grad_w = grad_b = None
             if ctx.needs_input_grad[0]:
                 decode = (g_decode, w_decode) if kernel else None
-                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype, decode).reshape(ctx.x_shape)
+                fast = state.recipe.fast_accumulation("input_grad")
+                grad_x = fp8_matmul(gq, wq, sg, sw, kernel, x_dtype, decode, fast_accum=fast).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, (g_decode, x_decode) if kernel else None)
+                decode = (g_decode, x_decode) if kernel else None
+                fast = state.recipe.fast_accumulation("weight_grad")
+                grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, decode, fast_accum=fast)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
@@ -155,21 +159,25 @@ class _Rowwise:
         sx, sw = _row_scales(rows, fwd, -1, margin), _row_scales(weight, fwd, -1, margin)
         kernel = uses_kernel(state.recipe.gemm, rows.device)
         qx, qw = _to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd)
-        return fp8_matmul(qx, qw.t(), sx, sw.t(), kernel, out_dtype, bias=bias)
+        fast = state.recipe.fast_accumulation("output")
+        return fp8_matmul(qx, qw.t(), sx, sw.t(), kernel, out_dtype, bias=bias, fast_accum=fast)
 
     @staticmethod
     def input_grad(grad, weight, state: Fp8LinearState) -> torch.Tensor:
         fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
         sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
         kernel = uses_kernel(state.recipe.gemm, grad.device)
-        return fp8_matmul(_to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd), sg, sw, kernel)
+        fast = state.recipe.fast_accumulation("input_grad")
+        return fp8_matmul(_to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd), sg, sw, kernel, fast_accum=fast)
 
     @staticmethod
     def weight_grad(grad, rows, state: Fp8LinearState) -> torch.Tensor:
         fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
         sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
         kernel = uses_kernel(state.recipe.gemm, grad.device)
-        return fp8_matmul(_to_fp8(grad, sg, bwd).t(), _to_fp8(rows, sx, fwd), sg.t(), sx, kernel)
+        fast = state.recipe.fast_accumulation("weight_grad")
+        qg, qx = _to_fp8(grad, sg, bwd).t(), _to_fp8(rows, sx, fwd)
+        return fp8_matmul(qg, qx, sg.t(), sx, kernel, fast_accum=fast)
 
 
 def fp8_linear(
