@@ -8,7 +8,8 @@ has the kernel): a product of two FP8 values is exact in FP32 and both paths acc
 mixprec's own kernel path (``fp8_matmul(kernel=True)``) must equal the direct ``torch._scaled_mm`` call. The
 kernel's fast accumulation (``use_fast_accum``, the recipes' forward product by default) is recorded against the
 same bound, not held to it.
-Throughput: e4m3 x e4m3 -> bf16, with and without fast accumulation (and, where its probe passed, the blockwise
+Throughput: e4m3 x e4m3 -> bf16, tensorwise and rowwise, with and without fast accumulation (torchao found the rowwise
+kernel slow without it) (and, where its probe passed, the blockwise
 kernel as ``scaling=blockwise`` calls it) against a bf16 matmul at 4096^3 and 8192^3, TFLOP/s, CUDA events.
 Where the kernel does not run (a CPU without PyTorch's CPU kernel, a GPU below compute capability 8.9)
 the emulation is held to the exact product alone, with the reason recorded.
@@ -90,16 +91,19 @@ def _bounded_case(device, shape, kernel) -> dict:
 
 
 def _tflops(device: torch.device, n: int, kind: str) -> dict:
-    """Median TFLOP/s of an n^3 product (``kind``: bf16, e4m3, e4m3 fast accum, e4m3 blockwise) over 5 timed loops
-    (CUDA events)."""
+    """Median TFLOP/s of an n^3 product (``kind``: bf16; e4m3, e4m3 rowwise, each with "fast accum" or not; e4m3
+    blockwise) over 5 timed loops (CUDA events)."""
     gen = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, device=device, generator=gen) for _ in range(2))
     one = torch.ones((), device=device)
-    if kind in ("e4m3", "e4m3 fast accum"):
+    if kind.startswith("e4m3") and kind != "e4m3 blockwise":
         a8, b8, fast = a.to(E4M3), b.to(E4M3).t(), kind.endswith("fast accum")  # b column-major
+        # rowwise: a scale per row of a and per column of b (PyTorch's CUTLASS kernel), as scaling=rowwise calls it
+        rowwise = "rowwise" in kind
+        sa, sb = (torch.ones(n, 1, device=device), torch.ones(1, n, device=device)) if rowwise else (one, one)
 
         def gemm():
-            return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+            return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     elif kind == "e4m3 blockwise":  # as the blockwise layers call it: 1x128 x 128x128 scales, FP32 out
         a8, b8 = a.to(E4M3), b.to(E4M3).t()
         sa, sb = torch.ones(n, n // 128, device=device), torch.ones(n // 128, n // 128, device=device)
@@ -150,7 +154,8 @@ def run(settings: Settings, part: Part) -> None:
     part.meta["blockwise_kernel"] = block_kernel_unavailable_reason(device) or "runs, equal to the emulation"
     for n in (4096, 8192):
         bf16 = part.case({"case": "throughput", "n": n, "dtype": "bf16"}, lambda n=n: _tflops(device, n, "bf16"))
-        for kind in ("e4m3", "e4m3 fast accum", *(("e4m3 blockwise",) if blockwise else ())):
+        kinds = ("e4m3", "e4m3 fast accum", "e4m3 rowwise", "e4m3 rowwise fast accum")
+        for kind in (*kinds, *(("e4m3 blockwise",) if blockwise else ())):
             fp8 = part.case({"case": "throughput", "n": n, "dtype": kind}, lambda n=n, k=kind: _tflops(device, n, k))
             if bf16 and fp8:
                 part.records[-1]["vs_bf16"] = round(fp8["tflops"] / bf16["tflops"], 2)
