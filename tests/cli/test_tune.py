@@ -157,6 +157,7 @@ def test_profiles_round_trip_predict_unmeasured_shapes_and_refuse_other_files(tm
     busy = predict(every_fp8, shapes, profile, base_step_ms=layers_ms / 4)
     assert busy.step_ms == pytest.approx(layers_ms / 8, rel=0.02) and busy.speedup == pytest.approx(2.0, rel=1e-3)
     assert any("this prediction is not to be trusted" in note for note in busy.notes)
+    assert predict({}, shapes, profile, base_step_ms=layers_ms / 4).step_ms == pytest.approx(layers_ms / 4, rel=0.02)
     (tmp_path / "other.json").write_text('{"something": 1}')
     refused = mixprec_cli("tune", "charlm", *TINY, "--device-profile", tmp_path / "other.json", "--out", tmp_path / "o")
     assert refused.returncode != 0 and "not a device profile mixprec wrote" in refused.stderr

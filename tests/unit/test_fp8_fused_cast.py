@@ -209,3 +209,21 @@ def test_the_cast_under_a_tensors_own_scale_is_two_or_three_operations() -> None
         with Ops() as ops:
             own_scale_cast(tensor, scale, fmt)
         assert ops.names == want, fmt
+
+
+@pytest.mark.parametrize("scaling", ["current", "rowwise"])
+def test_an_fp8_layer_runs_under_fake_tensors_before_any_real_cast(monkeypatch, scaling) -> None:
+    """The cast's probe reads values back: under FakeTensorMode (a model's FLOPs or memory counted with fake
+    tensors) there are none, so the first cast there takes the full saturating cast and probes nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mixprec.regions.fp8 import Fp8LinearState, fp8_linear
+    from mixprec.regions.fp8 import scaling as scaling_module
+
+    monkeypatch.setattr(scaling_module, "_KEEPS_INFINITIES", {})  # as in a fresh process
+    with FakeTensorMode():
+        x, w = torch.randn(16, 32, requires_grad=True), torch.nn.Parameter(torch.randn(48, 32))
+        y = fp8_linear(x, w, None, Fp8LinearState(Fp8Recipe(scaling=scaling)), torch.bfloat16)
+        y.float().sum().backward()
+        assert y.shape == (16, 48) and x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert scaling_module._KEEPS_INFINITIES == {}

@@ -155,7 +155,7 @@ def test_fast_accumulation_is_a_run_option_of_the_kernels_layers():
     assert str(Fp8Recipe(fast_accum="none")) == "hybrid(fast_accum=none)" and str(Fp8Recipe()) == "hybrid"
     with pytest.raises(ValueError, match=r"fast_accum=\.\.\.\): received 'fast'; use one of auto, output, all, none"):
         Fp8Recipe(fast_accum="fast")
-    with pytest.raises(ValueError, match="scaling='blockwise' has no such product: leave fast_accum out"):
+    with pytest.raises(ValueError, match="not to scaling='blockwise': use auto or none"):
         mixprec.get_policy("base=fp8,fp8=(scaling=blockwise,fast_accum=all)")
     assert not Fp8Recipe(scaling="blockwise").fast_accumulation("output")  # auto: none where no kernel takes it
     # a state saved under one accumulation resumes under another: the scale states are the same

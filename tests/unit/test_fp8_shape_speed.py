@@ -171,3 +171,25 @@ def test_a_copied_fp8_state_decides_in_a_table_of_its_own(kernel_cache):
     with twin.computing(torch.bfloat16):
         out = twin.modules["0"](torch.randn(ROWS, 32))
     assert out.shape == (ROWS, 64) and set(twin.speeds.decided) == {"0"} and not twin.speeds.decided["0"].pays
+
+
+def test_under_a_users_dispatch_mode_nothing_is_measured_and_the_next_plain_pass_measures(kernel_cache):
+    # FlopCounterMode around a first step: the timing would be counted as the user's and slowed by the mode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kernel_cache(torch.bfloat16)
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), FASTER)
+    path = Path(os.environ["MIXPREC_CACHE_DIR"]) / SHAPE_CACHE_FILE
+    with FlopCounterMode(display=False), mp.autocast():
+        model(torch.randn(ROWS, 32))
+    assert not path.exists() and "2 not measured yet" in mp.compute_plan.reason
+    with mp.autocast():
+        model(torch.randn(ROWS, 32))
+    assert len(json.loads(path.read_text())["entries"]) == 2 and "not measured yet" not in mp.compute_plan.reason
+
+
+def test_the_cache_tells_fast_accumulation_apart():
+    recipes = [mixprec.get_policy(f"base=fp8,fp8=(fast_accum={f})").fp8 for f in ("auto", "output", "none", "all")]
+    keys = [shape_key(r, torch.device("cpu"), torch.bfloat16, 8, 16, 32, False) for r in recipes]
+    assert keys[0] == keys[1] and len(set(keys)) == 3 and "fast_accum=output |" in keys[0]

@@ -26,7 +26,7 @@ def check_saved_state(state: Any, policy: Policy, num_scalers: int, accumulation
     if not resumes_under(state["policy"], policy):
         raise ValueError(
             f"{where}: the state was saved under policy {state['policy']!r}, this run uses {str(policy)!r}; resume "
-            f"with the same policy (the FP8 recipe's {' and '.join(RUN_OPTIONS)} may differ)."
+            f"with the same policy (the FP8 recipe's {', '.join(RUN_OPTIONS[:-1])} and {RUN_OPTIONS[-1]} may differ)."
         )
     if len(state["scalers"]) != num_scalers:
         raise ValueError(

@@ -151,9 +151,8 @@ class Fp8Recipe:
             )
         if self.fast_accum in ("output", "all") and self.scaling not in FAST_ACCUM_SCALINGS:
             raise ValueError(
-                f"Fp8Recipe(fast_accum={self.fast_accum!r}) asks PyTorch's FP8 GEMM of the per-tensor and rowwise "
-                f"layers (scaling=current, delayed or rowwise); scaling={self.scaling!r} has no such product: "
-                "leave fast_accum out."
+                f"Fp8Recipe(fast_accum={self.fast_accum!r}) applies to the per-tensor and rowwise layers "
+                f"(scaling=current, delayed or rowwise), not to scaling={self.scaling!r}: use auto or none."
             )
         if self.cast == "compiled" and self.scaling not in ("current", "delayed"):
             raise ValueError(

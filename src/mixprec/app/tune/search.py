@@ -421,7 +421,7 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
         "measured_ms": measured,
         "predicted_over_measured": {n: predicted[n] / measured[n] for n in predicted if measured[n] > 0},
         # against the base: a machine that drifts between the timing and the runs moves both steps alike
-        # a prediction of 0 ms or less (the layers timed alone past the whole step: a busy machine) has no ratio
+        # a step of 0 ms or less has no ratio (a prediction stays positive: cost.predict fits layers to the step)
         "speedup_vs_base_predicted": {
             n: predicted["base"] / ms for n, ms in predicted.items() if "base" in predicted and ms > 0
         },

@@ -102,8 +102,8 @@ class GemmSelection:
     fp8: list[tuple[str, nn.Module, Operands]] = field(default_factory=list)
     kept: list[KeptLayer] = field(default_factory=list)
     precision: str = "FP8"  # what the selected layers compute in, as said: "FP8", or "FP4" for the FP4 recipes
-    # where the recipe decides by speed (shapes=faster): each selected layer's last measurement by name, None where
-    # it could not be measured; None where it does not
+    # where the recipe decides by speed (shapes=faster): each selected layer's last measurement by name (a layer not
+    # measured yet absent); None where it does not
     speeds: dict[str, Any] | None = None
 
     def describe(self) -> str:

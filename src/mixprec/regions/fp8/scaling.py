@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mixprec.numerics.formats import Format, get_format
 from mixprec.numerics.quantize import quantize
@@ -136,9 +137,10 @@ def own_scale_cast(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format)
     the saturating clamp has nothing to clamp. Infinities still become what :func:`cast_to_fp8` promises: NaN in
     e4m3 (PyTorch's cast would saturate them to ±448), kept in e5m2, whose eager cast keeps them where a probe
     says so for that device and pair of dtypes (once each: a host sync; CUDA's and the CPU's do, cuda_fp8's
-    ``__NV_SATFINITE`` would not). A NaN amax gives some scale, and the tensor holds that NaN whatever the rest
-    becomes. Traced by torch.compile (Triton's conversions saturate), or while a CUDA graph is captured (no
-    read-back for the probe), the full saturating cast."""
+    ``__NV_SATFINITE`` would not). A NaN amax gives some scale (2**126 for a NaN with its sign bit set, which can
+    turn e5m2's finite values into ±inf), and the tensor holds that NaN whatever the rest becomes. Traced by
+    torch.compile (Triton's conversions saturate), while a CUDA graph is captured or under a dispatch mode (no
+    probe there), the full saturating cast."""
     spec = get_format(fmt)
     scaled = (tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale
     if torch.compiler.is_compiling():
@@ -158,8 +160,11 @@ def _cast_keeps_infinities(device: torch.device, source: torch.dtype, target: to
     ±inf and NaN (probed once per triple: a host sync)."""
     key = (device, source, target)
     if key not in _KEEPS_INFINITIES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # no read-back during a capture: the full cast, and the probe at the next eager call
+        # no read-back during a capture, nor under a dispatch mode (fake tensors have no values; a user's op counter
+        # would count the probe): the full cast, and the probe at the next plain eager call
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing or device.type == "meta" or is_in_torch_dispatch_mode():
+            return False
         values = torch.tensor([math.inf, -math.inf, math.nan, 1.0], device=device, dtype=source)
         cast = values.to(target).float().cpu()
         _KEEPS_INFINITIES[key] = torch.equal(cast.nan_to_num(nan=7.0), values.float().cpu().nan_to_num(nan=7.0))

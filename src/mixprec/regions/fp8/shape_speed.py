@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
@@ -58,7 +59,7 @@ __all__ = [
 logger = logging.getLogger("mixprec")
 
 CACHE_FILE = "fp8_shapes.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the key names the products with fast accumulation
 _SAMPLES = 3
 _CLEARLY = 3.0  # FP8 this many times slower after one pass: decided without the samples
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -108,7 +109,7 @@ class SpeedTable:
         measure: Callable[[int, int, int, bool, torch.dtype], tuple[float, float]] | None = None,
     ) -> None:
         self.recipe, self.device = recipe, device
-        self.decided: dict[str, ShapeSpeed | None] = {}  # None: seen where nothing could be measured
+        self.decided: dict[str, ShapeSpeed] = {}  # a layer not measured yet (or only where nothing could be) absent
         self._known: dict[tuple, ShapeSpeed | None] = {}
         self._measure = measure or self._timed
         self._register()
@@ -135,14 +136,18 @@ class SpeedTable:
     def speed(self, name: str, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> ShapeSpeed | None:
         """The shape's measurement (this process's, the cache's, or taken now), recorded as ``name``'s."""
         shape = (_DTYPE_NAMES[dtype], m, k, n, bias)
-        if shape not in self._known:
-            self._known[shape] = self._cached_or_measured(dtype, m, k, n, bias)
-        self.decided[name] = self._known[shape]
-        return self._known[shape]
+        found = self._known.get(shape)
+        if found is None:
+            found = self._cached_or_measured(dtype, m, k, n, bias)
+        if found is not None:  # None (not measured now: a capture, a dispatch mode): measured at a later call
+            self._known[shape] = self.decided[name] = found
+        return found
 
     def _cached_or_measured(self, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> ShapeSpeed | None:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # a CUDA graph being captured: no sync, no timing
+        if is_in_torch_dispatch_mode():  # fake tensors have no speed; a user's op counter would count the timing
+            return None
         path = default_cache_dir() / CACHE_FILE
         key = shape_key(self.recipe, self.device, dtype, m, k, n, bias)
         entry = read_cache(path, CACHE_VERSION).get(key)
@@ -173,12 +178,14 @@ _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 def shape_key(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> str:
     """The cache key of a shape's measurement: the device (a GPU's name; a CPU's model and threads), torch's
     version, what of the recipe its speed depends on (not which layers it keeps), the compute dtype and the shape,
-    e.g. ``NVIDIA H200 | torch 2.11.0 | hybrid current cast=eager gemm=auto | bf16 | 8192x2048x8192+bias``."""
+    e.g. ``NVIDIA H200 | torch 2.11.0 | hybrid current cast=eager gemm=auto fast_accum=output | bf16 |
+    8192x2048x8192+bias``."""
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)
     else:
         machine = f"{cpu_model()}, {torch.get_num_threads()} threads"
-    recipe_tag = f"{recipe.format_name} {recipe.scaling} cast={recipe.cast} gemm={recipe.gemm}"
+    fast = "+".join(p for p in ("output", "input_grad", "weight_grad") if recipe.fast_accumulation(p)) or "none"
+    recipe_tag = f"{recipe.format_name} {recipe.scaling} cast={recipe.cast} gemm={recipe.gemm} fast_accum={fast}"
     shape = f"{m}x{k}x{n}" + ("+bias" if bias else "")
     return f"{machine} | torch {torch.__version__} | {recipe_tag} | {_DTYPE_NAMES[dtype]} | {shape}"
 
