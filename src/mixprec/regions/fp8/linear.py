@@ -104,7 +104,7 @@ class _Fp8Linear(torch.autograd.Function):
                 fast = state.recipe.fast_accumulation("weight_grad")
                 grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, decode, fast_accum=fast)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = grad.float().sum(0).to(b_dtype)
+                grad_b = _bias_grad(grad, b_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -143,8 +143,14 @@ class Recast(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = ctx.products.weight_grad(grad, rows, ctx.state).to(w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = grad.float().sum(0).to(b_dtype)
+                grad_b = _bias_grad(grad, b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias's gradient: ``grad``'s rows summed in FP32 by the reduction itself (no FP32 copy of ``grad``
+    written and read again: a full pass over the layer's output gradient, eagerly), in the bias's dtype."""
+    return grad.sum(0, dtype=torch.float32).to(dtype)
 
 
 class _Rowwise:
