@@ -16,10 +16,20 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-__all__ = ["TARGET_MS", "interleaved_medians", "pass_timer", "repeats_for", "warm_up"]
+__all__ = ["TARGET_MS", "interleaved_medians", "measuring_blocked", "pass_timer", "repeats_for", "warm_up"]
 
 TARGET_MS = 5.0  # each timed sample repeats the pass until it takes about this long
+
+
+def measuring_blocked(device: torch.device) -> bool:
+    """True where nothing may be timed on ``device`` nor read back to the host now: a CUDA graph being captured
+    (no sync), a dispatch mode active (fake tensors have no values and no speed; a user's op counter would count
+    the measurement), a meta device. What is measured once (the FP8 shape speeds, the cast's probe) waits for a
+    plain eager call."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return capturing or device.type == "meta" or is_in_torch_dispatch_mode()
 
 
 def pass_timer(step: Callable[[], object], device: torch.device) -> Callable[[int], float]:

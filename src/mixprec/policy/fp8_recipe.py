@@ -77,6 +77,7 @@ __all__ = [
     "FP4_SCALINGS",
     "FP8_FORMATS",
     "GEMM_CHOICES",
+    "GEMM_PRODUCTS",
     "SCALINGS",
     "SHAPE_CHOICES",
     "Fp8Recipe",
@@ -88,6 +89,7 @@ CAST_CHOICES = ("eager", "compiled")
 SHAPE_CHOICES = ("auto", "faster", "all")
 FAST_ACCUM_CHOICES = ("auto", "output", "all", "none")
 FAST_ACCUM_SCALINGS = ("current", "delayed", "rowwise")  # their products run on PyTorch's FP8 GEMM
+GEMM_PRODUCTS = ("output", "input_grad", "weight_grad")  # a GEMM layer's three products, forward first
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 SCALINGS = ("current", "delayed", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4")
 FP4_SCALINGS = ("mxfp4", "nvfp4")  # every operand in fp4_e2m1: the FP8 formats do not apply
@@ -167,10 +169,15 @@ class Fp8Recipe:
             object.__setattr__(self, name, _globs(name, getattr(self, name)))
 
     def fast_accumulation(self, product: str) -> bool:
-        """Whether ``product`` ("output", "input_grad" or "weight_grad") asks the kernel for fast accumulation."""
+        """Whether ``product`` (one of :data:`GEMM_PRODUCTS`) asks the kernel for fast accumulation."""
         if self.fast_accum == "auto":
             return product == "output" and self.scaling in FAST_ACCUM_SCALINGS
         return self.fast_accum == "all" or (self.fast_accum == "output" and product == "output")
+
+    @property
+    def fast_products(self) -> tuple[str, ...]:
+        """The products (of :data:`GEMM_PRODUCTS`) that ask the kernel for fast accumulation, forward first."""
+        return tuple(p for p in GEMM_PRODUCTS if self.fast_accumulation(p))
 
     @property
     def precision(self) -> str:

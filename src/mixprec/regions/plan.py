@@ -84,8 +84,8 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
         how += f" ({missing})"
     kept = f", kept out: {'+'.join(recipe.keep)}" if recipe.keep else ""
     if kernel and device.type == "cuda":  # the CPU's kernel sums in FP32 whatever it is asked
-        fast = [p for p in ("output", "input_grad", "weight_grad") if recipe.fast_accumulation(p)]
-        kept += f", fast accumulation in the {', '.join(_PRODUCTS[p] for p in fast)}" if fast else ""
+        fast = ", ".join(_PRODUCTS[p] for p in recipe.fast_products)
+        kept += f", fast accumulation in the {fast}" if fast else ""
     if recipe.precision == "FP4":
         note = f"GEMM layers in FP4 {how} (fp4_e2m1 inputs, weights and gradients, {recipe.scaling} scaling{kept})"
     else:

@@ -73,7 +73,8 @@ _WARNED: set[tuple] = set()
 def scaled_cast(tensor: torch.Tensor, state: ScaleState, decode: bool = False) -> tuple[torch.Tensor, ...]:
     """``tensor`` cast to ``state``'s FP8 format with the scale its recipe gives (current or delayed; a delayed
     state records the amax), and that scale: :meth:`ScaleState.scale_for` then
-    :func:`~mixprec.regions.fp8.scaling.cast_to_fp8_storage`, the cast compiled where the recipe says
+    :func:`~mixprec.regions.fp8.scaling.own_scale_cast` (current scaling: the scale is the tensor's own) or
+    :func:`~mixprec.regions.fp8.scaling.cast_to_fp8_storage` (delayed), the cast compiled where the recipe says
     ``cast=compiled``. ``decode``: also the scale's reciprocal (exact: a power of two), which PyTorch's FP8 GEMM
     takes; the compiled pass computes it with the scale, not as a launch of its own."""
     state.to(tensor.device)

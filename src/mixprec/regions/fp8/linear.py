@@ -64,11 +64,6 @@ def _cast(
     return (*scaled_cast(tensor, role), None)
 
 
-def _to_fp8(tensor: torch.Tensor, scale: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``tensor`` in ``fmt``'s storage under scales from its own slices' amaxes (:func:`_row_scales`)."""
-    return own_scale_cast(tensor, scale, fmt)
-
-
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
@@ -164,7 +159,7 @@ class _Rowwise:
         fwd, margin = state.input.format, state.recipe.margin
         sx, sw = _row_scales(rows, fwd, -1, margin), _row_scales(weight, fwd, -1, margin)
         kernel = uses_kernel(state.recipe.gemm, rows.device)
-        qx, qw = _to_fp8(rows, sx, fwd), _to_fp8(weight, sw, fwd)
+        qx, qw = own_scale_cast(rows, sx, fwd), own_scale_cast(weight, sw, fwd)
         fast = state.recipe.fast_accumulation("output")
         return fp8_matmul(qx, qw.t(), sx, sw.t(), kernel, out_dtype, bias=bias, fast_accum=fast)
 
@@ -174,7 +169,8 @@ class _Rowwise:
         sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
         kernel = uses_kernel(state.recipe.gemm, grad.device)
         fast = state.recipe.fast_accumulation("input_grad")
-        return fp8_matmul(_to_fp8(grad, sg, bwd), _to_fp8(weight, sw, fwd), sg, sw, kernel, fast_accum=fast)
+        qg, qw = own_scale_cast(grad, sg, bwd), own_scale_cast(weight, sw, fwd)
+        return fp8_matmul(qg, qw, sg, sw, kernel, fast_accum=fast)
 
     @staticmethod
     def weight_grad(grad, rows, state: Fp8LinearState) -> torch.Tensor:
@@ -182,7 +178,7 @@ class _Rowwise:
         sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
         kernel = uses_kernel(state.recipe.gemm, grad.device)
         fast = state.recipe.fast_accumulation("weight_grad")
-        qg, qx = _to_fp8(grad, sg, bwd).t(), _to_fp8(rows, sx, fwd)
+        qg, qx = own_scale_cast(grad, sg, bwd).t(), own_scale_cast(rows, sx, fwd)
         return fp8_matmul(qg, qx, sg.t(), sx, kernel, fast_accum=fast)
 
 

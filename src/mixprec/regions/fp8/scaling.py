@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from mixprec.compute.timing import measuring_blocked
 from mixprec.numerics.formats import Format, get_format
 from mixprec.numerics.quantize import quantize
 from mixprec.policy.fp8_recipe import Fp8Recipe
@@ -160,10 +160,7 @@ def _cast_keeps_infinities(device: torch.device, source: torch.dtype, target: to
     ±inf and NaN (probed once per triple: a host sync)."""
     key = (device, source, target)
     if key not in _KEEPS_INFINITIES:
-        # no read-back during a capture, nor under a dispatch mode (fake tensors have no values; a user's op counter
-        # would count the probe): the full cast, and the probe at the next plain eager call
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing or device.type == "meta" or is_in_torch_dispatch_mode():
+        if measuring_blocked(device):  # the full cast, and the probe at the next plain eager call
             return False
         values = torch.tensor([math.inf, -math.inf, math.nan, 1.0], device=device, dtype=source)
         cast = values.to(target).float().cpu()

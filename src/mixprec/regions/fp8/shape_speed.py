@@ -36,11 +36,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
-from mixprec.compute.timing import interleaved_medians, pass_timer, repeats_for, warm_up
+from mixprec.compute.timing import interleaved_medians, measuring_blocked, pass_timer, repeats_for, warm_up
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
@@ -110,7 +109,7 @@ class SpeedTable:
     ) -> None:
         self.recipe, self.device = recipe, device
         self.decided: dict[str, ShapeSpeed] = {}  # a layer not measured yet (or only where nothing could be) absent
-        self._known: dict[tuple, ShapeSpeed | None] = {}
+        self._known: dict[tuple, ShapeSpeed] = {}
         self._measure = measure or self._timed
         self._register()
 
@@ -144,9 +143,7 @@ class SpeedTable:
         return found
 
     def _cached_or_measured(self, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> ShapeSpeed | None:
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # a CUDA graph being captured: no sync, no timing
-        if is_in_torch_dispatch_mode():  # fake tensors have no speed; a user's op counter would count the timing
+        if measuring_blocked(self.device):
             return None
         path = default_cache_dir() / CACHE_FILE
         key = shape_key(self.recipe, self.device, dtype, m, k, n, bias)
@@ -184,7 +181,7 @@ def shape_key(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype, m: in
         machine = torch.cuda.get_device_name(device)
     else:
         machine = f"{cpu_model()}, {torch.get_num_threads()} threads"
-    fast = "+".join(p for p in ("output", "input_grad", "weight_grad") if recipe.fast_accumulation(p)) or "none"
+    fast = "+".join(recipe.fast_products) or "none"
     recipe_tag = f"{recipe.format_name} {recipe.scaling} cast={recipe.cast} gemm={recipe.gemm} fast_accum={fast}"
     shape = f"{m}x{k}x{n}" + ("+bias" if bias else "")
     return f"{machine} | torch {torch.__version__} | {recipe_tag} | {_DTYPE_NAMES[dtype]} | {shape}"
