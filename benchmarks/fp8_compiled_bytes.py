@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from mixprec import MixedPrecision
+from mixprec.app.bench.suites import BenchModel, mixprec_step, torch_step
 from mixprec.app.machine import machine_info
 from mixprec.app.tasks.byte_corpus import lm_loss
 from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
@@ -47,37 +47,23 @@ MODES = [LOOP, *MIXPREC, *TORCHAO]
 
 
 def _step(mode: str, config: GPTConfig, batch: int):
-    """One training step of ``mode`` on a fresh model, its forward through torch.compile."""
-    torch.manual_seed(0)
-    model = TinyGPT(config)
-    x, y = torch.randint(0, 256, (2, batch, config.context))
+    """One training step of ``mode`` on a fresh model, its forward through torch.compile: the bench suite's loops
+    (``torch.autocast`` bf16, or MixedPrecision), torchao's model converted before it is compiled."""
+    tokens = torch.randint(0, 256, (2, batch, config.context), generator=torch.Generator().manual_seed(0))
+
+    def build() -> torch.nn.Module:
+        model = TinyGPT(config)
+        if mode in TORCHAO:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            recipe = Float8LinearConfig.from_recipe_name(TORCHAO[mode])
+            convert_to_float8_training(model, config=recipe, module_filter_fn=lambda module, name: name != "lm_head")
+        return model
+
+    bench = BenchModel(build, lambda: (tokens[0], tokens[1]), lm_loss)
     if mode in MIXPREC:
-        mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-4), MIXPREC[mode])
-        forward = torch.compile(model)
-
-        def step() -> None:
-            with mp.autocast():
-                loss = lm_loss(forward(x), y)
-            mp.backward(loss)
-            mp.step()
-
-        return step
-    if mode in TORCHAO:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        recipe = Float8LinearConfig.from_recipe_name(TORCHAO[mode])
-        convert_to_float8_training(model, config=recipe, module_filter_fn=lambda module, name: name != "lm_head")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    forward = torch.compile(model)
-
-    def loop() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = lm_loss(forward(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return loop
+        return mixprec_step(bench, MIXPREC[mode], compiled=True)[0]
+    return torch_step(bench, torch.bfloat16, compiled=True)
 
 
 def count(mode: str, config: GPTConfig, batch: int) -> dict:
