@@ -98,13 +98,14 @@ def profile_steps(made: Prepared, device: torch.device, steps: int = 3) -> dict:
             sync(device)
         launched = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         figures["kernels_per_step"] = round(len(launched) / steps, 1)
-        figures["top_kernels"] = _top_kernels(launched, steps)
         figures["kernel_counts"] = _kernel_counts(launched, steps)
+        figures["top_kernels"] = _top_kernels(figures["kernel_counts"])
     return figures
 
 
 def _kernel_counts(launched: list, steps: int) -> dict[str, list[float]]:
-    """Every kernel a step launches, by name (cut to 80 characters): [ms, launches] per step."""
+    """Every kernel a step launches, by name (cut to 80 characters): [ms, launches] per step (a kernel event's own
+    span, on the device)."""
     totals: dict[str, list[float]] = {}
     for event in launched:
         total = totals.setdefault(event.name[:80], [0.0, 0])
@@ -136,18 +137,11 @@ def add_beyond_twin(records: list[dict], twins: dict[str, str], count: int = 8) 
         by_mode[mode]["beyond_twin"] = sorted(extra, key=lambda k: -k["extra_ms"])[:count]
 
 
-def _top_kernels(launched: list, steps: int, count: int = 8) -> list[dict]:
-    """Where a step's GPU time goes: the kernels (by name, cut to 80 characters) that took the most of it, each
-    with its milliseconds and launches per step."""
-    totals: dict[str, list[float]] = {}
-    for event in launched:
-        total = totals.setdefault(event.name[:80], [0.0, 0])
-        total[0] += event.time_range.elapsed_us()  # a kernel event's own span, on the device
-        total[1] += 1
-    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
-    return [
-        {"kernel": name, "ms": round(us / 1e3 / steps, 3), "launches": round(n / steps, 1)} for name, (us, n) in ranked
-    ]
+def _top_kernels(counts: dict[str, list[float]], count: int = 8) -> list[dict]:
+    """Where a step's GPU time goes: of :func:`_kernel_counts`, the kernels that took the most of it, each with its
+    milliseconds and launches per step."""
+    ranked = sorted(counts.items(), key=lambda item: -item[1][0])[:count]
+    return [{"kernel": name, "ms": round(ms, 3), "launches": launches} for name, (ms, launches) in ranked]
 
 
 def prepare_all(settings: Settings, part: Part, modes: list[Mode], reserve_s: float, label: dict | None = None):
