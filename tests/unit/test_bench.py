@@ -26,7 +26,8 @@ def test_interleaved_timing_orders_modes_by_cost():
         time.sleep(0.01)
 
     timings = interleaved({"fast": fast, "slow": slow}, repeats=3, warmup=1)
-    assert calls == ["fast", "slow"] + ["fast", "slow"] * 3  # warm-up, then interleaved rounds
+    # warm-up, then interleaved rounds, each starting one mode later (each mode follows every other alike)
+    assert calls == ["fast", "slow"] + ["fast", "slow", "slow", "fast", "fast", "slow"]
     assert timings["slow"].median_ms >= 10 > timings["fast"].median_ms
     assert timings["slow"].repeats == 3 and timings["slow"].spread_ms >= 0
 
@@ -48,9 +49,39 @@ def test_a_mode_ten_times_slower_than_the_fastest_stops_after_three_rounds():
 
     timings = interleaved({"fast": fast, "twice": twice, "crawling": crawling}, repeats=6, warmup=0)
     assert SLOW_REPEATS == 3 and SLOW_FACTOR == 10
-    assert calls == ["fast", "twice", "crawling"] * 3 + ["fast", "twice"] * 3
+    rounds = [["fast", "twice", "crawling"], ["twice", "crawling", "fast"], ["crawling", "fast", "twice"]]
+    rounds += [["twice", "fast"], ["fast", "twice"], ["twice", "fast"]]  # rounds 3-5 without the slow mode
+    assert calls == [name for round_ in rounds for name in round_]
     assert {name: t.repeats for name, t in timings.items()} == {"fast": 6, "twice": 6, "crawling": 3}
     assert timings["crawling"].median_ms >= 50
+
+
+_RESIDENT_AFTER_A_FREE = """
+import os, sys, torch
+from mixprec.app.bench.timing import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+block = torch.ones(6 * 2**20)  # 24 MB, touched
+held = resident()
+del block  # a step's gradients, freed
+print(applied, (held - resident()) // 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator, /proc")
+def test_the_timing_keeps_the_memory_a_step_frees_in_the_process():
+    def returned_mb(mode: str) -> tuple[str, int]:
+        run = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_A_FREE, mode], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        applied, megabytes = run.stdout.split()
+        return applied, int(megabytes)
+
+    applied, kept = returned_mb("keep")
+    _, default = returned_mb("default")
+    assert default >= 20  # glibc's default: the 24 MB went back to the system, to be faulted in again
+    assert applied == "True" and kept < 4
 
 
 def test_the_step_table_says_how_many_runs_a_cut_mode_got():

@@ -166,6 +166,7 @@ def _master_limit_step(bench: BenchModel) -> Callable[[], None]:
         with torch.no_grad():
             torch._foreach_copy_(params, masters)
         model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # the masters' gradients too: nothing held between steps
 
     return step
 
