@@ -26,8 +26,8 @@ def test_interleaved_timing_orders_modes_by_cost():
         time.sleep(0.01)
 
     timings = interleaved({"fast": fast, "slow": slow}, repeats=3, warmup=1)
-    # warm-up, then interleaved rounds, each starting one mode later (each mode follows every other alike)
-    assert calls == ["fast", "slow"] + ["fast", "slow", "slow", "fast", "fast", "slow"]
+    warmup, rounds = ["fast", "slow"], ["fast", "slow", "slow", "fast", "fast", "slow"]
+    assert calls == [*warmup, *rounds]  # each round starts one mode later: each mode follows every other alike
     assert timings["slow"].median_ms >= 10 > timings["fast"].median_ms
     assert timings["slow"].repeats == 3 and timings["slow"].spread_ms >= 0
 

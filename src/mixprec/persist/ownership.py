@@ -82,7 +82,7 @@ def check_folder(folder: str | Path, holds: str, argument: str) -> Path:
     if not folder.is_dir():
         raise ValueError(f"{argument} {folder}: is a file, not a folder; name a new folder for {holds}.")
     found = folder_holds(folder)
-    if found is None and any(folder.iterdir()) and not (holds == RUN and _legacy_run(folder)):
+    if found is None and _holds_files(folder) and not (holds == RUN and _legacy_run(folder)):
         raise ValueError(
             f"{argument} {folder}: this folder holds files mixprec did not write (it has no {MARKER} marker); "
             f"mixprec never writes over them: name a new or empty folder for {holds}."
@@ -103,9 +103,15 @@ def claim_folder(folder: str | Path, holds: str, argument: str) -> bool:
     folder = check_folder(folder, holds, argument)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    if created or not any(folder.iterdir()):
+    if created or not _holds_files(folder):
         _mark(folder, holds)
     return created
+
+
+def _holds_files(folder: Path) -> bool:
+    """Whether ``folder`` holds anything but a marker being written: two runs started into one new folder at once
+    saw the other's temporary marker file, and refused the folder as a stranger's instead of as in use."""
+    return any(not entry.name.startswith(f".{MARKER}.tmp-") for entry in folder.iterdir())
 
 
 def _check_not_inside_a_run(folder: Path, holds: str, argument: str) -> None:
