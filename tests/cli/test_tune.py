@@ -1,10 +1,12 @@
 """mixprec tune: per-layer policies found by cost model and trials, verified, written; deterministic for a seed
-and a device profile; the fragile layer kept in FP32 with the doctor's reason; the budget respected."""
+and a device profile; the fragile layer kept out of fp16 (bf16 or FP32) with the doctor's reason; the budget
+respected."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 import time
 
@@ -117,19 +119,41 @@ def build(config):
 """
 
 
-def test_the_layer_that_overflows_fp16_stays_fp32_and_says_why(tmp_path, mixprec_cli):
+def _tune_fragile(tmp_path, mixprec_cli, *args):
     (tmp_path / "fragile.py").write_text(FRAGILE)
     out = tmp_path / "out"
-    args = ("tune", "--model", "fragile:build", "--base", "mixed_fp16", "--trial-steps", "4", "--verify-steps", "6",
-            "--seeds", "2", "--out", out)  # fmt: skip
-    finished = mixprec_cli(*args, cwd=tmp_path)
+    finished = mixprec_cli("tune", "--model", "fragile:build", "--base", "mixed_fp16", "--trial-steps", "4",
+                           "--verify-steps", "6", "--seeds", "2", "--out", out, *args, cwd=tmp_path)  # fmt: skip
     assert finished.returncode == 0, finished.stderr
     result = json.loads((out / "tune.json").read_text())
     layer = next(layer for layer in result["layers"] if layer["name"] == "2")
-    assert layer["formats"] == ["fp32"] and "past fp16's largest 65504: kept in FP32" in layer["reasons"]["16"]
-    assert result["chosen"]["assignment"]["2"] == "fp32"
-    assert "kept in FP32 by the doctor: 2 (its values reach" in finished.stderr
-    assert all(layer["formats"] != ["fp32"] for layer in result["layers"] if layer["name"] != "2")
+    assert layer["formats"] == ["fp32", "bf16"] and "past fp16's largest 65504: bf16 or FP32" in layer["reasons"]["16"]
+    assert all("16" in other["formats"] for other in result["layers"] if other["name"] != "2")
+    return finished, result, layer
+
+
+def test_the_layer_that_overflows_fp16_leaves_it_for_the_faster_of_bf16_and_fp32_and_says_why(tmp_path, mixprec_cli):
+    finished, result, layer = _tune_fragile(tmp_path, mixprec_cli)
+    faster = "bf16" if layer["ms"]["bf16"] <= layer["ms"]["fp32"] else "fp32"
+    shown = {"bf16": "bf16", "fp32": "FP32"}[faster]
+    assert f"kept in {shown} by the doctor: 2 (its values reach" in finished.stderr
+    first = next(c for c in result["candidates"] if not c["note"].startswith("uniform"))
+    assert first["assignment"]["2"] == faster  # the doctor's move, on this device's timings
+    assert result["chosen"]["assignment"]["2"] in ("bf16", "fp32")  # never fp16 (a uniform FP32 may win here)
+
+
+def test_on_a_gpus_profile_the_fragile_layer_computes_in_bf16_not_fp32(tmp_path, mixprec_cli):
+    # an fp16 base's profile as a GPU's reads: FP32 4x slower than 16 bits, bf16 as fast as fp16
+    entries = {}
+    for m, k, n in [(32, 16, 32), (32, 32, 32), (32, 32, 4)]:
+        ms = GemmShape(m, k, n).flops / 1e9
+        entries[f"{m}x{k}x{n}"] = {"fp32": 4 * ms, "16": ms, "fp8": 2 * ms, "bf16": ms}
+    profile = DeviceProfile("a GPU (test profile)", "mixed_fp16", entries).save(tmp_path / "profile.json")
+    finished, result, layer = _tune_fragile(tmp_path, mixprec_cli, "--device-profile", profile)
+    assert layer["ms"]["bf16"] == layer["ms"]["16"] < layer["ms"]["fp32"]
+    assert result["chosen"]["assignment"]["2"] == "bf16" and "bf16_names=2" in result["chosen"]["policy"]
+    assert "kept in bf16 by the doctor: 2 (its values reach" in finished.stderr
+    assert math.isfinite(result["verification"]["chosen"]["mean"])
 
 
 def test_the_budget_stops_the_trials_and_the_verification_still_runs(tmp_path, mixprec_cli):
@@ -203,7 +227,7 @@ def test_tune_from_python_takes_a_factory_of_ones_own_and_refuses_a_lambda(tmp_p
     said = []
     result = mixprec.tune(fragile_task.build, out=tmp_path / "out", base="mixed_fp16", trial_steps=4, verify_steps=6,
                           seeds=2, progress=said.append)  # fmt: skip
-    assert result["task"] == "fragile_task:build" and result["chosen"]["assignment"]["2"] == "fp32"
+    assert result["task"] == "fragile_task:build" and result["chosen"]["assignment"]["2"] in ("bf16", "fp32")
     assert any(line.startswith("tune: verification") for line in said)
     with pytest.raises(ValueError, match=r"cannot be imported again by its module and name"):
         mixprec.tune(lambda config: fragile_task.build(config), out=tmp_path / "other")

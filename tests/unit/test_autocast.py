@@ -87,13 +87,15 @@ def test_fp32_modules_compute_in_fp32():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
     seen = {}
     for name, module in model.named_children():
-        module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0].dtype, o.dtype)))
+        module.register_forward_hook(lambda m, a, o, name=name: seen.__setitem__(name, (a[0], o)))
     policy = mixprec.get_policy("mixed_bf16").replace(fp32_names=("1",))
     with mixprec.autocast(policy, model):
         model(torch.randn(3, 4))
-    assert seen["0"][1] == torch.bfloat16
-    assert seen["1"] == (torch.float32, torch.float32)
-    assert seen["2"][1] == torch.bfloat16  # autocast resumes after the FP32 module
+    assert seen["0"][1].dtype == torch.bfloat16
+    given, out = seen["1"]  # the bf16 input it was given, computed in FP32
+    assert out.dtype == torch.float32
+    assert torch.equal(out, nn.functional.linear(given.float(), model[1].weight, model[1].bias))
+    assert seen["2"][1].dtype == torch.bfloat16  # autocast resumes after the FP32 module
 
 
 def test_o2_model_runs_with_norms_in_fp32():

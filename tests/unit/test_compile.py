@@ -12,7 +12,14 @@ import mixprec.compute
 
 # FP8: delayed scaling (an amax history updated in place) and current scaling (keep=first+last)
 FP8_POLICIES = ["base=fp8,fp8=(scaling=delayed)", "base=fp8_hybrid"]
-POLICIES = ["fp32", "mixed_bf16", "o2_bf16", "pure_bf16", "mixed_fp16", "o2_fp16", *FP8_POLICIES]
+# modules in another format than the region: an FP32 module; bf16 modules of an fp16 region, one of them with an
+# FP32 module inside (both autocast alone, which torch.compile traces: kernels=native)
+MODULE_POLICIES = [
+    "base=mixed_bf16,names=1",
+    "base=mixed_fp16,kernels=native,bf16_names=0.out",
+    "base=mixed_fp16,kernels=native,bf16_names=0,names=0.out",
+]
+POLICIES = ["fp32", "mixed_bf16", "o2_bf16", "pure_bf16", "mixed_fp16", "o2_fp16", *FP8_POLICIES, *MODULE_POLICIES]
 
 
 class Block(nn.Module):
@@ -143,6 +150,29 @@ def test_compiled_fp8_training_equals_eager_bit_for_bit(policy):
     assert all(map(torch.equal, losses, eager_losses)) and all(map(torch.equal, params, eager_params))
     torch.testing.assert_close(fp8, eager_fp8, atol=0, rtol=0)  # every amax history, every count
     assert fp8["2"]["grad"]["recorded"] == (4 if "history" in policy else 0)
+
+
+@pytest.mark.parametrize("policy", MODULE_POLICIES)
+def test_a_compiled_step_with_modules_in_another_format_compiles_once(policy):
+    # their forwards are routed once per region: hooks that came and went with each entry recompiled every step
+    model, mp = _setup(policy)
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend=backend)
+    def forward_loss(x):
+        with mp.autocast():
+            return model(x).float().pow(2).mean()
+
+    for _ in range(4):
+        mp.backward(forward_loss(_inputs()))
+        mp.step()
+    assert len(graphs) == 1
 
 
 def test_a_region_leaves_one_output_hook_however_often_it_is_entered():

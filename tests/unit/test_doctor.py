@@ -48,7 +48,15 @@ def test_the_doctor_names_the_module_where_fp16_overflow_starts():
     # the fp16 alternative keeps in FP32 every module the overflow reaches, down to the first one whose input
     # overflows (5): with the origin alone in FP32, its output went on into fp16 as before
     assert fp16.overflow_reaches == ("2", "3", "4", "5")
-    assert diagnosis.reasons[-1].endswith("in FP32: base=mixed_fp16,names=2+3+4+5")
+    assert diagnosis.reasons[-2].endswith("in FP32: base=mixed_fp16,names=2+3+4+5")
+    # or those modules in bf16, fp16 elsewhere: the advice runs without an inf
+    advised = diagnosis.reasons[-1].rpartition(": ")[2]
+    assert advised == "base=mixed_fp16,bf16_names=2+3+4+5"
+    model = _overflowing_model()
+    for policy, finite in (("mixed_fp16", False), (advised, True)):
+        with mixprec.autocast(policy, model):
+            outputs = [model(x) for x, _ in _batches()]
+        assert all(torch.isfinite(out).all() for out in outputs) == finite, policy
 
 
 def test_a_healthy_model_gets_mixed_fp16_and_a_power_of_two_scale():

@@ -83,12 +83,14 @@ def test_fp32_lists_run_in_fp32_and_batch_norm_keeps_its_dtype():
 def test_policy_fp32_ops_and_modules_win_over_the_emulation():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     seen = {}
-    model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("head", (a[0].dtype, o.dtype)))
+    model[1].register_forward_hook(lambda m, a, o: seen.__setitem__("head", (a[0], o)))
     policy = mixprec.get_policy("mixed_fp16").replace(fp32_names=("1",), fp32_ops=("matmul",))
     with mixprec.autocast(policy, model, device="cpu"):
         model(torch.randn(3, 4))
         product = torch.randn(3, 3) @ torch.randn(3, 3)
-    assert seen["head"] == (torch.float32, torch.float32)
+    given, out = seen["head"]  # fp16 from the emulated layer before it, computed in FP32
+    assert out.dtype == torch.float32
+    assert torch.equal(out, F.linear(given.float(), model[1].weight, model[1].bias))
     assert product.dtype == torch.float32
 
 

@@ -170,8 +170,12 @@ def test_a_per_layer_policy_puts_only_the_matched_layers_in_fp8_the_head_in_fp32
     assert "4 of 7 GEMM layers in FP8" in reason
     assert "blocks.0.attn (Linear): left out by the recipe (only=*.mlp.*)" in reason
     assert "lm_head (Linear): inside an FP32 module of the policy" in reason
-    routed = sorted(name for name, module in model.named_modules() if "forward" in vars(module))
-    assert routed == [f"blocks.{b}.mlp.{i}" for b in (0, 1) for i in (0, 1)]
+    routed = {name: type(vars(module)["forward"]).__name__ for name, module in model.named_modules()
+              if "forward" in vars(module)}  # fmt: skip
+    assert sorted(name for name, kind in routed.items() if kind == "_Fp8Forward") == [
+        f"blocks.{b}.mlp.{i}" for b in (0, 1) for i in (0, 1)
+    ]
+    assert routed["lm_head"] == "_FormatForward"  # the FP32 module's routing
     seen = {}
 
     def note(module, inputs, output, name):  # returns None: the output stays

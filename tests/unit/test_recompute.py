@@ -98,6 +98,10 @@ POLICIES = [
     "base=mixed_fp16,kernels=emulated,fp32_modules=Block",
     "base=mixed_bf16,fp32_modules=Stage",  # the checkpoints are called inside an FP32 module's forward
     "base=mixed_fp16,kernels=emulated,fp32_modules=Stage",
+    "base=mixed_fp16,kernels=emulated,bf16_names=stage",  # the checkpoints are called inside a bf16 module's forward
+    "base=mixed_fp16,bf16_names=stage.blocks.1",  # one checkpointed block in bf16 (native), the others fp16 (hybrid)
+    "base=mixed_fp16,kernels=emulated,bf16_names=stage,fp32_names=stage.blocks.2",  # FP32 inside bf16
+    "base=mixed_fp16,kernels=native,bf16_names=stage.blocks.1",  # autocast alone, fp16 around bf16
 ]
 
 
@@ -131,6 +135,10 @@ MISSING = [
     "the policy's FP32 module Block",
     None,
     None,
+    "the 16-bit emulation's roundings",
+    "the 16-bit emulation's roundings",
+    "the 16-bit emulation's roundings",
+    "the policy's bf16 module Block",  # torch's recompute would run it in fp16
 ]
 # on CUDA mixed, O2 and pure bf16/fp16 regions are torch.autocast on PyTorch's own kernels (no GEMM attention, no
 # hybrid emulation), which torch's checkpoint restores: nothing is missing, and the gradients are equal

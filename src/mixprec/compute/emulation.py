@@ -342,6 +342,20 @@ class EmulatedAutocast(TorchFunctionMode):
         return tensor.to(self.dtype) if tensor.dtype == torch.float32 else tensor
 
 
+@contextlib.contextmanager
+def emulations_suspended() -> Iterator[None]:
+    """Every emulated region active on this thread suspended inside (as :meth:`EmulatedAutocast.suspend`): a
+    module kept in FP32 inside a module computed in another 16-bit format than the region's."""
+    active = tuple(_ACTIVE)
+    for emulation in active:
+        emulation._suspended += 1
+    try:
+        yield
+    finally:
+        for emulation in active:
+            emulation._suspended -= 1
+
+
 def active_emulation() -> EmulatedAutocast | None:
     """The innermost emulated region on this thread, if any (for tools that also hook saved tensors)."""
     return _ACTIVE[-1] if _ACTIVE else None

@@ -339,6 +339,8 @@ def _recommend_policy(
         if bf16_supported:
             reasons.append("bf16 has FP32's exponent range: mixed_bf16 needs no loss scale")
             reasons.append(f"to stay in fp16 instead, keep every module the overflow reaches in FP32: {in_fp32}")
+            if names:  # bf16's range where fp16's is too small, at 16-bit speed
+                reasons.append(f"or compute just those in bf16: base=mixed_fp16,bf16_names={names}")
             return "mixed_bf16", None, tuple(reasons)
         reasons.append("this device has no bf16: keep every module the overflow reaches in FP32")
         return in_fp32, fp16.recommended_scale if names else None, tuple(reasons)

@@ -17,7 +17,8 @@ def export_policy(policy: Policy, dtype: str) -> Policy:
     ``dtype``, outputs in FP32, and in FP32 the modules, names and ops that ``policy`` keeps there.
 
     A policy with FP32 parameters (fp32, tf32, mixed_*, fp8) keeps no modules because all of them are
-    FP32 already; its export keeps the normalization layers, as the o2 presets do."""
+    FP32 already; its export keeps the normalization layers, as the o2 presets do. The modules an fp16 policy
+    computed in bf16 (``bf16_names``: fp16's range was too small for them) stay FP32 in an fp16 export."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
     kept_modules = policy.fp32_modules if policy.param_dtype != torch.float32 else (NORM,)
@@ -26,7 +27,7 @@ def export_policy(policy: Policy, dtype: str) -> Policy:
         compute_dtype=EXPORT_DTYPES[dtype],
         output_dtype=torch.float32,
         fp32_modules=kept_modules,
-        fp32_names=policy.fp32_names,
+        fp32_names=policy.fp32_names + (policy.bf16_names if dtype == "fp16" else ()),
         fp32_ops=policy.fp32_ops,
         reason=f"{dtype} export, with the trained policy's FP32 modules kept",
     )

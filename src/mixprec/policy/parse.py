@@ -5,9 +5,10 @@ Grammar (jmp's, extended):
     policy  := preset | dtype | field ("," field)*
     field   := key "=" value
     key     := base | params|p | compute|c | output|o | master|m | fp32_modules|mods | fp32_names|names
-               | fp32_ops|ops | kernels | fp8
+               | bf16_names | fp32_ops|ops | kernels | fp8
     value   := a dtype name (f32, float32, bf16, half, ...; compute also takes tf32)
-               or, for the three lists, entries joined by "+"  (fp32_ops=softmax+exp)
+               or, for the four lists, entries joined by "+"  (fp32_ops=softmax+exp)
+               (bf16_names: modules computed in bf16 in an fp16 policy, base=mixed_fp16,bf16_names=*.mlp.2)
                or, for base, a preset name (base=mixed_fp16,names=head: the preset, then the changes)
                kernels: auto (timed per machine), native or emulated
                fp8: an FP8 recipe, FORMATS or FORMATS(key=value,...), e.g. hybrid(scaling=current,keep=first+last)
@@ -57,12 +58,13 @@ _KEYS = {
     "mods": "fp32_modules",
     "fp32_names": "fp32_names",
     "names": "fp32_names",
+    "bf16_names": "bf16_names",
     "fp32_ops": "fp32_ops",
     "ops": "fp32_ops",
     "kernels": "kernels",
     "fp8": "fp8",
 }
-_LIST_KEYS = ("fp32_modules", "fp32_names", "fp32_ops")
+_LIST_KEYS = ("fp32_modules", "fp32_names", "bf16_names", "fp32_ops")
 _TF32 = ("tf32", "tensorfloat32")  # compute spellings that mean FP32 storage with TF32 matmuls
 
 

@@ -54,7 +54,9 @@ class Policy:
 
     Dtypes may be given as ``torch.dtype`` or any name :func:`mixprec.get_format` knows
     (``"bf16"``, ``"half"``); they are stored as ``torch.dtype``. ``reason`` explains an automatic
-    choice and takes no part in equality.
+    choice and takes no part in equality. ``bf16_names``: in an fp16 policy with FP32 weights, modules (dotted-name
+    globs) whose forward, submodules included, computes in bf16 instead: fp16's precision for the model, bf16's
+    range where values pass fp16's 65504 (modules kept in FP32 stay FP32, inside them or around them).
 
     Raises:
         ValueError / TypeError: a dtype that a policy cannot use, a malformed name or glob, an op
@@ -68,6 +70,7 @@ class Policy:
     allow_tf32: bool = False
     fp32_modules: tuple[str, ...] = ()
     fp32_names: tuple[str, ...] = ()
+    bf16_names: tuple[str, ...] = ()
     fp32_ops: tuple[str, ...] = ()
     fp8: Fp8Recipe | None = None
     kernels: str = "auto"
@@ -89,7 +92,10 @@ class Policy:
             )
         object.__setattr__(self, "fp32_modules", _check_list(self.fp32_modules, "fp32_modules", _check_class))
         object.__setattr__(self, "fp32_names", _check_list(self.fp32_names, "fp32_names", _check_glob))
+        object.__setattr__(self, "bf16_names", _check_list(self.bf16_names, "bf16_names", _check_glob))
         object.__setattr__(self, "fp32_ops", _check_list(self.fp32_ops, "fp32_ops", _check_op))
+        if self.bf16_names:
+            _check_bf16_names(self)
         if self.kernels not in KERNEL_SETTINGS:
             raise ValueError(
                 f"Policy(kernels=...): received {self.kernels!r}; use one of {', '.join(KERNEL_SETTINGS)} "
@@ -135,7 +141,7 @@ class Policy:
         ]
         if self.master_dtype != torch.float32:
             parts.append(f"master={DTYPE_NAMES[self.master_dtype]}")
-        for key in ("fp32_modules", "fp32_names", "fp32_ops"):
+        for key in ("fp32_modules", "fp32_names", "bf16_names", "fp32_ops"):
             values = getattr(self, key)
             if values:
                 parts.append(f"{key}={'+'.join(values)}")
@@ -171,6 +177,28 @@ def _check_list(values: object, argument: str, check) -> tuple[str, ...]:
         if value not in unique:
             unique.append(value)
     return tuple(unique)
+
+
+def _check_bf16_names(policy: Policy) -> None:
+    """bf16 modules exist in an fp16 policy with FP32 weights: fp16's precision for the model, bf16's range for
+    the modules whose values pass fp16's 65504 (a bf16 policy computes every module in bf16 already)."""
+    if policy.compute_dtype != torch.float16:
+        raise ValueError(
+            f"Policy(bf16_names=...) computes the named modules in bf16 inside an fp16 policy; received "
+            f"compute={DTYPE_NAMES[policy.compute_dtype]}. Use it with compute=float16 (base=mixed_fp16); "
+            "to keep modules in FP32, use fp32_names."
+        )
+    if policy.fp8 is not None:
+        raise ValueError(
+            "Policy(bf16_names=...) with an FP8 recipe: not supported (the FP8 layers compute in the region's "
+            "format); keep FP8 out of the policy, or name the layers in fp32_names instead."
+        )
+    if policy.param_dtype != torch.float32:
+        raise ValueError(
+            f"Policy(bf16_names=...) needs FP32 parameters (base=mixed_fp16); received "
+            f"params={DTYPE_NAMES[policy.param_dtype]}: fp16 weights would keep fp16's range in the named modules. "
+            "Use fp32_names to keep their weights and compute in FP32."
+        )
 
 
 def _check_class(value: str, argument: str) -> None:

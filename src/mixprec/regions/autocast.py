@@ -13,6 +13,9 @@ Inside ``autocast(policy, model)``:
     - modules the policy keeps in FP32 run with autocast off and FP32 inputs, except batch, layer and
       group norms, whose kernels already compute in FP32 from 16-bit inputs (FP32 parameters, output
       in the input's dtype, as cuDNN does);
+    - in an fp16 policy, the modules of ``bf16_names`` compute in bf16 (autocast's, or emulated where bf16 is),
+      the fp16 emulation suspended inside them; their fp16 inputs are widened (exactly) so that bf16's rounding
+      applies to them, their outputs stay bf16 (fp16's range is what they need to leave);
     - with an FP8 recipe (``policy.fp8``), the model's selected Linear layers compute in FP8, emulated
       exactly (see :mod:`mixprec.regions.fp8`);
     - the model's outputs are cast to ``policy.output_dtype``.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,14 +42,14 @@ import torch
 from torch import nn
 
 from mixprec.compute.attention import GemmAttention
-from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.compute.emulation import EmulatedAutocast, emulations_suspended
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
 from mixprec.compute.nest import map_floating
 from mixprec.policy.policy import Policy
-from mixprec.regions.casting import MIXED_DTYPE_NORMS
 from mixprec.regions.fp8.region import fp8_state
+from mixprec.regions.module_formats import ModuleFormats, routed_fp32_modules
 from mixprec.regions.op_overrides import FP32Ops
-from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
+from mixprec.regions.plan import ComputePlan, tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
 
@@ -107,13 +111,19 @@ class Region:
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
         self._fp8_installed = False
-        self._fp32_modules = _hooked_fp32_modules(prepared)
+        self._module_regions_made: dict[tuple, dict[str, Callable[[], contextlib.AbstractContextManager]]] = {}
+        routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
+        self._formats = ModuleFormats(routed) if routed else None  # routed through once, as the FP8 layers
         if model is not None:
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
                 fp32 = [name for name, _ in prepared.fp32_modules]  # their Linear layers stay FP32
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32)
                 self._fp8_installed = self.fp8.install()
+            if self._formats is not None:
+                self._formats.install()
+                for recomputing, refuse in itertools.product((False, True), (None, refuse_foreign_recompute)):
+                    self._module_regions(recomputing, refuse)  # made now: a compiled entry then finds them made
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
         self._checkpointing = checkpointing_modules(model) if model is not None else []
         wire_checkpointing(self._checkpointing)
@@ -131,24 +141,14 @@ class Region:
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
-        emulation = None
-        if plan.emulates:  # in a recompute the checkpoint, not the emulation, keeps what backward saves
-            only = plan.kernels.emulated_ops if plan.mode == "hybrid" else None
-            emulation = EmulatedAutocast(
-                plan.dtype,
-                policy.fp32_ops,
-                only=only,
-                device_type=device_type,
-                saves_low=not recomputing,
-                refuse=None if recomputing else refuse,
-            )
+        emulation = _emulation(plan, policy.fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
-        fp32_region = self._fp32_region(emulation) if self._fp32_modules else None
+        module_regions = self._module_regions(recomputing, refuse) if self._formats is not None else None
         frame = None
         if not traced:  # compiled, the compiler recomputes checkpoints from its graph
             wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
-            frame = Frame(self, fp32_region)
+            frame = Frame(self, module_regions or {})
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
         attention = None
         # GEMM attention watches every torch call of the forward (a TorchFunctionMode: a few us each); a model
@@ -167,7 +167,7 @@ class Region:
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
             _output_dtype(model, policy.output_dtype, traced) if model is not None else null,
-            _model_hooks(self._fp32_modules, fp32_region, frame, refuse) if self._fp32_modules else null,
+            self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
             yield policy
@@ -182,14 +182,32 @@ class Region:
         if self._fp8_installed:
             self.fp8.remove()
             self._fp8_installed = False
+        if self._formats is not None:
+            self._formats.remove()
 
-    def _fp32_region(self, emulation: EmulatedAutocast | None) -> Callable[[], contextlib.AbstractContextManager]:
-        """What an FP32 module's forward runs in: neither autocast nor the emulation touches its ops."""
-        if self.plan.mode == "emulated":
-            return emulation.suspend
-        if self.plan.mode == "hybrid":
-            return functools.partial(_fp32_in_hybrid, emulation, self.device_type)
-        return functools.partial(torch.autocast, self.device_type, enabled=False)
+    def _module_regions(
+        self, recomputing: bool, refuse: Callable[[str], None] | None
+    ) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+        """What the forward of a module of each format the policy names runs in: made once per kind of entry, so
+        that a compiled step sees the same objects at each entry."""
+        made = self._module_regions_made.get((recomputing, refuse))
+        if made is not None:
+            return made
+        regions = self._module_regions_made[(recomputing, refuse)] = {}
+        bf16 = self.prepared.bf16_plan
+        kinds = {kind for _, kind in self._formats.modules}
+        if "fp32" in kinds:
+            if self.plan.emulates or (bf16 is not None and bf16.emulates):  # an emulation may be active
+                regions["fp32"] = functools.partial(_plain_fp32, self.device_type)
+            else:  # neither autocast nor, here, any emulation touches its ops
+                regions["fp32"] = functools.partial(torch.autocast, self.device_type, enabled=False)
+        if "bf16" in kinds and not (self.plan.emulates or bf16.emulates):  # autocast alone: one object, which
+            # torch.compile traces entered in one hook and left in another (a generator's context it got wrong)
+            regions["bf16"] = functools.partial(torch.autocast, self.device_type, dtype=torch.bfloat16)
+        elif "bf16" in kinds:
+            fp32_ops = self.policy.fp32_ops
+            regions["bf16"] = functools.partial(_in_bf16, bf16, fp32_ops, self.device_type, recomputing, refuse)
+        return regions
 
 
 def _no_graph_breaks() -> contextlib.AbstractContextManager:
@@ -244,60 +262,52 @@ class _output_dtype:  # a class, not @contextmanager: no generator per region en
             self.model.__dict__[_OUTPUT_DTYPE] = dtype
 
 
-def _hooked_fp32_modules(prepared: Prepared) -> list[nn.Module]:
-    """The FP32 modules whose forward needs autocast off and FP32 inputs (norms compute in FP32 already)."""
-    if prepared.policy.compute_dtype == torch.float32:
-        return []
-    # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
-    return [module for _, module in prepared.fp32_modules if not isinstance(module, MIXED_DTYPE_NORMS)]
+def _emulation(
+    plan: ComputePlan,
+    fp32_ops: tuple[str, ...],
+    device_type: str,
+    recomputing: bool,
+    refuse: Callable[[str], None] | None,
+) -> EmulatedAutocast:
+    """The emulation of ``plan``'s 16-bit format (its emulated families only, in a hybrid plan); in a recompute
+    the checkpoint, not the emulation, keeps what backward saves."""
+    return EmulatedAutocast(
+        plan.dtype,
+        fp32_ops,
+        only=plan.kernels.emulated_ops if plan.mode == "hybrid" else None,
+        device_type=device_type,
+        saves_low=not recomputing,
+        refuse=None if recomputing else refuse,
+    )
 
 
 @contextlib.contextmanager
-def _model_hooks(
-    modules: list[nn.Module],
-    fp32_region: Callable[[], contextlib.AbstractContextManager],
-    frame: Frame | None,
+def _plain_fp32(device_type: str) -> Iterator[None]:
+    """An FP32 module where an emulation may be active (the region's, a bf16 module's around it): neither autocast
+    nor any emulation touches its ops."""
+    with emulations_suspended(), torch.autocast(device_type, enabled=False):
+        yield
+
+
+@contextlib.contextmanager
+def _in_bf16(
+    plan: ComputePlan,
+    fp32_ops: tuple[str, ...],
+    device_type: str,
+    recomputing: bool,
     refuse: Callable[[str], None] | None,
 ) -> Iterator[None]:
-    """FP32 modules: autocast off and FP32 inputs for their forward (hooks for the region's lifetime). The
-    frame counts open FP32 forwards: a checkpoint called inside one recomputes inside one."""
-    handles = []
-    # (module, autocast-off region) for each FP32 module whose forward is running, innermost last.
-    open_regions: list[tuple[nn.Module, contextlib.AbstractContextManager]] = []
-
-    def enter_fp32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if refuse is not None:
-            refuse(f"the policy's FP32 module {type(module).__name__}")
-        region = fp32_region()
-        region.__enter__()
-        open_regions.append((module, region))
-        if frame is not None:
-            frame.fp32_depth += 1
-        return _cast_floating(args, torch.float32), _cast_floating(kwargs, torch.float32)
-
-    def leave_fp32(module: nn.Module, args: tuple, output: Any) -> None:
-        # always_call: also runs when forward raised, possibly before enter_fp32 ran.
-        if open_regions and open_regions[-1][0] is module:
-            open_regions.pop()[1].__exit__(None, None, None)
-            if frame is not None:
-                frame.fp32_depth -= 1
-
-    for module in modules:
-        handles.append(module.register_forward_pre_hook(enter_fp32, with_kwargs=True))
-        handles.append(module.register_forward_hook(leave_fp32, always_call=True))
-    try:
-        yield
-    finally:
-        while open_regions:  # a forward that raised inside an FP32 module
-            open_regions.pop()[1].__exit__(None, None, None)
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def _fp32_in_hybrid(emulation: EmulatedAutocast, device_type: str) -> Iterator[None]:
-    """An FP32 module inside a hybrid region: neither autocast nor the emulation touches its ops."""
-    with emulation.suspend(), torch.autocast(device_type, enabled=False):
+    """A bf16 module of an fp16 region: the region's emulation suspended, bf16 as ``plan`` runs it here, the
+    policy's FP32 ops kept (by the bf16 emulation where it emulates everything)."""
+    native = plan.mode in ("native", "hybrid")
+    emulation = _emulation(plan, fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
+    null = contextlib.nullcontext()
+    with (
+        emulations_suspended(),
+        torch.autocast(device_type, dtype=torch.bfloat16) if native else torch.autocast(device_type, enabled=False),
+        emulation if emulation is not None else null,
+        FP32Ops(fp32_ops, device_type, refuse) if fp32_ops and native else null,
+    ):
         yield
 
 

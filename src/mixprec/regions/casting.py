@@ -25,7 +25,14 @@ from torch import nn
 
 from mixprec.policy.policy import NORM, Policy
 
-__all__ = ["MIXED_DTYPE_NORMS", "cast_module", "check_fp32_entries", "fp32_modules", "lowered_parameters"]
+__all__ = [
+    "MIXED_DTYPE_NORMS",
+    "bf16_modules",
+    "cast_module",
+    "check_fp32_entries",
+    "fp32_modules",
+    "lowered_parameters",
+]
 
 _TORCH_NORMS = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*d, InstanceNorm*d, SyncBatchNorm
@@ -94,19 +101,35 @@ def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
             yield name, module
 
 
+def bf16_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
+    """The outermost submodules of ``model`` that ``policy`` computes in bf16 (``bf16_names``), as (dotted name,
+    module): none inside a module kept in FP32 (FP32 wins); a listed module's children are not listed again."""
+    if not policy.bf16_names:
+        return
+    skipped = [name for name, _ in fp32_modules(model, policy)]
+    wrappers = _wrapper_prefixes(model)
+    for name, module in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in skipped):
+            continue
+        if name and _is_kept_name(name, policy.bf16_names, wrappers):
+            skipped.append(name)
+            yield name, module
+
+
 def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
-    """Raise ValueError for an entry of the policy's ``fp32_names`` or ``fp32_modules`` (``norm`` aside, which
-    presets list for any model) that matches no module of ``model``: a typo would keep nothing in FP32,
-    silently (a name of the doctor's advice mistyped: every fp16 step then overflowed and was skipped)."""
+    """Raise ValueError for an entry of the policy's ``fp32_names``, ``bf16_names`` or ``fp32_modules`` (``norm``
+    aside, which presets list for any model) that matches no module of ``model``: a typo would keep nothing in
+    FP32, silently (a name of the doctor's advice mistyped: every fp16 step then overflowed and was skipped)."""
     classes_named = [cls for cls in policy.fp32_modules if cls != NORM]
-    if not (policy.fp32_names or classes_named):  # the presets' norm alone: a region made per call costs nothing
+    if not (policy.fp32_names or policy.bf16_names or classes_named):  # the presets' norm alone: nothing to check
         return
     named = [(name, module) for name, module in model.named_modules() if name]
     wrappers = _wrapper_prefixes(model)
-    for glob in policy.fp32_names:
-        if not any(_is_kept_name(name, (glob,), wrappers) for name, _ in named):
-            names = [n for n in dict.fromkeys(_unwrapped_name(name, wrappers) for name, _ in named) if n]
-            raise ValueError(_unmatched(policy, "fp32_names", glob, names, "module names", model))
+    for key in ("fp32_names", "bf16_names"):
+        for glob in getattr(policy, key):
+            if not any(_is_kept_name(name, (glob,), wrappers) for name, _ in named):
+                names = [n for n in dict.fromkeys(_unwrapped_name(name, wrappers) for name, _ in named) if n]
+                raise ValueError(_unmatched(policy, key, glob, names, "module names", model))
     classes = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
     for cls in classes_named:
         if cls not in classes:
@@ -117,9 +140,10 @@ def _unmatched(policy: Policy, key: str, entry: str, candidates: list[str], what
     close = difflib.get_close_matches(entry, candidates, n=3, cutoff=0.5)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     shown = ", ".join(candidates[:8]) + (", ..." if len(candidates) > 8 else "")
+    effect = "compute in bf16" if key == "bf16_names" else "be kept in FP32"
     return (
         f"policy {policy}: {key} entry {entry!r} matches no module of this {type(model).__name__}, so nothing would "
-        f"be kept in FP32 for it. {hint}Its {what}: {shown or 'none'}. Names are dotted paths as in "
+        f"{effect} for it. {hint}Its {what}: {shown or 'none'}. Names are dotted paths as in "
         "model.named_modules() (globs allowed: *.lm_head); a wrapper's prefix (DDP's module., torch.compile's "
         "_orig_mod.) may be left out."
     )

@@ -29,6 +29,7 @@ from mixprec.regions.fp8.gemm_layers import GemmSelection
 
 __all__ = [
     "ComputePlan",
+    "bf16_plan",
     "check_device_supports",
     "compute_plan",
     "tf32_matmuls",
@@ -71,6 +72,10 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
     op family native or emulated; native on GPUs unless the policy says ``kernels=emulated``.
     FP8 GEMM layers run on PyTorch's FP8 GEMM where the recipe picks it, else emulated exactly."""
     plan = _compute_plan(policy, device_type)
+    bf16 = bf16_plan(policy, device_type)
+    if bf16 is not None:
+        note = f"the modules of bf16_names ({'+'.join(policy.bf16_names)}) in bf16: {bf16.reason}"
+        plan = dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
     if policy.fp8 is None:
         return plan
     recipe = policy.fp8
@@ -94,6 +99,13 @@ def compute_plan(policy: Policy, device_type: str) -> ComputePlan:
             f"gradients, {recipe.scaling} scaling{kept})"
         )
     return dataclasses.replace(plan, reason=f"{plan.reason}; {note}")
+
+
+def bf16_plan(policy: Policy, device_type: str) -> ComputePlan | None:
+    """How the modules of an fp16 policy's ``bf16_names`` compute here (None without them): bf16's own plan."""
+    if not policy.bf16_names:
+        return None
+    return _compute_plan(policy.replace(compute_dtype=torch.bfloat16, bf16_names=(), fp8=None), device_type)
 
 
 def with_gemm_layers(plan: ComputePlan, selection: GemmSelection) -> ComputePlan:
@@ -140,6 +152,11 @@ def check_device_supports(policy: Policy, device_type: str) -> None:
         torch.float16: caps.supports_fp16,
         torch.bfloat16: caps.supports_bf16,
     }[dtype]
+    if supported and policy.bf16_names and not caps.supports_bf16:
+        raise ValueError(
+            f"policy {policy} computes the modules of bf16_names in bf16, which {caps.description} cannot run "
+            f"({caps.bf16_note}); keep them in FP32 instead (fp32_names)."
+        )
     if not supported:
         note = caps.bf16_note if dtype == torch.bfloat16 else caps.fp16_note
         raise ValueError(

@@ -7,7 +7,7 @@ The checks, in the order that matters (each refuses with the fix, before the mod
     1. no other framework's autocast already runs the model (Accelerate's ``mixed_precision="fp16"``);
     2. the policy parses (a preset, the grammar, a Policy; ``auto`` resolved for the device);
     3. the device can compute in the policy's compute dtype;
-    4. the policy's FP32 module entries (``fp32_names``, ``fp32_modules``) name modules the model has.
+    4. the policy's module entries (``fp32_names``, ``bf16_names``, ``fp32_modules``) name modules the model has.
 Then what every consumer reads from the value instead of working it out again: the compute plan (native or
 emulated, and why; the CPU probe is measured once per machine), the modules the policy keeps in FP32 and the
 parameters it stores below FP32 (taken before the cast, while they are still the exact FP32 weights).
@@ -24,8 +24,8 @@ from torch import nn
 from mixprec.compute.device import device_type_of
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.casting import check_fp32_entries, fp32_modules, lowered_parameters
-from mixprec.regions.plan import ComputePlan, check_device_supports, compute_plan
+from mixprec.regions.casting import bf16_modules, check_fp32_entries, fp32_modules, lowered_parameters
+from mixprec.regions.plan import ComputePlan, bf16_plan, check_device_supports, compute_plan
 
 __all__ = ["Prepared", "prepare", "refuse_foreign_autocast"]
 
@@ -36,7 +36,8 @@ class Prepared:
 
     ``fp32_modules``: (name, module) of each module the policy keeps in FP32; ``lowered``: the parameters the
     policy stores in ``policy.param_dtype`` (none when that is FP32), each once; ``parameters``: the model's
-    parameters when it was prepared (a value handed on is refused for a model changed since).
+    parameters when it was prepared (a value handed on is refused for a model changed since); ``bf16_modules``
+    and ``bf16_plan``: the modules an fp16 policy computes in bf16 (``bf16_names``) and how bf16 runs here.
     """
 
     policy: Policy
@@ -46,6 +47,8 @@ class Prepared:
     fp32_modules: tuple[tuple[str, nn.Module], ...] = ()
     lowered: tuple[nn.Parameter, ...] = ()
     parameters: tuple[nn.Parameter, ...] = ()
+    bf16_modules: tuple[tuple[str, nn.Module], ...] = ()
+    bf16_plan: ComputePlan | None = None
 
 
 def prepare(
@@ -90,6 +93,8 @@ def prepare(
         tuple(fp32_modules(model, resolved)),
         tuple(lowered),
         tuple(model.parameters()),
+        tuple(bf16_modules(model, resolved)),
+        bf16_plan(resolved, device.type),
     )
 
 

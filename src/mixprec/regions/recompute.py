@@ -52,11 +52,13 @@ __all__ = ["checkpoint", "recompute_context", "wire_checkpointing"]
 
 @dataclasses.dataclass(eq=False)
 class Frame:
-    """One entered region on this thread: how to enter it again, and how deep FP32 modules' forwards nest."""
+    """One entered region on this thread: how to enter it again, how a module of each format the policy names
+    computes (``"fp32"``: kept in FP32, ``"bf16"``: an fp16 policy's ``bf16_names``), and the formats of the
+    module forwards open now, innermost last."""
 
     region: Any  # a regions.autocast.Region (not imported: that module imports this one)
-    fp32_region: Callable[[], contextlib.AbstractContextManager] | None
-    fp32_depth: int = 0
+    module_regions: dict[str, Callable[[], contextlib.AbstractContextManager]]
+    open: list[str] = dataclasses.field(default_factory=list)
 
 
 def current_frame() -> Frame | None:
@@ -93,20 +95,21 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
             "record each tensor's amax in the forward, and the recompute would record it a second time and "
             "advance the scales. Checkpoint under a policy without fp8, or train FP8 without checkpointing."
         )
-    return mixprec_checkpoint_forward(), _recompute_in(frame.region, inside_fp32_module=frame.fp32_depth > 0)
+    inside = frame.open[-1] if frame.open else None
+    return mixprec_checkpoint_forward(), _recompute_in(frame.region, inside)
 
 
 @contextlib.contextmanager
-def _recompute_in(region: Any, inside_fp32_module: bool) -> Iterator[None]:
-    """The region again, unless the backward runs inside it already; an FP32 module's region if the
-    checkpoint was called inside one."""
+def _recompute_in(region: Any, inside: str | None) -> Iterator[None]:
+    """The region again, unless the backward runs inside it already; the region of the module the checkpoint
+    was called inside (``inside``: its format; an FP32 module's, a bf16 module's), if any."""
     with contextlib.ExitStack() as stack:
         frame = current_frame()
         if frame is None or frame.region is not region:
             stack.enter_context(region.enter(recomputing=True))
             frame = current_frame()
-        if inside_fp32_module and frame.fp32_depth == 0:
-            stack.enter_context(frame.fp32_region())
+        if inside is not None and not frame.open:
+            stack.enter_context(frame.module_regions[inside]())
         yield
 
 

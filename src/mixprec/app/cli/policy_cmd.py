@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         "fp32_masters": policy.keeps_fp32_masters,
         "fp32_modules": list(policy.fp32_modules),
         "fp32_names": list(policy.fp32_names),
+        "bf16_names": list(policy.bf16_names),
         "fp32_ops": list(policy.fp32_ops),
         "reason": policy.reason,
         "device": device_caps(device_type).description,

@@ -19,6 +19,8 @@ and the formats:
     fp8     FP8 with current tensorwise scaling (``fp8=hybrid(scaling=current,shapes=all)``: FP8 whatever its speed,
             which is what is measured), on the kernel where the device has one, emulated exactly elsewhere (a CPU:
             slower than 16 bits, which the profile then says)
+    bf16    bf16 in an fp16 base (``bf16_names``): for a layer whose values pass fp16's range; timed as the layer
+            under mixed_bf16 (measured only where a layer may take it; a bf16 base's profile: its 16 bits)
 
 :func:`measure_profile` times the shapes of the model at hand on the device at hand (a few seconds; the layers
 of one shape are timed once). A profile measured elsewhere (``--device-profile FILE``: the GPU check writes one
@@ -49,6 +51,7 @@ from mixprec.regions import Region
 
 __all__ = [
     "ATTENTION_OP",
+    "BF16",
     "FORMATS",
     "AttentionShape",
     "ConvShape",
@@ -63,7 +66,8 @@ __all__ = [
 ]
 
 FORMATS = ("fp32", "16", "fp8")  # per layer: FP32, the base policy's 16-bit compute, FP8
-SAVED_BYTES = {"fp32": 4, "16": 2, "fp8": 1}  # per value of the input a GEMM layer saves for its backward
+BF16 = "bf16"  # and, for a layer of an fp16 base whose values pass fp16's range, bf16 (GEMM layers, convolutions)
+SAVED_BYTES = {"fp32": 4, "16": 2, "fp8": 1, BF16: 2}  # per value of the input a GEMM layer saves for its backward
 KIND = "device profile"
 
 
@@ -259,6 +263,8 @@ def layer_policy(base: str, fmt: str, kind: str = "GEMM") -> str:
         return f"base={base},ops={ATTENTION_OP}" if kind == "attention" else "fp32"
     if fmt == "fp8":
         return f"base={base},fp8=hybrid(scaling=current,keep=none,shapes=all)"
+    if fmt == BF16:  # a bf16 module of an fp16 region computes as under mixed_bf16 (a layer alone has no name)
+        return "mixed_bf16"
     return base
 
 
@@ -274,6 +280,8 @@ class DeviceProfile:
     def layer_ms(self, shape: LayerShape, fmt: str) -> tuple[float, str | None]:
         """Milliseconds of ``shape`` in ``fmt``, and how it was had when not measured (None if measured): from the
         entry of the same kind (GEMM or convolution) nearest in FLOPs, else from any."""
+        if fmt == BF16 and self.base == "mixed_bf16":  # its 16 bits are bf16
+            fmt = "16"
         if shape.key() in self.entries and fmt in self.entries[shape.key()]:
             return self.entries[shape.key()][fmt], None
         known = [(k, v[fmt]) for k, v in self.entries.items() if fmt in v]
@@ -283,6 +291,12 @@ class DeviceProfile:
         nearest, ms = min(kind or known, key=lambda item: abs(math.log(_flops(item[0]) / shape.flops)))
         other = "" if kind else " (a layer of another kind: the profile has none of this one)"
         return ms * shape.flops / _flops(nearest), f"scaled from {nearest} at its throughput{other}"
+
+    def times(self, fmt: str) -> bool:
+        """Whether the profile has timings of ``fmt`` (measured, or its 16 bits for bf16 in a bf16 base's)."""
+        if fmt == BF16 and self.base == "mixed_bf16":
+            fmt = "16"
+        return any(fmt in timings for timings in self.entries.values())
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically; a file mixprec did not write is refused)."""
@@ -304,7 +318,7 @@ class DeviceProfile:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             entries = {
-                str(shape): {f: float(ms) for f, ms in timings.items() if f in FORMATS}
+                str(shape): {f: float(ms) for f, ms in timings.items() if f in (*FORMATS, BF16)}
                 for shape, timings in data["layers"].items()
             }
             if not entries or any(_flops(shape) <= 0 for shape in entries):
@@ -338,9 +352,9 @@ def measure_profile(
     profile = DeviceProfile(device_caps(device.type).description, base)
     for index, shape in enumerate(shapes, 1):
         progress(f"cost model: timing layer shape {shape.key()} ({index}/{len(shapes)})")
-        passes = {
-            fmt: _pass(shape, layer_policy(base, fmt, shape.kind), device) for fmt in formats if fmt in shape.formats
-        }
+        # bf16 where the shape is a module's (attention is an op: bf16_names cannot name it)
+        takes = [fmt for fmt in formats if fmt in shape.formats or (fmt == BF16 and shape.kind != "attention")]
+        passes = {fmt: _pass(shape, layer_policy(base, fmt, shape.kind), device) for fmt in takes}
         warm_up(passes)  # kernels, caches, the FP8 state
         counts = {fmt: repeats_for(run(1)) for fmt, run in passes.items()}
         medians = interleaved_medians(passes, counts, repeats)

@@ -7,8 +7,9 @@ which take FP32 or 16 bits. The shapes come from one FP32 forward of a training 
 torch function mode for the attention calls: self-attention of one shape; a mask is not timed). The formats come
 from the doctor's statistics on a few training batches:
 
-- a layer whose outputs or inputs overflow the base policy's 16-bit format (fp16's 65504) stays FP32: the
-  16-bit compute would turn them into inf;
+- a layer whose outputs or inputs overflow the base policy's 16-bit format (fp16's 65504) leaves it: the 16-bit
+  compute would turn them into inf. It takes FP32, or, in an fp16 base where bf16 can run, bf16 (``bf16_names``:
+  FP32's exponent range at 16-bit speed) unless its values overflow bf16 too; the cost model picks between them;
 - a layer whose FP8 output error (current tensorwise scaling, against bf16) is an outlier among the model's
   layers (past ``outlier`` times their lower quartile, the doctor's FP8 advice) or whose values saturate e4m3
   stays out of FP8;
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixprec.app.tune.cost import ATTENTION_OP, AttentionShape, ConvShape, GemmShape, LayerShape
+from mixprec.app.tune.cost import ATTENTION_OP, BF16, AttentionShape, ConvShape, GemmShape, LayerShape
 from mixprec.doctor import diagnose, fp8_recipe_report
 from mixprec.numerics import get_format
 from mixprec.regions.fp8 import select_gemm_layers
@@ -144,11 +145,15 @@ def layer_choices(
     sixteen: str,
     steps: int = 4,
     outlier: float = 4.0,
+    bf16: bool = False,
 ) -> dict[str, LayerChoice]:
     """Each layer's allowed formats from the doctor's statistics over ``steps`` of ``batches`` ((inputs, targets)
-    pairs): ``sixteen`` is the base policy's 16-bit format (bf16 or fp16)."""
+    pairs): ``sixteen`` is the base policy's 16-bit format (bf16 or fp16); ``bf16``: whether a layer of an fp16
+    base that overflows it may take bf16 (the device runs bf16, the profile times it)."""
     batches = list(itertools.islice(batches, steps))
-    report = diagnose(model, iter(batches), loss_fn, steps=steps, formats=[sixteen, "fp8_e4m3"]).report
+    bf16 = bf16 and sixteen == "fp16"
+    formats = [sixteen, "fp8_e4m3", *(["bf16"] if bf16 else [])]
+    report = diagnose(model, iter(batches), loss_fn, steps=steps, formats=formats).report
     fp8 = fp8_recipe_report(model, (x for x, _ in batches), lambda m, x: m(x), steps, ("tensorwise",), outlier)
     top = get_format(sixteen).max
     choices = {}
@@ -163,9 +168,12 @@ def layer_choices(
         stats = _forward_stats(report, name)
         reach = max(stats.amax, stats.input_amax or 0.0) if stats is not None else 0.0
         if stats is not None and (stats.overflows(sixteen) or reach > top):
-            reasons["16"] = f"its values reach {reach:.3g}, past {sixteen}'s largest {top:.6g}: kept in FP32"
+            wider = bf16 and shape.kind != "attention" and not stats.overflows("bf16")
+            wider = wider and reach <= get_format("bf16").max
+            kept = "bf16 or FP32" if wider else "kept in FP32"
+            reasons["16"] = f"its values reach {reach:.3g}, past {sixteen}'s largest {top:.6g}: {kept}"
             reasons["fp8"] = reasons.get("fp8", reasons["16"])
-            formats = ["fp32"]
+            formats = ["fp32", BF16] if wider else ["fp32"]
         fit = fp8.fit(name, "tensorwise") if name in fp8.layers else None
         if "fp8" in formats and fit is not None:
             if name in fp8.keep["tensorwise"]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import DeviceProfile
+from mixprec.app.tune.cost import BF16, DeviceProfile
 from mixprec.app.tune.search import TuneOptions, search
 
 __all__ = ["BASES", "choose_base", "measured_profile", "tune", "tune_task"]
@@ -41,6 +41,7 @@ def tune_task(
     from mixprec.app.run import resolve_device
     from mixprec.app.task import TaskConfig, build_task
     from mixprec.app.tune.layers import ATTENTION, layer_choices, layer_shapes
+    from mixprec.compute import device_caps
     from mixprec.persist import TUNE, check_folder, claim_folder
 
     check_folder(out, TUNE, "--out")
@@ -63,7 +64,9 @@ def tune_task(
         f"tune: the doctor's statistics on {len(batches)} batches, {kinds.count('GEMM')} GEMM layers, "
         f"{kinds.count('convolution')} convolutions{attention}"
     )
-    choices = layer_choices(parts.model, batches, parts.loss_fn, shapes, sixteen, steps=len(batches))
+    # bf16 for a layer past fp16's range: where the trials can run it and the cost model can time it
+    bf16 = device_caps(torch.device(device).type).supports_bf16 and (profile is None or profile.times(BF16))
+    choices = layer_choices(parts.model, batches, parts.loss_fn, shapes, sixteen, steps=len(batches), bf16=bf16)
     modules = [name for name, _ in parts.model.named_modules()]
     result = search(config, options, choices, profile, progress, modules)
     result["task"] = config.task

@@ -8,7 +8,8 @@
     4. greedy, in sensitivity order (the doctor's FP8 error, smallest first): each layer that the cost model
        says runs faster in FP8 is tried in FP8 on top of those accepted so far, kept when the loss change stays
        within the tolerance; a layer the cost model finds faster in FP32 than in 16 bits takes FP32 at no risk
-       to the loss; layers the doctor keeps in FP32 stay there
+       to the loss; layers the doctor keeps out of the base's 16 bits stay out (in FP32, or in bf16 in an fp16
+       base, whichever the cost model finds faster)
     5. verification: the chosen policy, the uniform base and FP32, each over ``seeds`` seeds, longer runs; with the
        cost model measured here, a uniform policy whose step measured 5% faster than the chosen one's, its loss
        within the tolerance, replaces it (the cost model counts layers, not a 16-bit base's casts around them)
@@ -26,7 +27,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mixprec.app.config import TrainConfig
-from mixprec.app.tune.cost import ATTENTION_OP, DeviceProfile, LayerShape, Prediction, measure_profile, predict
+from mixprec.app.tune.cost import (
+    ATTENTION_OP,
+    BF16,
+    FORMATS,
+    DeviceProfile,
+    LayerShape,
+    Prediction,
+    measure_profile,
+    predict,
+)
 from mixprec.app.tune.layers import ATTENTION, LayerChoice
 from mixprec.app.tune.names import compact_names
 
@@ -59,15 +69,18 @@ class Candidate:
 
 
 def assignment_policy(base: str, assignment: dict[str, str], modules: Sequence[str] = ()) -> str:
-    """The policy string of a per-layer assignment: FP32 layers as ``names=``, FP32 attention as
-    ``ops=scaled_dot_product_attention``, FP8 layers as ``fp8=(only=...)``; given the model's ``modules`` (every
-    name), the names of one layer across blocks as a glob where it names those layers exactly
-    (:func:`~mixprec.app.tune.names.compact_names`)."""
+    """The policy string of a per-layer assignment: FP32 layers as ``names=``, bf16 layers (an fp16 base) as
+    ``bf16_names=``, FP32 attention as ``ops=scaled_dot_product_attention``, FP8 layers as ``fp8=(only=...)``; given
+    the model's ``modules`` (every name), the names of one layer across blocks as a glob where it names those layers
+    exactly (:func:`~mixprec.app.tune.names.compact_names`)."""
     fp32 = compact_names((name for name, fmt in assignment.items() if fmt == "fp32" and name != ATTENTION), modules)
+    bf16 = compact_names((name for name, fmt in assignment.items() if fmt == BF16), modules)
     fp8 = compact_names((name for name, fmt in assignment.items() if fmt == "fp8"), modules)
     parts = [f"base={base}"]
     if fp32:
         parts.append("names=" + "+".join(fp32))
+    if bf16:
+        parts.append("bf16_names=" + "+".join(bf16))
     if assignment.get(ATTENTION) == "fp32":
         parts.append(f"ops={ATTENTION_OP}")
     if fp8:
@@ -166,14 +179,13 @@ def search(
     progress(f"tune: trial of the uniform base ({base}) and of FP32, {options.trial_steps} steps each")
     base_loss, base_ms = state.trial(base)
     fp32_loss, _ = state.trial("fp32")
-    forced = _forced(choices)
+    forced = _forced(state)  # before a profile is measured: bf16 where a layer may take it
     reference_loss, reference_ms = base_loss, base_ms
-    if not math.isfinite(base_loss) and forced:  # the doctor foresaw it: the base with its FP32 layers instead
-        progress("tune: the uniform base made inf/NaN; the reference is the base with the doctor's FP32 layers")
+    if not math.isfinite(base_loss) and forced:  # the doctor foresaw it: the base with its layers kept out instead
+        progress("tune: the uniform base made inf/NaN; the reference is the base with the doctor's layers kept out")
         reference_loss, reference_ms = state.trial(assignment_policy(base, forced, state.modules))
     if profile is None:  # measured here: the step of the uniform base is this device's
-        state.profile = measure_profile(state.shapes().values(), base, _device(config), progress=progress)
-        state.base_step_ms = reference_ms - sum(_fp32_extra(state, name) for name in forced)
+        _measure_here(state, forced, reference_ms)
     reference = reference_loss if math.isfinite(reference_loss) else fp32_loss
     _references(state, base_loss, fp32_loss, reference)
     accepted = _first_moves(state, reference)
@@ -213,6 +225,17 @@ def search(
     }
 
 
+def _measure_here(state: SearchState, forced: dict[str, str], reference_ms: float) -> None:
+    """The cost model measured on the device at hand (bf16 too where a layer may take it), and the uniform base's
+    step from the reference's (the base with the doctor's layers kept out, where the base made inf)."""
+    bf16 = any(BF16 in choice.formats for choice in state.choices.values())
+    formats = (*FORMATS, BF16) if bf16 else FORMATS
+    device = _device(state.config)
+    state.profile = measure_profile(state.shapes().values(), state.options.base, device, progress=state.progress,
+                                    formats=formats)  # fmt: skip
+    state.base_step_ms = reference_ms - sum(_extra(state, name, fmt) for name, fmt in forced.items())
+
+
 def _device(config: TrainConfig) -> Any:
     import torch
 
@@ -221,9 +244,18 @@ def _device(config: TrainConfig) -> Any:
     return torch.device(resolve_device(config.device))
 
 
-def _forced(choices: dict[str, LayerChoice]) -> dict[str, str]:
-    """The layers the doctor keeps in FP32 (the base's 16 bits would overflow there), as an assignment."""
-    return {name: "fp32" for name, choice in choices.items() if choice.formats == ("fp32",)}
+def _forced(state: SearchState) -> dict[str, str]:
+    """The layers the doctor keeps out of the base's 16 bits (they would overflow there), as an assignment: bf16
+    where a layer may take it and the profile times it no slower than FP32 (or has not timed it yet), else FP32."""
+    forced = {}
+    for name, choice in state.choices.items():
+        if "16" in choice.formats:
+            continue
+        bf16 = BF16 in choice.formats and (
+            not state.profile.times(BF16) or _extra(state, name, BF16) <= _extra(state, name, "fp32")
+        )
+        forced[name] = BF16 if bf16 else "fp32"
+    return forced
 
 
 def _change(loss: float, reference: float) -> float:
@@ -244,21 +276,22 @@ def _references(state: SearchState, base_loss: float, fp32_loss: float, referenc
         )
 
 
-def _fp32_extra(state: SearchState, name: str) -> float:
-    """What running layer ``name`` in FP32 adds to a step over its 16 bits (milliseconds, the profile's)."""
+def _extra(state: SearchState, name: str, fmt: str) -> float:
+    """What running layer ``name`` in ``fmt`` adds to a step over its 16 bits (milliseconds, the profile's)."""
     shape = state.choices[name].shape
-    return state.profile.layer_ms(shape, "fp32")[0] - state.profile.layer_ms(shape, "16")[0]
+    return state.profile.layer_ms(shape, fmt)[0] - state.profile.layer_ms(shape, "16")[0]
 
 
 def _first_moves(state: SearchState, reference: float) -> list[dict[str, str]]:
-    """The layers the doctor keeps in FP32 (no trial: the 16-bit compute would overflow), then, as a trial, those
-    the cost model finds faster in FP32 than in 16 bits."""
-    forced = _forced(state.choices)
-    faster = {name: "fp32" for name in state.choices if name not in forced and _fp32_extra(state, name) < 0}
+    """The layers the doctor keeps out of the base's 16 bits (no trial: they would overflow), then, as a trial,
+    those the cost model finds faster in FP32 than in 16 bits."""
+    forced = _forced(state)
+    faster = {name: "fp32" for name in state.choices if name not in forced and _extra(state, name, "fp32") < 0}
     moves = [forced]
-    if forced:
-        kept = ", ".join(f"{n} ({state.choices[n].reasons['16']})" for n in forced)
-        state.progress(f"tune: kept in FP32 by the doctor: {kept}")
+    for fmt, shown in (("fp32", "FP32"), (BF16, "bf16")):
+        kept = ", ".join(f"{n} ({state.choices[n].reasons['16']})" for n, f in forced.items() if f == fmt)
+        if kept:
+            state.progress(f"tune: kept in {shown} by the doctor: {kept}")
     if faster:
         candidate = _record(state, {**forced, **faster}, reference, note="the layers faster in FP32 than in 16 bits")
         if candidate.accepted:
@@ -278,7 +311,7 @@ def _greedy(state: SearchState, assignment: dict[str, str], reference: float) ->
         current = assignment.get(choice.name, "16")
         now, fp8 = state.profile.layer_ms(choice.shape, current)[0], state.profile.layer_ms(choice.shape, "fp8")[0]
         if fp8 >= now:  # FP8 does not pay on this layer here: not worth a trial
-            shown = {"16": state.options.base.removeprefix("mixed_"), "fp32": "FP32"}[current]
+            shown = {"16": state.options.base.removeprefix("mixed_"), "fp32": "FP32", BF16: "bf16"}[current]
             state.not_tried[choice.name] = f"FP8 predicted slower: {fp8:.3f} ms against {now:.3f} in {shown}"
             continue
         if state.out_of_budget(trials=1, verifications=3 * state.options.seeds):
@@ -435,7 +468,8 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
 
 
 def _layer_record(choice: LayerChoice, state: SearchState) -> dict[str, Any]:
-    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in choice.shape.formats}
+    formats = (*choice.shape.formats, *([BF16] if BF16 in choice.formats else []))
+    timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in formats}
     return {
         "name": choice.name,
         "kind": choice.shape.kind,

@@ -1,0 +1,118 @@
+"""Modules that compute in another format than their region: the policy's FP32 modules, an fp16 policy's bf16 modules.
+
+Each such module's forward is routed through a :class:`_FormatForward` once per region (as the FP8 layers'
+are, :mod:`mixprec.regions.fp8.region`), and restored when the region closes. While the region is entered, the
+routed forward runs the module's own forward inside its format's context, in a ``with`` block, so that
+torch.compile traces it; outside, the module's own forward. Hooks that entered the context before the forward and
+left it after, and came and went with each entry, were neither: a compiled step under ``names=...`` failed with
+``'autocast' object has no attribute 'prev'`` (torch 2.13).
+
+    FP32   autocast off, every floating input cast to FP32 (norms whose kernels compute in FP32 from 16-bit
+           inputs are not routed: :func:`routed_fp32_modules`)
+    bf16   bf16 autocast or emulation, fp16 inputs widened to FP32 (exactly) so that bf16's rounding applies
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.compute.nest import map_floating
+from mixprec.regions.casting import MIXED_DTYPE_NORMS
+from mixprec.regions.prepare import Prepared
+from mixprec.regions.recompute import Frame
+
+__all__ = ["ModuleFormats", "routed_fp32_modules"]
+
+_SHOWN = {"fp32": "FP32", "bf16": "bf16"}
+
+
+def routed_fp32_modules(prepared: Prepared) -> list[nn.Module]:
+    """The FP32 modules whose forward needs autocast off and FP32 inputs (norms compute in FP32 already)."""
+    if prepared.policy.compute_dtype == torch.float32:
+        return []
+    # FP32 parameters and FP32 arithmetic already; a 16-bit output saves memory
+    return [module for _, module in prepared.fp32_modules if not isinstance(module, MIXED_DTYPE_NORMS)]
+
+
+class ModuleFormats:
+    """The routed modules of one region, each with its format ("fp32" or "bf16"), and, while the region is
+    entered, what each format's forward runs in (``regions``), the region's frame (eager) and its refusal."""
+
+    def __init__(self, modules: list[tuple[nn.Module, str]]) -> None:
+        self.modules = modules
+        self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
+        self.frame: Frame | None = None
+        self.refuse: Callable[[str], None] | None = None
+        self._replaced: list[tuple[nn.Module, Any]] = []
+
+    def install(self) -> None:
+        """Route each module's forward through this object (the forward an instance had is kept and called)."""
+        for module, kind in self.modules:
+            previous = vars(module).get("forward")
+            self._replaced.append((module, previous))
+            module.forward = _FormatForward(module, kind, self, previous)
+
+    def remove(self) -> None:
+        """Undo :meth:`install`: the forward each module had before."""
+        for module, previous in reversed(self._replaced):
+            if previous is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous
+        self._replaced = []
+
+    @contextlib.contextmanager
+    def computing(
+        self,
+        regions: dict[str, Callable[[], contextlib.AbstractContextManager]],
+        frame: Frame | None,
+        refuse: Callable[[str], None] | None,
+    ) -> Iterator[None]:
+        """The routed modules compute in their formats inside."""
+        previous = self.regions, self.frame, self.refuse
+        self.regions, self.frame, self.refuse = regions, frame, refuse
+        try:
+            yield
+        finally:
+            self.regions, self.frame, self.refuse = previous
+
+
+class _FormatForward:
+    """A routed module's forward: in its format while its region is entered, its own otherwise. An object rather
+    than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward bound to the copy."""
+
+    def __init__(self, module: nn.Module, kind: str, formats: ModuleFormats, previous: Any) -> None:
+        self.module, self.kind, self.formats, self.previous = module, kind, formats, previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, formats = self.module, self.formats
+        own = self.previous if self.previous is not None else type(module).forward.__get__(module)
+        if formats.regions is None:
+            return own(*args, **kwargs)
+        if formats.refuse is not None:  # torch's own checkpoint would recompute it in the region's format
+            formats.refuse(f"the policy's {_SHOWN[self.kind]} module {type(module).__name__}")
+        widened = _to_fp32 if self.kind == "fp32" else _fp16_to_fp32
+        frame = formats.frame
+        with formats.regions[self.kind]():
+            if frame is not None:  # a checkpoint called inside recomputes inside
+                frame.open.append(self.kind)
+            try:
+                return own(*widened(args), **widened(kwargs))
+            finally:
+                if frame is not None:
+                    frame.open.pop()
+
+
+def _to_fp32(value: Any) -> Any:
+    """Every floating tensor in a nest as FP32."""
+    return map_floating(value, lambda t: t if t.dtype == torch.float32 else t.float())
+
+
+def _fp16_to_fp32(value: Any) -> Any:
+    """Every fp16 tensor in a nest as FP32 (exact), the others as they are."""
+    return map_floating(value, lambda t: t.float() if t.dtype == torch.float16 else t)
