@@ -143,17 +143,23 @@ def test_the_layer_that_overflows_fp16_leaves_it_for_the_faster_of_bf16_and_fp32
 
 
 def test_on_a_gpus_profile_the_fragile_layer_computes_in_bf16_not_fp32(tmp_path, mixprec_cli):
-    # an fp16 base's profile as a GPU's reads: FP32 4x slower than 16 bits, bf16 as fast as fp16
+    # an fp16 base's profile as a GPU's reads: FP32 4x slower than 16 bits, bf16 as fast as fp16, FP8 twice as fast
     entries = {}
     for m, k, n in [(32, 16, 32), (32, 32, 32), (32, 32, 4)]:
         ms = GemmShape(m, k, n).flops / 1e9
-        entries[f"{m}x{k}x{n}"] = {"fp32": 4 * ms, "16": ms, "fp8": 2 * ms, "bf16": ms}
+        entries[f"{m}x{k}x{n}"] = {"fp32": 4 * ms, "16": ms, "fp8": ms / 2, "bf16": ms}
     profile = DeviceProfile("a GPU (test profile)", "mixed_fp16", entries).save(tmp_path / "profile.json")
     finished, result, layer = _tune_fragile(tmp_path, mixprec_cli, "--device-profile", profile)
     assert layer["ms"]["bf16"] == layer["ms"]["16"] < layer["ms"]["fp32"]
     assert result["chosen"]["assignment"]["2"] == "bf16" and "bf16_names=2" in result["chosen"]["policy"]
     assert "kept in bf16 by the doctor: 2 (its values reach" in finished.stderr
     assert math.isfinite(result["verification"]["chosen"]["mean"])
+    # one policy does not hold bf16 layers and FP8 ones: FP8 paid on the others, and was not tried, saying why
+    assert {name: why.split(":")[0] for name, why in result["fp8_not_tried"].items() if name != "2"} == {
+        "0": "FP8 and bf16_names in one policy",
+        "4": "FP8 and bf16_names in one policy",
+    }
+    assert "2 beside bf16 layers" in finished.stderr
 
 
 def test_the_budget_stops_the_trials_and_the_verification_still_runs(tmp_path, mixprec_cli):

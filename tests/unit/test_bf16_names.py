@@ -1,6 +1,8 @@
 """bf16_names: an fp16 policy computes the named modules in bf16 (bf16's range where fp16's is too small), the
 rest in fp16; modules kept in FP32 stay FP32 inside them."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,8 @@ def _outputs(model: nn.Module, policy: str, x: torch.Tensor) -> dict[str, torch.
         for name, module in model.named_modules()
         if name
     ]
-    hooks.append(model.block.register_forward_pre_hook(lambda m, args: seen.__setitem__("block input", args[0])))
+    if isinstance(model, Net):
+        hooks.append(model.block.register_forward_pre_hook(lambda m, args: seen.__setitem__("block input", args[0])))
     try:
         with mixprec.autocast(policy, model):
             seen["model"] = model(x)
@@ -93,6 +96,47 @@ def test_a_module_kept_in_fp32_inside_a_bf16_module_stays_fp32(kernels):
     assert seen["block.2"].dtype == torch.float32
     expected = F.linear(F.gelu(seen["block.0"]).float(), model.block[2].weight, model.block[2].bias)
     torch.testing.assert_close(seen["block.2"], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_an_fp16_layer_right_after_a_bf16_module_takes_its_output_as_autocast_would(kernels):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    seen = _outputs(model, f"base=mixed_fp16,kernels={kernels},bf16_names=2", torch.randn(32, 8))
+    given, out = seen["2"], seen["3"]
+    assert given.dtype == torch.bfloat16 and out.dtype == torch.float16
+    weight, bias = model[3].weight, model[3].bias
+    if kernels == "native":
+        expected = F.linear(given.half(), weight.half(), bias.half())
+    else:  # the emulation: fp16 roundings of inputs and output, FP32 accumulation
+        expected = F.linear(given.half().float(), weight.half().float(), bias.half().float()).half()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_two_regions_on_one_model_released_out_of_order_leave_the_other_routing_and_then_nothing():
+    model = Net()
+    first = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=head")
+    second = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=head")
+    first.release()
+    with second.autocast():
+        assert model(torch.randn(2, 8)).dtype == torch.float32  # the head still computes in FP32
+    seen = {}
+    model.head.register_forward_hook(lambda m, a, out: seen.__setitem__("head", out))
+    with second.autocast():
+        model(torch.randn(2, 8))
+    assert seen["head"].dtype == torch.float32
+    second.release()
+    assert "forward" not in vars(model.head)  # every routing taken out
+
+
+def test_a_copy_made_inside_the_region_computes_outside_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+    with mixprec.autocast("base=mixed_fp16,bf16_names=1", model):
+        copied = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(copied(x), model(x), rtol=0, atol=0)  # FP32 throughout, as the original outside
+    assert copied(x).dtype == torch.float32
 
 
 def test_training_applies_the_steps_fp16_alone_skips():

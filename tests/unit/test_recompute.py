@@ -201,9 +201,13 @@ def test_outside_a_region_it_is_torchs_checkpoint(device):
     _assert_equal(list(expected), list(got))
 
 
-def test_backward_inside_the_region_recomputes_once_in_it(device):
-    # the region is still entered when backward runs: the recompute does not enter it a second time
-    policy = "base=mixed_fp16,kernels=emulated,fp32_modules=Stage"
+@pytest.mark.parametrize(
+    "policy",
+    ["base=mixed_fp16,kernels=emulated,fp32_modules=Stage", "base=mixed_fp16,kernels=emulated,bf16_names=stage"],
+)
+def test_backward_inside_the_region_recomputes_once_in_it(policy, device):
+    # the region is still entered when backward runs: the recompute does not enter it a second time (the bf16
+    # module's region entered for the recompute as a recompute's: the checkpoint, not its emulation, saves)
     expected = _gradients(policy, device, False)
     torch.manual_seed(0)
     model = Net(True).to(device)

@@ -311,8 +311,9 @@ class EmulatedAutocast(TorchFunctionMode):
         return low
 
     def _rounded_fp32(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor's values in the 16-bit format, as an FP32 tensor (cached for parameters)."""
-        if tensor.dtype not in (self.dtype, torch.float32):
+        """The tensor's values in the 16-bit format, as an FP32 tensor (cached for parameters). A tensor of the other
+        16-bit format (a bf16 module's output in an fp16 region) is cast to this one, as autocast casts it."""
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return tensor
         if torch.compiler.is_compiling():  # the compiler plans what backward saves; no caches to trace
             return tensor.to(self.dtype).float()

@@ -44,10 +44,9 @@ from torch import nn
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.emulation import EmulatedAutocast, emulations_suspended
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
-from mixprec.compute.nest import map_floating
 from mixprec.policy.policy import Policy
 from mixprec.regions.fp8.region import fp8_state
-from mixprec.regions.module_formats import ModuleFormats, routed_fp32_modules
+from mixprec.regions.module_formats import ModuleFormats, cast_floating, routed_fp32_modules
 from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import ComputePlan, tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
@@ -148,7 +147,7 @@ class Region:
         frame = None
         if not traced:  # compiled, the compiler recomputes checkpoints from its graph
             wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
-            frame = Frame(self, module_regions or {})
+            frame = Frame(self, self._module_regions(True, refuse) if self._formats is not None else {})
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
         attention = None
         # GEMM attention watches every torch call of the forward (a TorchFunctionMode: a few us each); a model
@@ -227,7 +226,7 @@ _OUTPUT_DTYPE = "_mixprec_output_dtype"
 
 def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
     dtype = getattr(module, _OUTPUT_DTYPE, None)
-    return None if dtype is None else _cast_floating(output, dtype)
+    return None if dtype is None else cast_floating(output, dtype)
 
 
 def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
@@ -309,8 +308,3 @@ def _in_bf16(
         FP32Ops(fp32_ops, device_type, refuse) if fp32_ops and native else null,
     ):
         yield
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in a nest of tuples, lists and mappings to ``dtype``."""
-    return map_floating(value, lambda t: t if t.dtype == dtype else t.to(dtype))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -91,14 +91,14 @@ def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
     """
     if not (policy.fp32_modules or policy.fp32_names):
         return
-    kept_prefixes: list[str] = []
     wrappers = _wrapper_prefixes(model)
-    for name, module in model.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in kept_prefixes):
-            continue
-        if _is_kept_class(module, policy.fp32_modules) or (name and _is_kept_name(name, policy.fp32_names, wrappers)):
-            kept_prefixes.append(name)
-            yield name, module
+    yield from _outermost(
+        model,
+        lambda name, module: (
+            _is_kept_class(module, policy.fp32_modules)
+            or bool(name and _is_kept_name(name, policy.fp32_names, wrappers))
+        ),
+    )
 
 
 def bf16_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
@@ -106,13 +106,24 @@ def bf16_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
     module): none inside a module kept in FP32 (FP32 wins); a listed module's children are not listed again."""
     if not policy.bf16_names:
         return
-    skipped = [name for name, _ in fp32_modules(model, policy)]
     wrappers = _wrapper_prefixes(model)
+    yield from _outermost(
+        model,
+        lambda name, module: bool(name and _is_kept_name(name, policy.bf16_names, wrappers)),
+        skipped=[name for name, _ in fp32_modules(model, policy)],
+    )
+
+
+def _outermost(
+    model: nn.Module, matches: Callable[[str, nn.Module], bool], skipped: list[str] | None = None
+) -> Iterator[tuple[str, nn.Module]]:
+    """The modules ``matches`` picks, outermost first, none inside one picked or inside one of ``skipped``."""
+    taken = list(skipped or [])
     for name, module in model.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in skipped):
+        if any(name == p or name.startswith(p + ".") for p in taken):
             continue
-        if name and _is_kept_name(name, policy.bf16_names, wrappers):
-            skipped.append(name)
+        if matches(name, module):
+            taken.append(name)
             yield name, module
 
 

@@ -26,7 +26,7 @@ from mixprec.regions.casting import MIXED_DTYPE_NORMS
 from mixprec.regions.prepare import Prepared
 from mixprec.regions.recompute import Frame
 
-__all__ = ["ModuleFormats", "routed_fp32_modules"]
+__all__ = ["ModuleFormats", "cast_floating", "routed_fp32_modules"]
 
 _SHOWN = {"fp32": "FP32", "bf16": "bf16"}
 
@@ -48,23 +48,36 @@ class ModuleFormats:
         self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
         self.frame: Frame | None = None
         self.refuse: Callable[[str], None] | None = None
-        self._replaced: list[tuple[nn.Module, Any]] = []
+        self._routed: list[nn.Module] = []
 
     def install(self) -> None:
         """Route each module's forward through this object (the forward an instance had is kept and called)."""
         for module, kind in self.modules:
-            previous = vars(module).get("forward")
-            self._replaced.append((module, previous))
-            module.forward = _FormatForward(module, kind, self, previous)
+            self._routed.append(module)
+            module.forward = _FormatForward(module, kind, self, vars(module).get("forward"))
 
     def remove(self) -> None:
-        """Undo :meth:`install`: the forward each module had before."""
-        for module, previous in reversed(self._replaced):
-            if previous is None:
-                vars(module).pop("forward", None)
-            else:
-                module.forward = previous
-        self._replaced = []
+        """Undo :meth:`install`: the forward each module had before, or, where another region routed the module
+        after this one (two MixedPrecision on one model, the first released first), this one's link taken out of
+        the chain, so that the other still routes it."""
+        for module in reversed(self._routed):
+            current = vars(module).get("forward")
+            if isinstance(current, _FormatForward) and current.formats is self:
+                if current.previous is None:  # the link below it now (another region's, taken out since: gone)
+                    vars(module).pop("forward", None)
+                else:
+                    module.forward = current.previous
+                continue
+            while isinstance(current, _FormatForward):  # ours lies deeper in the chain
+                if isinstance(current.previous, _FormatForward) and current.previous.formats is self:
+                    current.previous = current.previous.previous
+                    break
+                current = current.previous
+        self._routed = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
+        return {**vars(self), "regions": None, "frame": None, "refuse": None}
 
     @contextlib.contextmanager
     def computing(
@@ -89,14 +102,20 @@ class _FormatForward:
     def __init__(self, module: nn.Module, kind: str, formats: ModuleFormats, previous: Any) -> None:
         self.module, self.kind, self.formats, self.previous = module, kind, formats, previous
 
+    @property
+    def __wrapped__(self) -> Any:
+        """The module's own forward: what ``inspect.signature(module.forward)`` reads (the Hugging Face Trainer's
+        columns, for one)."""
+        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, formats = self.module, self.formats
-        own = self.previous if self.previous is not None else type(module).forward.__get__(module)
+        own = self.__wrapped__
         if formats.regions is None:
             return own(*args, **kwargs)
         if formats.refuse is not None:  # torch's own checkpoint would recompute it in the region's format
             formats.refuse(f"the policy's {_SHOWN[self.kind]} module {type(module).__name__}")
-        widened = _to_fp32 if self.kind == "fp32" else _fp16_to_fp32
+        widened = _all_to_fp32 if self.kind == "fp32" else _fp16_to_fp32
         frame = formats.frame
         with formats.regions[self.kind]():
             if frame is not None:  # a checkpoint called inside recomputes inside
@@ -108,9 +127,13 @@ class _FormatForward:
                     frame.open.pop()
 
 
-def _to_fp32(value: Any) -> Any:
-    """Every floating tensor in a nest as FP32."""
-    return map_floating(value, lambda t: t if t.dtype == torch.float32 else t.float())
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor in a nest of tuples, lists and mappings to ``dtype``."""
+    return map_floating(value, lambda t: t if t.dtype == dtype else t.to(dtype))
+
+
+def _all_to_fp32(value: Any) -> Any:
+    return cast_floating(value, torch.float32)
 
 
 def _fp16_to_fp32(value: Any) -> Any:

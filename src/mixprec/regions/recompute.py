@@ -53,8 +53,8 @@ __all__ = ["checkpoint", "recompute_context", "wire_checkpointing"]
 @dataclasses.dataclass(eq=False)
 class Frame:
     """One entered region on this thread: how to enter it again, how a module of each format the policy names
-    computes (``"fp32"``: kept in FP32, ``"bf16"``: an fp16 policy's ``bf16_names``), and the formats of the
-    module forwards open now, innermost last."""
+    computes in a recompute (``"fp32"``: kept in FP32, ``"bf16"``: an fp16 policy's ``bf16_names``), and the formats
+    of the module forwards open now, innermost last."""
 
     region: Any  # a regions.autocast.Region (not imported: that module imports this one)
     module_regions: dict[str, Callable[[], contextlib.AbstractContextManager]]

@@ -280,8 +280,7 @@ class DeviceProfile:
     def layer_ms(self, shape: LayerShape, fmt: str) -> tuple[float, str | None]:
         """Milliseconds of ``shape`` in ``fmt``, and how it was had when not measured (None if measured): from the
         entry of the same kind (GEMM or convolution) nearest in FLOPs, else from any."""
-        if fmt == BF16 and self.base == "mixed_bf16":  # its 16 bits are bf16
-            fmt = "16"
+        fmt = self._stored(fmt)
         if shape.key() in self.entries and fmt in self.entries[shape.key()]:
             return self.entries[shape.key()][fmt], None
         known = [(k, v[fmt]) for k, v in self.entries.items() if fmt in v]
@@ -294,9 +293,12 @@ class DeviceProfile:
 
     def times(self, fmt: str) -> bool:
         """Whether the profile has timings of ``fmt`` (measured, or its 16 bits for bf16 in a bf16 base's)."""
-        if fmt == BF16 and self.base == "mixed_bf16":
-            fmt = "16"
+        fmt = self._stored(fmt)
         return any(fmt in timings for timings in self.entries.values())
+
+    def _stored(self, fmt: str) -> str:
+        """The entry ``fmt``'s timings are under: a bf16 base's 16 bits are bf16."""
+        return "16" if fmt == BF16 and self.base == "mixed_bf16" else fmt
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically; a file mixprec did not write is refused)."""

@@ -87,12 +87,13 @@ def report_text(result: dict[str, Any]) -> str:
 
 def _layer_table(result: dict[str, Any]) -> list[str]:
     lines = [
-        "| layer | shape (GEMM: m x k x n) | ms fp32 / 16-bit / fp8 | FP8 error | allowed | chosen |",
+        "| layer | shape (GEMM: m x k x n) | ms fp32 / 16-bit / fp8 (/ bf16) | FP8 error | allowed | chosen |",
         "|---|---|---|---|---|---|",
     ]
     for layer in result["layers"]:
         ms = layer["ms"]
         fp8 = f"{ms['fp8']:.3f}" if "fp8" in ms else "-"
+        fp8 += f" / {ms['bf16']:.3f}" if "bf16" in ms else ""  # a layer of an fp16 base past its range
         why = "; ".join(f"not {f}: {r}" for f, r in layer["reasons"].items())
         allowed = ", ".join(layer["formats"]) + (f" ({why})" if why else "")
         picked = result["chosen"]["assignment"].get(layer["name"], "16")
