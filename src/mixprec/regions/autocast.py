@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,13 +41,18 @@ import torch
 from torch import nn
 
 from mixprec.compute.attention import GemmAttention
-from mixprec.compute.emulation import EmulatedAutocast, emulations_suspended
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
 from mixprec.policy.policy import Policy
 from mixprec.regions.fp8.region import fp8_state
-from mixprec.regions.module_formats import ModuleFormats, cast_floating, routed_fp32_modules
+from mixprec.regions.module_formats import (
+    ModuleFormats,
+    cast_floating,
+    emulation_for,
+    format_regions,
+    routed_fp32_modules,
+)
 from mixprec.regions.op_overrides import FP32Ops
-from mixprec.regions.plan import ComputePlan, tf32_matmuls, uses_gemm_attention
+from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
 
@@ -140,7 +144,7 @@ class Region:
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
-        emulation = _emulation(plan, policy.fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
+        emulation = emulation_for(plan, policy.fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
         module_regions = self._module_regions(recomputing, refuse) if self._formats is not None else None
@@ -192,21 +196,11 @@ class Region:
         made = self._module_regions_made.get((recomputing, refuse))
         if made is not None:
             return made
-        regions = self._module_regions_made[(recomputing, refuse)] = {}
-        bf16 = self.prepared.bf16_plan
         kinds = {kind for _, kind in self._formats.modules}
-        if "fp32" in kinds:
-            if self.plan.emulates or (bf16 is not None and bf16.emulates):  # an emulation may be active
-                regions["fp32"] = functools.partial(_plain_fp32, self.device_type)
-            else:  # neither autocast nor, here, any emulation touches its ops
-                regions["fp32"] = functools.partial(torch.autocast, self.device_type, enabled=False)
-        if "bf16" in kinds and not (self.plan.emulates or bf16.emulates):  # autocast alone: one object, which
-            # torch.compile traces entered in one hook and left in another (a generator's context it got wrong)
-            regions["bf16"] = functools.partial(torch.autocast, self.device_type, dtype=torch.bfloat16)
-        elif "bf16" in kinds:
-            fp32_ops = self.policy.fp32_ops
-            regions["bf16"] = functools.partial(_in_bf16, bf16, fp32_ops, self.device_type, recomputing, refuse)
-        return regions
+        plans = {"region": self.plan, "bf16": self.prepared.bf16_plan}
+        made = format_regions(kinds, plans, self.device_type, self.policy.fp32_ops, recomputing, refuse)
+        self._module_regions_made[(recomputing, refuse)] = made
+        return made
 
 
 def _no_graph_breaks() -> contextlib.AbstractContextManager:
@@ -259,52 +253,3 @@ class _output_dtype:  # a class, not @contextmanager: no generator per region en
             setattr(self.model, _OUTPUT_DTYPE, dtype)
         else:
             self.model.__dict__[_OUTPUT_DTYPE] = dtype
-
-
-def _emulation(
-    plan: ComputePlan,
-    fp32_ops: tuple[str, ...],
-    device_type: str,
-    recomputing: bool,
-    refuse: Callable[[str], None] | None,
-) -> EmulatedAutocast:
-    """The emulation of ``plan``'s 16-bit format (its emulated families only, in a hybrid plan); in a recompute
-    the checkpoint, not the emulation, keeps what backward saves."""
-    return EmulatedAutocast(
-        plan.dtype,
-        fp32_ops,
-        only=plan.kernels.emulated_ops if plan.mode == "hybrid" else None,
-        device_type=device_type,
-        saves_low=not recomputing,
-        refuse=None if recomputing else refuse,
-    )
-
-
-@contextlib.contextmanager
-def _plain_fp32(device_type: str) -> Iterator[None]:
-    """An FP32 module where an emulation may be active (the region's, a bf16 module's around it): neither autocast
-    nor any emulation touches its ops."""
-    with emulations_suspended(), torch.autocast(device_type, enabled=False):
-        yield
-
-
-@contextlib.contextmanager
-def _in_bf16(
-    plan: ComputePlan,
-    fp32_ops: tuple[str, ...],
-    device_type: str,
-    recomputing: bool,
-    refuse: Callable[[str], None] | None,
-) -> Iterator[None]:
-    """A bf16 module of an fp16 region: the region's emulation suspended, bf16 as ``plan`` runs it here, the
-    policy's FP32 ops kept (by the bf16 emulation where it emulates everything)."""
-    native = plan.mode in ("native", "hybrid")
-    emulation = _emulation(plan, fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
-    null = contextlib.nullcontext()
-    with (
-        emulations_suspended(),
-        torch.autocast(device_type, dtype=torch.bfloat16) if native else torch.autocast(device_type, enabled=False),
-        emulation if emulation is not None else null,
-        FP32Ops(fp32_ops, device_type, refuse) if fp32_ops and native else null,
-    ):
-        yield

@@ -15,20 +15,102 @@ left it after, and came and went with each entry, were neither: a compiled step 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.compute.emulation import EmulatedAutocast, emulations_suspended
 from mixprec.compute.nest import map_floating
 from mixprec.regions.casting import MIXED_DTYPE_NORMS
+from mixprec.regions.op_overrides import FP32Ops
+from mixprec.regions.plan import ComputePlan
 from mixprec.regions.prepare import Prepared
 from mixprec.regions.recompute import Frame
 
-__all__ = ["ModuleFormats", "cast_floating", "routed_fp32_modules"]
+__all__ = ["ModuleFormats", "cast_floating", "emulation_for", "format_regions", "routed_fp32_modules"]
 
 _SHOWN = {"fp32": "FP32", "bf16": "bf16"}
+
+
+def format_regions(
+    kinds: set[str],
+    plans: dict[str, ComputePlan | None],
+    device_type: str,
+    fp32_ops: tuple[str, ...],
+    recomputing: bool,
+    refuse: Callable[[str], None] | None,
+) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """What the forward of a module of each of ``kinds`` runs in, in a region of ``plans["region"]`` (bf16 modules
+    as ``plans["bf16"]`` runs bf16): one ``torch.autocast`` where no emulation can be active (what torch.compile
+    traces), else a context that suspends the emulations and enters the format's own."""
+    region, bf16 = plans["region"], plans["bf16"]
+    emulating = region.emulates or (bf16 is not None and bf16.emulates)  # an emulation may be active
+    regions = {}
+    if "fp32" in kinds:
+        regions["fp32"] = (
+            functools.partial(_plain_fp32, device_type)
+            if emulating
+            else functools.partial(torch.autocast, device_type, enabled=False)
+        )
+    if "bf16" in kinds:
+        regions["bf16"] = (
+            functools.partial(_in_bf16, bf16, fp32_ops, device_type, recomputing, refuse)
+            if emulating
+            else functools.partial(torch.autocast, device_type, dtype=torch.bfloat16)
+        )
+    return regions
+
+
+def emulation_for(
+    plan: ComputePlan,
+    fp32_ops: tuple[str, ...],
+    device_type: str,
+    recomputing: bool,
+    refuse: Callable[[str], None] | None,
+) -> EmulatedAutocast:
+    """The emulation of ``plan``'s 16-bit format (its emulated families only, in a hybrid plan); in a recompute
+    the checkpoint, not the emulation, keeps what backward saves."""
+    return EmulatedAutocast(
+        plan.dtype,
+        fp32_ops,
+        only=plan.kernels.emulated_ops if plan.mode == "hybrid" else None,
+        device_type=device_type,
+        saves_low=not recomputing,
+        refuse=None if recomputing else refuse,
+    )
+
+
+@contextlib.contextmanager
+def _plain_fp32(device_type: str) -> Iterator[None]:
+    """An FP32 module where an emulation may be active (the region's, a bf16 module's around it): neither autocast
+    nor any emulation touches its ops."""
+    with emulations_suspended(), torch.autocast(device_type, enabled=False):
+        yield
+
+
+@contextlib.contextmanager
+def _in_bf16(
+    plan: ComputePlan,
+    fp32_ops: tuple[str, ...],
+    device_type: str,
+    recomputing: bool,
+    refuse: Callable[[str], None] | None,
+) -> Iterator[None]:
+    """A bf16 module of an fp16 region: the region's emulation suspended, bf16 as ``plan`` runs it here, the
+    policy's FP32 ops kept (by the bf16 emulation where it emulates everything)."""
+    native = plan.mode in ("native", "hybrid")
+    emulation = emulation_for(plan, fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
+    null = contextlib.nullcontext()
+    with (
+        emulations_suspended(),
+        torch.autocast(device_type, dtype=torch.bfloat16) if native else torch.autocast(device_type, enabled=False),
+        emulation if emulation is not None else null,
+        FP32Ops(fp32_ops, device_type, refuse) if fp32_ops and native else null,
+    ):
+        yield
 
 
 def routed_fp32_modules(prepared: Prepared) -> list[nn.Module]:
