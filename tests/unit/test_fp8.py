@@ -268,6 +268,18 @@ def test_layers_routed_through_fp8_run_their_own_forward_outside_the_region_and_
     assert vars(model[2])["forward"] is routed
 
 
+def test_two_engines_on_one_model_released_out_of_order_leave_the_others_fp8_and_then_nothing():
+    model = _mlp()
+    first = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    second = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    first.release()  # it had dropped the second's routing: the second then computed in bf16, silently
+    with second.autocast():
+        out = model[2](torch.randn(4, 64))
+    assert type(out.grad_fn).__name__ == "_Fp8LinearBackward"
+    second.release()
+    assert all("forward" not in vars(module) for module in model)
+
+
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))

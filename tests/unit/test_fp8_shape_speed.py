@@ -167,7 +167,7 @@ def test_a_copied_fp8_state_decides_in_a_table_of_its_own(kernel_cache):
     assert twin.speeds.key != state.speeds.key
     del state
     gc.collect()  # the original's table is gone: the copy's layers must not look for it
-    twin.install()
+    twin.install(owner=object())
     with twin.computing(torch.bfloat16):
         out = twin.modules["0"](torch.randn(ROWS, 32))
     assert out.shape == (ROWS, 64) and set(twin.speeds.decided) == {"0"} and not twin.speeds.decided["0"].pays

@@ -114,6 +114,7 @@ class Region:
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
         self._fp8_installed = False
+        self._owner = object()  # whose FP8 routing: a token, so that a copied or pickled model carries no Region
         self._module_regions_made: dict[tuple, dict[str, Callable[[], contextlib.AbstractContextManager]]] = {}
         routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
         self._formats = ModuleFormats(routed) if routed else None  # routed through once, as the FP8 layers
@@ -122,7 +123,8 @@ class Region:
             if self.policy.fp8 is not None:
                 fp32 = [name for name, _ in prepared.fp32_modules]  # their Linear layers stay FP32
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32)
-                self._fp8_installed = self.fp8.install()
+                self.fp8.install(self._owner)
+                self._fp8_installed = True
             if self._formats is not None:
                 self._formats.install()
                 for recomputing, refuse in itertools.product((False, True), (None, refuse_foreign_recompute)):
@@ -183,7 +185,7 @@ class Region:
             self._output_hook.remove()
             self._output_hook = None
         if self._fp8_installed:
-            self.fp8.remove()
+            self.fp8.remove(self._owner)
             self._fp8_installed = False
         if self._formats is not None:
             self._formats.remove()

@@ -29,6 +29,7 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import ComputePlan
 from mixprec.regions.prepare import Prepared
 from mixprec.regions.recompute import Frame
+from mixprec.regions.routing import Link, route, unroute
 
 __all__ = ["ModuleFormats", "cast_floating", "emulation_for", "format_regions", "routed_fp32_modules"]
 
@@ -130,32 +131,16 @@ class ModuleFormats:
         self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
         self.frame: Frame | None = None
         self.refuse: Callable[[str], None] | None = None
-        self._routed: list[nn.Module] = []
 
     def install(self) -> None:
         """Route each module's forward through this object (the forward an instance had is kept and called)."""
         for module, kind in self.modules:
-            self._routed.append(module)
-            module.forward = _FormatForward(module, kind, self, vars(module).get("forward"))
+            route(module, _FormatForward(module, kind, self))
 
     def remove(self) -> None:
-        """Undo :meth:`install`: the forward each module had before, or, where another region routed the module
-        after this one (two MixedPrecision on one model, the first released first), this one's link taken out of
-        the chain, so that the other still routes it."""
-        for module in reversed(self._routed):
-            current = vars(module).get("forward")
-            if isinstance(current, _FormatForward) and current.formats is self:
-                if current.previous is None:  # the link below it now (another region's, taken out since: gone)
-                    vars(module).pop("forward", None)
-                else:
-                    module.forward = current.previous
-                continue
-            while isinstance(current, _FormatForward):  # ours lies deeper in the chain
-                if isinstance(current.previous, _FormatForward) and current.previous.formats is self:
-                    current.previous = current.previous.previous
-                    break
-                current = current.previous
-        self._routed = []
+        """Take this object's routing out of each module (another region's routing stays)."""
+        for module, _ in self.modules:
+            unroute(module, self)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
@@ -177,12 +162,13 @@ class ModuleFormats:
             self.regions, self.frame, self.refuse = previous
 
 
-class _FormatForward:
-    """A routed module's forward: in its format while its region is entered, its own otherwise. An object rather
-    than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward bound to the copy."""
+class _FormatForward(Link):
+    """A routed module's forward: in its format while its region is entered, the forward it replaced otherwise. An
+    object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward bound to the copy."""
 
-    def __init__(self, module: nn.Module, kind: str, formats: ModuleFormats, previous: Any) -> None:
-        self.module, self.kind, self.formats, self.previous = module, kind, formats, previous
+    def __init__(self, module: nn.Module, kind: str, formats: ModuleFormats) -> None:
+        self.module, self.kind, self.formats = module, kind, formats
+        self.owner = formats
 
     @property
     def __wrapped__(self) -> Any:

@@ -27,6 +27,7 @@ from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.shape_speed import SpeedTable, decides_by_speed
+from mixprec.regions.routing import Link, route, unroute
 
 __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
@@ -73,28 +74,17 @@ class Fp8State:
             self.selection.speeds = self.speeds.decided  # the plan reads the decisions as they are made
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
-        self._replaced: dict[str, object] = {}
 
-    def install(self) -> bool:
-        """Route the selected layers' forward through this state; False if they already were."""
-        if all(self._routes(module) for module in self.modules.values()):
-            return False
-        # what was there: another state's routing (a region with another recipe) or none
-        self._replaced = {name: vars(module).get("forward") for name, module in self.modules.items()}
+    def install(self, owner: object) -> None:
+        """Route the selected layers' forward through this state for ``owner`` (a region), on top of what was
+        there (another region's routing, of this state or another recipe's)."""
         for name, module in self.modules.items():
-            module.forward = _Fp8Forward(name, module, self.layers[name], self, self._operands[name])
-        return True
+            route(module, _Fp8Forward(name, module, self.layers[name], self, self._operands[name], owner))
 
-    def remove(self) -> None:
-        """Undo :meth:`install`: the forward each layer had before (its own, unless another state's)."""
-        for name, module in self.modules.items():
-            if not self._routes(module):
-                continue
-            previous = self._replaced.get(name)
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+    def remove(self, owner: object) -> None:
+        """Take ``owner``'s routing out of the layers (another region's stays)."""
+        for module in self.modules.values():
+            unroute(module, owner)
 
     @contextlib.contextmanager
     def computing(self, out_dtype: torch.dtype, refuse: Callable[[str], None] | None = None) -> Iterator[Fp8State]:
@@ -107,10 +97,6 @@ class Fp8State:
         finally:
             self.out_dtype, self.refuse = previous
 
-    def _routes(self, module: nn.Module) -> bool:
-        forward = vars(module).get("forward")
-        return isinstance(forward, _Fp8Forward) and forward.state is self
-
     def state_dict(self) -> dict:
         return {name: layer.state_dict() for name, layer in self.layers.items()}
 
@@ -122,7 +108,7 @@ class Fp8State:
             self.layers[name].load_state_dict(layer_state)
 
 
-class _Fp8Forward:
+class _Fp8Forward(Link):
     """A selected GEMM layer's forward: FP8 while its model's state has an output dtype, its own otherwise.
 
     An object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward
@@ -130,9 +116,10 @@ class _Fp8Forward:
     """
 
     def __init__(
-        self, name: str, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands
+        self, name: str, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands, owner: object
     ) -> None:
         self.name, self.module, self.layer, self.state, self.operands = name, module, layer, state, operands
+        self.owner = owner
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module, out_dtype = self.module, self.state.out_dtype
@@ -166,11 +153,10 @@ def fp8_region(
     (:class:`mixprec.regions.Region`) installs the routing once and only sets the output dtype on entry
     (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
     """
-    state = fp8_state(model, recipe, fp32)
-    installed = state.install()
+    state, owner = fp8_state(model, recipe, fp32), object()
+    state.install(owner)
     try:
         with state.computing(out_dtype):
             yield state
     finally:
-        if installed:
-            state.remove()
+        state.remove(owner)
