@@ -39,7 +39,17 @@ def test_a_transformers_gpt2_computes_every_projection_in_fp8_and_keeps_its_tied
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_conv1d_in_fp8_equals_the_linear_with_its_transposed_weight_forward_and_backward():
+@pytest.fixture
+def one_thread():
+    """One thread, as the suite runs (tests/conftest.py), also when a test runs alone: with more, the CPU's GEMM
+    splits the sums of a transposed weight differently from a contiguous one's, and the two differ in the last bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_conv1d_in_fp8_equals_the_linear_with_its_transposed_weight_forward_and_backward(one_thread):
     pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
