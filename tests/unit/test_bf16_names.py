@@ -163,3 +163,27 @@ def test_the_plan_the_policy_command_and_an_fp16_export_name_the_bf16_modules():
     trained = prepared.policy
     assert export_policy(trained, "fp16").fp32_names == ("block",)  # fp16 weights: the range needs FP32
     assert export_policy(trained, "bf16").fp32_names == ()
+
+
+def test_a_transformers_gpt2_trains_with_its_mlps_in_bf16_checkpointed_or_not():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    policy = "base=mixed_fp16,kernels=native,bf16_names=transformer.h.?.mlp"  # Conv1D layers, by one glob
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy)
+    seen = {}
+    model.transformer.h[1].mlp.c_fc.register_forward_hook(lambda m, a, out: seen.__setitem__("c_fc", out.dtype))
+    model.transformer.h[1].attn.c_attn.register_forward_hook(lambda m, a, out: seen.__setitem__("c_attn", out.dtype))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for checkpointed in (False, False, True, True):
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        with mp.autocast():
+            loss = model(tokens, labels=tokens).loss
+        mp.backward(loss)
+        assert mp.step().applied
+        losses.append(loss.item())
+    assert seen == {"c_fc": torch.bfloat16, "c_attn": torch.float16}
+    assert losses[-1] < losses[0]
