@@ -133,7 +133,9 @@ def _tune_fragile(tmp_path, mixprec_cli, *args):
 
 
 def test_the_layer_that_overflows_fp16_leaves_it_for_the_faster_of_bf16_and_fp32_and_says_why(tmp_path, mixprec_cli):
-    finished, result, layer = _tune_fragile(tmp_path, mixprec_cli)
+    finished, result, layer = _tune_fragile(tmp_path, mixprec_cli, "--save-profile", tmp_path / "profile.json")
+    saved = DeviceProfile.load(tmp_path / "profile.json")  # bf16 timed for every layer, as measured
+    assert saved.base == "mixed_fp16" and all("bf16" in timings for timings in saved.entries.values())
     faster = "bf16" if layer["ms"]["bf16"] <= layer["ms"]["fp32"] else "fp32"
     shown = {"bf16": "bf16", "fp32": "FP32"}[faster]
     assert f"kept in {shown} by the doctor: 2 (its values reach" in finished.stderr

@@ -476,7 +476,8 @@ def _cost_model_check(state: SearchState, assignment: dict[str, str], summary: d
 
 
 def _layer_record(choice: LayerChoice, state: SearchState) -> dict[str, Any]:
-    formats = (*choice.shape.formats, *([BF16] if BF16 in choice.formats else []))
+    timed_bf16 = BF16 in state.profile.entries.get(choice.shape.key(), {})  # kept for --save-profile
+    formats = (*choice.shape.formats, *([BF16] if BF16 in choice.formats or timed_bf16 else []))
     timings = {fmt: state.profile.layer_ms(choice.shape, fmt)[0] for fmt in formats}
     return {
         "name": choice.name,
