@@ -330,12 +330,23 @@ def _check_profile(part: dict, folder) -> None:
     # the device profile mixprec tune reads, timed per shape and format, and written beside the results
     from mixprec.app.tune.cost import DeviceProfile
 
-    assert {r["shape"] for r in part["records"]} == {"32x16x48", "32x48x16", "sdpa:1x2x2x16x8:causal"}
-    formats = {"GEMM": ("fp32", "16", "fp8"), "attention": ("fp32", "16")}
-    kinds = {r["shape"]: "attention" if r["shape"].startswith("sdpa:") else "GEMM" for r in part["records"]}
-    assert all(r[f"{fmt}_ms"] > 0 for r in part["records"] for fmt in formats[kinds[r["shape"]]])
-    profile = DeviceProfile.load(folder / "device_profile.json")
-    assert profile.base == "mixed_bf16" and set(profile.entries) == {"32x16x48", "32x48x16", "sdpa:1x2x2x16x8:causal"}
+    shapes = {"32x16x48", "32x48x16", "sdpa:1x2x2x16x8:causal"}
+    assert {(r["base"], r["shape"]) for r in part["records"]} == {
+        (b, s) for b in ("mixed_bf16", "mixed_fp16") for s in shapes
+    }
+    formats = {  # an fp16 base's profile times bf16 too (bf16_names), but for attention (an op, not a module)
+        ("mixed_bf16", "GEMM"): ("fp32", "16", "fp8"),
+        ("mixed_fp16", "GEMM"): ("fp32", "16", "fp8", "bf16"),
+        ("mixed_bf16", "attention"): ("fp32", "16"),
+        ("mixed_fp16", "attention"): ("fp32", "16"),
+    }
+    for record in part["records"]:
+        kind = "attention" if record["shape"].startswith("sdpa:") else "GEMM"
+        assert {key for key in record if key.endswith("_ms")} == {f"{fmt}_ms" for fmt in formats[record["base"], kind]}
+        assert all(record[f"{fmt}_ms"] > 0 for fmt in formats[record["base"], kind])
+    for name, base in (("device_profile.json", "mixed_bf16"), ("device_profile_fp16.json", "mixed_fp16")):
+        profile = DeviceProfile.load(folder / name)
+        assert profile.base == base and set(profile.entries) == shapes
 
 
 def test_a_mixprec_row_names_the_kernels_it_launches_beyond_its_hand_written_twin():
