@@ -90,9 +90,9 @@ class Region:
     """A policy's region prepared once and entered many times (:class:`mixprec.MixedPrecision` keeps one).
 
     Made from :func:`mixprec.prepare`'s value (prepared here from a policy, model and device otherwise), it
-    installs the model's output cast and FP8 routing once; entering only enters contexts. So a step that
-    enters the region inside ``torch.compile`` traces it without graph breaks, and a compiled model is not
-    recompiled because hooks came and went.
+    installs the model's output cast and the routing of its FP8 layers and of its modules of another format (FP32,
+    bf16) once; entering only enters contexts. So a step that enters the region inside ``torch.compile`` traces it
+    without graph breaks, and a compiled model is not recompiled because hooks came and went.
     """
 
     def __init__(
@@ -180,7 +180,7 @@ class Region:
             self._calls_attention = attention.attention_calls > 0
 
     def close(self) -> None:
-        """Remove the output-cast hook and the FP8 routing this region installed (none if the model had them)."""
+        """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
         if self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
