@@ -223,15 +223,6 @@ class EmulatedAutocast(TorchFunctionMode):
             return packed[1]
         return packed.stored() if isinstance(packed, _Held) else packed
 
-    @contextlib.contextmanager
-    def suspend(self) -> Iterator[None]:
-        """Plain FP32 inside (modules a policy keeps in FP32), like ``torch.autocast(enabled=False)``."""
-        self._suspended += 1
-        try:
-            yield
-        finally:
-            self._suspended -= 1
-
     def __exit__(self, *exc: Any) -> Any:
         _ACTIVE.remove(self)
         if self._saving:
@@ -345,8 +336,9 @@ class EmulatedAutocast(TorchFunctionMode):
 
 @contextlib.contextmanager
 def emulations_suspended() -> Iterator[None]:
-    """Every emulated region active on this thread suspended inside (as :meth:`EmulatedAutocast.suspend`): a
-    module kept in FP32 inside a module computed in another 16-bit format than the region's."""
+    """Plain FP32 inside, like ``torch.autocast(enabled=False)``, for every emulated region active: a module kept in
+    FP32 (inside the region, or inside a module computed in the region's other 16-bit format), a bf16 module of
+    an fp16 region."""
     active = tuple(_ACTIVE)
     for emulation in active:
         emulation._suspended += 1

@@ -113,22 +113,18 @@ class Region:
             )
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
-        self._fp8_installed = False
         self._owner = object()  # whose FP8 routing: a token, so that a copied or pickled model carries no Region
-        self._module_regions_made: dict[tuple, dict[str, Callable[[], contextlib.AbstractContextManager]]] = {}
         routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
         self._formats = ModuleFormats(routed) if routed else None  # routed through once, as the FP8 layers
+        self._module_regions = self._made_module_regions(routed)
         if model is not None:
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
                 fp32 = [name for name, _ in prepared.fp32_modules]  # their Linear layers stay FP32
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32)
                 self.fp8.install(self._owner)
-                self._fp8_installed = True
             if self._formats is not None:
                 self._formats.install()
-                for recomputing, refuse in itertools.product((False, True), (None, refuse_foreign_recompute)):
-                    self._module_regions(recomputing, refuse)  # made now: a compiled entry then finds them made
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
         self._checkpointing = checkpointing_modules(model) if model is not None else []
         wire_checkpointing(self._checkpointing)
@@ -149,11 +145,11 @@ class Region:
         emulation = emulation_for(plan, policy.fp32_ops, device_type, recomputing, refuse) if plan.emulates else None
         native = plan.mode in ("native", "hybrid")
         null = contextlib.nullcontext()
-        module_regions = self._module_regions(recomputing, refuse) if self._formats is not None else None
+        module_regions = self._module_regions.get((recomputing, refuse))
         frame = None
         if not traced:  # compiled, the compiler recomputes checkpoints from its graph
             wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
-            frame = Frame(self, self._module_regions(True, refuse) if self._formats is not None else {})
+            frame = Frame(self, self._module_regions.get((True, refuse), {}))
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
         attention = None
         # GEMM attention watches every torch call of the forward (a TorchFunctionMode: a few us each); a model
@@ -184,25 +180,28 @@ class Region:
         if self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
-        if self._fp8_installed:
+        if self.fp8 is not None:  # taking it out again changes nothing
             self.fp8.remove(self._owner)
-            self._fp8_installed = False
         if self._formats is not None:
             self._formats.remove()
 
-    def _module_regions(
-        self, recomputing: bool, refuse: Callable[[str], None] | None
-    ) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-        """What the forward of a module of each format the policy names runs in: made once per kind of entry, so
-        that a compiled step sees the same objects at each entry."""
-        made = self._module_regions_made.get((recomputing, refuse))
-        if made is not None:
-            return made
-        kinds = {kind for _, kind in self._formats.modules}
+    def _made_module_regions(
+        self, routed: list[tuple[nn.Module, str]]
+    ) -> dict[tuple, dict[str, Callable[[], contextlib.AbstractContextManager]]]:
+        """What the forward of a routed module of each format runs in, per kind of entry (recomputing or not, with
+        the foreign-recompute refusal or none, as compiled): made here, once, so that a compiled step sees the same
+        objects at each entry (none routed: empty)."""
+        if not routed:
+            return {}
+        kinds = {kind for _, kind in routed}
         plans = {"region": self.plan, "bf16": self.prepared.bf16_plan}
-        made = format_regions(kinds, plans, self.device_type, self.policy.fp32_ops, recomputing, refuse)
-        self._module_regions_made[(recomputing, refuse)] = made
-        return made
+        entries = itertools.product((False, True), (None, refuse_foreign_recompute))
+        return {
+            (recomputing, refuse): format_regions(
+                kinds, plans, self.device_type, self.policy.fp32_ops, recomputing, refuse
+            )
+            for recomputing, refuse in entries
+        }
 
 
 def _no_graph_breaks() -> contextlib.AbstractContextManager:

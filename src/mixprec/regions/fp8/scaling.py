@@ -110,7 +110,12 @@ def saturating_cast(
     A bf16 tensor is scaled in bf16 (by a one-value scale: the product stays bf16): exact, as bf16 has FP32's
     exponent range and the scale is a power of two (a product that would be subnormal there is far below every
     FP8 format's smallest value, zero either way), and one conversion pass fewer."""
-    return _saturate((tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale, fmt_max, has_inf, dtype)
+    return _saturate(_scaled(tensor, scale), fmt_max, has_inf, dtype)
+
+
+def _scaled(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``tensor * scale`` in FP32, or in bf16 for a bf16 tensor (exact there: see :func:`saturating_cast`)."""
+    return (tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale
 
 
 def _saturate(scaled: torch.Tensor, fmt_max: float, has_inf: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -142,7 +147,7 @@ def own_scale_cast(tensor: torch.Tensor, scale: torch.Tensor, fmt: str | Format)
     torch.compile (Triton's conversions saturate), while a CUDA graph is captured or under a dispatch mode (no
     probe there), the full saturating cast."""
     spec = get_format(fmt)
-    scaled = (tensor if tensor.dtype == torch.bfloat16 else tensor.float()) * scale
+    scaled = _scaled(tensor, scale)
     if torch.compiler.is_compiling():
         return _saturate(scaled, spec.max, spec.has_inf, spec.torch_dtype)
     if not spec.has_inf:
