@@ -66,6 +66,13 @@ def test_a_name_that_matches_no_module_is_refused():
         mixprec.prepare(Net(), "base=mixed_fp16,bf16_names=blok")
 
 
+def test_a_name_whose_modules_are_all_kept_in_fp32_is_refused_and_one_with_a_module_outside_is_taken():
+    with pytest.raises(ValueError, match=r"bf16_names entry 'block.2' matches only modules kept in FP32 \(block: "):
+        mixprec.prepare(Net(), "base=mixed_fp16,names=block,bf16_names=block.2")
+    prepared = mixprec.prepare(Net(), "base=mixed_fp16,names=block.0,bf16_names=block.?")
+    assert [name for name, _ in prepared.bf16_modules] == ["block.1", "block.2"]  # FP32 wins for block.0
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_the_named_module_computes_in_bf16_and_its_overflow_is_gone(kernels):
     torch.manual_seed(0)

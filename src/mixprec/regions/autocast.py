@@ -55,6 +55,7 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
+from mixprec.regions.routing import ACTIVE_REGION, ModelAttributes
 
 __all__ = ["Region", "autocast"]
 
@@ -113,16 +114,17 @@ class Region:
             )
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
-        self._owner = object()  # whose FP8 routing: a token, so that a copied or pickled model carries no Region
+        self._owner = object()  # whose routing: a token, so that a copied or pickled model carries no Region
         routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
-        self._formats = ModuleFormats(routed) if routed else None  # routed through once, as the FP8 layers
+        # routed through once, as the FP8 layers (a module is routed only where the region has the model)
+        self._formats = ModuleFormats(routed, self._owner, model) if routed else None
         self._module_regions = self._made_module_regions(routed)
         if model is not None:
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
                 fp32 = [name for name, _ in prepared.fp32_modules]  # their Linear layers stay FP32
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32)
-                self.fp8.install(self._owner)
+                self.fp8.install(self._owner, model)
             if self._formats is not None:
                 self._formats.install()
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
@@ -167,7 +169,10 @@ class Region:
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
-            _output_dtype(model, policy.output_dtype, traced) if model is not None else null,
+            # the output cast's dtype, and this region as the one whose routed modules compute (the last entered)
+            ModelAttributes(model, {_OUTPUT_DTYPE: policy.output_dtype, ACTIVE_REGION: self._owner}, traced)
+            if model is not None
+            else null,
             self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
@@ -226,31 +231,7 @@ def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
     """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
-    # the attribute exists (inert) from now on: a compiled step that enters the region guards on it, and
-    # would compile a second time if it appeared only after the first call
-    setattr(model, _OUTPUT_DTYPE, getattr(model, _OUTPUT_DTYPE, None))
+    ModelAttributes.declare(model, (_OUTPUT_DTYPE, ACTIVE_REGION))
     if _cast_outputs in model._forward_hooks.values():
         return None
     return model.register_forward_hook(_cast_outputs)
-
-
-class _output_dtype:  # a class, not @contextmanager: no generator per region entry
-    """While entered, ``model``'s output cast casts to ``dtype``. The attribute is written into the module's
-    ``__dict__`` directly: it is neither a parameter, a buffer nor a module, and ``nn.Module.__setattr__``'s
-    checks for those cost more than the rest of entering the region (compiled, dynamo traces setattr)."""
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype, traced: bool) -> None:
-        self.model, self.dtype, self.traced = model, dtype, traced
-
-    def __enter__(self) -> None:
-        self.previous = getattr(self.model, _OUTPUT_DTYPE, None)
-        self._write(self.dtype)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._write(self.previous)
-
-    def _write(self, dtype: torch.dtype | None) -> None:
-        if self.traced:
-            setattr(self.model, _OUTPUT_DTYPE, dtype)
-        else:
-            self.model.__dict__[_OUTPUT_DTYPE] = dtype

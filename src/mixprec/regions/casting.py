@@ -141,10 +141,31 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
             if not any(_is_kept_name(name, (glob,), wrappers) for name, _ in named):
                 names = [n for n in dict.fromkeys(_unwrapped_name(name, wrappers) for name, _ in named) if n]
                 raise ValueError(_unmatched(policy, key, glob, names, "module names", model))
+    _check_bf16_outside_fp32(model, policy, named, wrappers)
     classes = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
     for cls in classes_named:
         if cls not in classes:
             raise ValueError(_unmatched(policy, "fp32_modules", cls, sorted(classes), "module classes", model))
+
+
+def _check_bf16_outside_fp32(
+    model: nn.Module, policy: Policy, named: list[tuple[str, nn.Module]], wrappers: list[str]
+) -> None:
+    """Raise ValueError for a ``bf16_names`` entry whose every module lies in a module kept in FP32: FP32 wins
+    there, so the entry would compute nothing in bf16, silently."""
+    if not policy.bf16_names:
+        return
+    fp32 = [name for name, _ in fp32_modules(model, policy)]
+    for glob in policy.bf16_names:
+        matched = [name for name, _ in named if _is_kept_name(name, (glob,), wrappers)]
+        enclosing = [next((p for p in fp32 if name == p or name.startswith(p + ".")), None) for name in matched]
+        if matched and None not in enclosing:
+            shown = ", ".join(sorted({_unwrapped_name(p, wrappers) for p in enclosing}))
+            raise ValueError(
+                f"policy {policy}: bf16_names entry {glob!r} matches only modules kept in FP32 ({shown}: FP32 "
+                "wins inside them), so nothing would compute in bf16 for it. Take the entry out of bf16_names, or "
+                "its module out of names= (or fp32_modules) to compute it in bf16."
+            )
 
 
 def _unmatched(policy: Policy, key: str, entry: str, candidates: list[str], what: str, model: nn.Module) -> str:

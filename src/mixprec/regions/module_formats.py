@@ -123,11 +123,12 @@ def routed_fp32_modules(prepared: Prepared) -> list[nn.Module]:
 
 
 class ModuleFormats:
-    """The routed modules of one region, each with its format ("fp32" or "bf16"), and, while the region is
-    entered, what each format's forward runs in (``regions``), the region's frame (eager) and its refusal."""
+    """The routed modules of one region (``owner``, its token) of the model ``root``, each with its format ("fp32"
+    or "bf16"), and, while the region is entered, what each format's forward runs in (``regions``), the region's
+    frame (eager) and its refusal."""
 
-    def __init__(self, modules: list[tuple[nn.Module, str]]) -> None:
-        self.modules = modules
+    def __init__(self, modules: list[tuple[nn.Module, str]], owner: object, root: nn.Module) -> None:
+        self.modules, self.owner, self.root = modules, owner, root
         self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
         self.frame: Frame | None = None
         self.refuse: Callable[[str], None] | None = None
@@ -140,7 +141,7 @@ class ModuleFormats:
     def remove(self) -> None:
         """Take this object's routing out of each module (another region's routing stays)."""
         for module, _ in self.modules:
-            unroute(module, self)
+            unroute(module, self.owner)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
@@ -163,23 +164,18 @@ class ModuleFormats:
 
 
 class _FormatForward(Link):
-    """A routed module's forward: in its format while its region is entered, the forward it replaced otherwise. An
-    object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward bound to the copy."""
+    """A routed module's forward: in its format while its region is the one entered last on the model, the forward
+    it replaced otherwise. An object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a
+    forward bound to the copy."""
 
     def __init__(self, module: nn.Module, kind: str, formats: ModuleFormats) -> None:
         self.module, self.kind, self.formats = module, kind, formats
-        self.owner = formats
-
-    @property
-    def __wrapped__(self) -> Any:
-        """The module's own forward: what ``inspect.signature(module.forward)`` reads (the Hugging Face Trainer's
-        columns, for one)."""
-        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+        self.owner, self.root = formats.owner, formats.root
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, formats = self.module, self.formats
         own = self.__wrapped__
-        if formats.regions is None:
+        if formats.regions is None or not self.computes():
             return own(*args, **kwargs)
         if formats.refuse is not None:  # torch's own checkpoint would recompute it in the region's format
             formats.refuse(f"the policy's {_SHOWN[self.kind]} module {type(module).__name__}")

@@ -2,9 +2,15 @@
 taken out again: the one place that changes ``module.forward``.
 
 Several regions may route one module: two MixedPrecision on one model, a one-off region inside the engine's. Each
-link keeps the forward it replaced (``previous``) and whose it is (``owner``); taking one out unlinks it wherever it
-lies in the chain, so the others keep routing. (Restoring the forward each had replaced dropped a later region's
-routing when an earlier one closed first: the second MixedPrecision on a model then computed in bf16, not FP8.)
+link keeps the forward it replaced (``previous``) and whose it is (``owner``, a region's token); taking one out
+unlinks it wherever it lies in the chain, so the others keep routing. (Restoring the forward each had replaced dropped
+a later region's routing when an earlier one closed first: the second MixedPrecision on a model then computed in
+bf16, not FP8.)
+
+Which link computes: the one whose region was entered last on the model (its token in the model's
+``_mixprec_region`` attribute while entered, :class:`ModelAttributes`), as the innermost ``torch.autocast`` decides;
+every other link passes the call down the chain. A region of another policy entered inside the engine's so
+computes in its own formats, not in the engine's FP32 modules or FP8 layers, and the engine's again after it.
 """
 
 from __future__ import annotations
@@ -13,15 +19,29 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Link", "route", "unroute"]
+__all__ = ["ACTIVE_REGION", "Link", "ModelAttributes", "route", "unroute"]
+
+ACTIVE_REGION = "_mixprec_region"  # the token of the region entered last on a model, while it is entered
 
 
 class Link:
-    """A routed forward: its ``owner`` (a region's part) and the forward it replaced (``previous``: None for the
-    module's own)."""
+    """A routed forward of ``module`` (in the model ``root``): its ``owner`` (a region's token) and the forward it
+    replaced (``previous``: None for the module's own)."""
 
+    module: nn.Module
+    root: nn.Module
     owner: object
     previous: Any = None
+
+    def computes(self) -> bool:
+        """Whether this link's region is the one entered last on its model (a live one: a copy's is not)."""
+        return getattr(self.root, ACTIVE_REGION, None) is self.owner
+
+    @property
+    def __wrapped__(self) -> Any:
+        """What a link that does not compute calls: the forward it replaced, or the module's own (also what
+        ``inspect.signature(module.forward)`` reads: the Hugging Face Trainer's columns, for one)."""
+        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
 
 
 def route(module: nn.Module, link: Link) -> None:
@@ -46,3 +66,33 @@ def unroute(module: nn.Module, owner: object) -> None:
             link.previous = below.previous
             return
         link = below
+
+
+class ModelAttributes:  # a class, not @contextmanager: no generator per region entry
+    """While entered, the model carries ``values`` (attribute name to value), restored on exit. Written into the
+    module's ``__dict__`` directly: they are neither parameters, buffers nor modules, and ``nn.Module.__setattr__``'s
+    checks for those cost more than the rest of entering a region (compiled, dynamo traces setattr)."""
+
+    def __init__(self, model: nn.Module, values: dict[str, Any], traced: bool) -> None:
+        self.model, self.values, self.traced = model, values, traced
+
+    @staticmethod
+    def declare(model: nn.Module, names: tuple[str, ...]) -> None:
+        """Give the model each attribute (inert, None) unless it has it: a compiled step that enters a region guards
+        on them, and would compile a second time if one appeared only after the first call."""
+        for name in names:
+            setattr(model, name, getattr(model, name, None))
+
+    def __enter__(self) -> None:
+        self.previous = {name: getattr(self.model, name, None) for name in self.values}
+        self._write(self.values)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._write(self.previous)
+
+    def _write(self, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            if self.traced:
+                setattr(self.model, name, value)
+            else:
+                self.model.__dict__[name] = value

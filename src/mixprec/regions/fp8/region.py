@@ -27,7 +27,7 @@ from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.shape_speed import SpeedTable, decides_by_speed
-from mixprec.regions.routing import Link, route, unroute
+from mixprec.regions.routing import ACTIVE_REGION, Link, ModelAttributes, route, unroute
 
 __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
@@ -75,11 +75,13 @@ class Fp8State:
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
 
-    def install(self, owner: object) -> None:
-        """Route the selected layers' forward through this state for ``owner`` (a region), on top of what was
-        there (another region's routing, of this state or another recipe's)."""
+    def install(self, owner: object, root: nn.Module) -> None:
+        """Route the selected layers' forward through this state for ``owner`` (a region's token) of the model
+        ``root``, on top of what was there (another region's routing, of this state or another recipe's)."""
         for name, module in self.modules.items():
-            route(module, _Fp8Forward(name, module, self.layers[name], self, self._operands[name], owner))
+            link = _Fp8Forward(name, module, self.layers[name], self, self._operands[name])
+            link.owner, link.root = owner, root
+            route(module, link)
 
     def remove(self, owner: object) -> None:
         """Take ``owner``'s routing out of the layers (another region's stays)."""
@@ -97,6 +99,10 @@ class Fp8State:
         finally:
             self.out_dtype, self.refuse = previous
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
+        return {**vars(self), "out_dtype": None, "refuse": None}
+
     def state_dict(self) -> dict:
         return {name: layer.state_dict() for name, layer in self.layers.items()}
 
@@ -109,28 +115,28 @@ class Fp8State:
 
 
 class _Fp8Forward(Link):
-    """A selected GEMM layer's forward: FP8 while its model's state has an output dtype, its own otherwise.
+    """A selected GEMM layer's forward: FP8 while its region is the one entered last on the model, the forward it
+    replaced otherwise.
 
     An object rather than a closure, so that ``copy.deepcopy`` of the model gives the copy a forward
     bound to the copy (a closure would keep computing with the original's weights) and pickling works.
     """
 
     def __init__(
-        self, name: str, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands, owner: object
+        self, name: str, module: nn.Module, layer: Fp8LinearState, state: Fp8State, operands: Operands
     ) -> None:
         self.name, self.module, self.layer, self.state, self.operands = name, module, layer, state, operands
-        self.owner = owner
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module, out_dtype = self.module, self.state.out_dtype
-        if out_dtype is None:
-            return type(module).forward(module, x)
+        if out_dtype is None or not self.computes():
+            return self.__wrapped__(x)
         if self.state.refuse is not None:
             self.state.refuse("the policy's FP8 GEMM layers")
         weight, bias = self.operands(module)
         speeds = self.state.speeds
         if speeds is not None and not speeds.pays(self.name, x, weight, bias, out_dtype):
-            return type(module).forward(module, x)  # its shape measured slower in FP8: the compute dtype
+            return self.__wrapped__(x)  # its shape measured slower in FP8: the compute dtype
         return fp8_linear(x, weight, bias, self.layer, out_dtype)
 
 
@@ -154,9 +160,9 @@ def fp8_region(
     (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
     """
     state, owner = fp8_state(model, recipe, fp32), object()
-    state.install(owner)
+    state.install(owner, model)
     try:
-        with state.computing(out_dtype):
+        with state.computing(out_dtype), ModelAttributes(model, {ACTIVE_REGION: owner}, False):
             yield state
     finally:
         state.remove(owner)

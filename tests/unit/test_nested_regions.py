@@ -1,0 +1,63 @@
+"""A region entered inside another on the same model: the inner one's policy decides, as the innermost
+``torch.autocast`` does; the outer one's routed modules (FP32, bf16, FP8 layers) compute in it again on exit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _alone(policy: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``model(x)`` in a one-off region of ``policy`` on a copy of the model, no other region around."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad(), mixprec.autocast(policy, twin):
+        return twin(x)
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("base=mixed_bf16,names=2", "mixed_bf16"),  # an FP32 module outside, bf16 inside
+        ("mixed_bf16", "base=mixed_bf16,names=2"),  # and the other way round
+        ("fp8", "mixed_bf16"),  # FP8 layers outside, none inside
+        ("fp8", "base=fp8,fp8=(keep=first)"),  # another recipe inside
+        ("base=mixed_fp16,bf16_names=2", "mixed_fp16"),  # a bf16 module of an fp16 policy outside
+        ("base=mixed_fp16,names=2", "base=mixed_fp16,bf16_names=2"),  # FP32 outside, bf16 inside
+    ],
+)
+def test_the_innermost_region_decides_and_the_outer_one_again_after_it(outer, inner):
+    model, x = _mlp(), torch.randn(8, 16)
+    expected_outer, expected_inner = _alone(outer, model, x), _alone(inner, model, x)
+    assert not torch.equal(expected_outer, expected_inner)  # the two policies compute differently
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), outer)
+    with torch.no_grad(), mp.autocast():
+        assert torch.equal(model(x), expected_outer)
+        with mixprec.autocast(inner, model):
+            assert torch.equal(model(x), expected_inner)
+        assert torch.equal(model(x), expected_outer)
+    with torch.no_grad(), mixprec.autocast(inner, model), mp.autocast():  # the engine's region innermost
+        assert torch.equal(model(x), expected_outer)
+
+
+def test_two_engines_on_one_model_each_computes_its_own_policy_in_its_region():
+    model, x = _mlp(), torch.randn(8, 16)
+    expected = {policy: _alone(policy, model, x) for policy in ("fp8", "base=mixed_bf16,names=0+4")}
+    first = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    second = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=0+4")
+    with torch.no_grad():
+        for engine, policy in ((first, "fp8"), (second, "base=mixed_bf16,names=0+4"), (first, "fp8")):
+            with engine.autocast():
+                assert torch.equal(model(x), expected[policy]), policy
+        with first.autocast(), second.autocast():
+            assert torch.equal(model(x), expected["base=mixed_bf16,names=0+4"])
+        assert torch.equal(model(x), _alone("fp32", model, x))  # no region: FP32 throughout
