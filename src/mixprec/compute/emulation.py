@@ -31,6 +31,7 @@ activations cost what they cost under a real 16-bit autocast.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,7 +44,16 @@ from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "EmulatedAutocast", "active_emulation"]
 
-_ACTIVE: list[EmulatedAutocast] = []  # regions entered on this thread, innermost last
+
+class _EnteredOnThread(threading.local):
+    """The emulations entered on each thread, innermost last: per thread, as torch's mode stack is, so that an FP32
+    module on one thread does not suspend (and a recompute does not find) another thread's emulation."""
+
+    def __init__(self) -> None:
+        self.emulations: list[EmulatedAutocast] = []
+
+
+_ACTIVE = _EnteredOnThread()
 _PACKED = "mixprec-16bit"
 
 # CUDA autocast's op lists (torch 2.x), by the names the ops have at the Python level.
@@ -194,7 +204,7 @@ class EmulatedAutocast(TorchFunctionMode):
         if self._saving:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._saved_hooks.__enter__()
-        _ACTIVE.append(self)
+        _ACTIVE.emulations.append(self)
         return self
 
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -224,7 +234,7 @@ class EmulatedAutocast(TorchFunctionMode):
         return packed.stored() if isinstance(packed, _Held) else packed
 
     def __exit__(self, *exc: Any) -> Any:
-        _ACTIVE.remove(self)
+        _ACTIVE.emulations.remove(self)
         if self._saving:
             self._saved_hooks.__exit__(*exc)
         self._weights.clear()  # like autocast's cast cache: valid for one region
@@ -336,10 +346,10 @@ class EmulatedAutocast(TorchFunctionMode):
 
 @contextlib.contextmanager
 def emulations_suspended() -> Iterator[None]:
-    """Plain FP32 inside, like ``torch.autocast(enabled=False)``, for every emulated region active: a module kept in
-    FP32 (inside the region, or inside a module computed in the region's other 16-bit format), a bf16 module of
-    an fp16 region."""
-    active = tuple(_ACTIVE)
+    """Plain FP32 inside, like ``torch.autocast(enabled=False)``, for every emulated region active on this thread: a
+    module kept in FP32 (inside the region, or inside a module computed in the region's other 16-bit format), a bf16
+    module of an fp16 region."""
+    active = tuple(_ACTIVE.emulations)
     for emulation in active:
         emulation._suspended += 1
     try:
@@ -351,4 +361,5 @@ def emulations_suspended() -> Iterator[None]:
 
 def active_emulation() -> EmulatedAutocast | None:
     """The innermost emulated region on this thread, if any (for tools that also hook saved tensors)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    emulations = _ACTIVE.emulations
+    return emulations[-1] if emulations else None
