@@ -55,10 +55,29 @@ def test_the_policy_string_reads_back_and_refuses_what_cannot_hold():
     for spec, says in [
         ("base=mixed_bf16,bf16_names=block", "received compute=bfloat16"),  # every module is bf16 already
         ("base=o2_fp16,bf16_names=block", "needs FP32 parameters"),
-        ("base=fp8,compute=fp16,bf16_names=block", "FP8 recipe"),
     ]:
         with pytest.raises(ValueError, match=says):
             get_policy(spec)
+
+
+def test_fp8_layers_beside_bf16_modules_each_compute_in_their_format():
+    from mixprec.regions.fp8 import gemm_selection
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    with_fp8 = "base=fp8,compute=fp16,fp8=(keep=first),bf16_names=block"  # inp kept out of FP8 by the recipe
+    prepared = mixprec.prepare(model, with_fp8)
+    fp32, bf16 = [n for n, _ in prepared.fp32_modules], [n for n, _ in prepared.bf16_modules]
+    selection = gemm_selection(model, prepared.policy.fp8, fp32, bf16)
+    assert [name for name, _, _ in selection.fp8] == ["head"]
+    assert {k.name: k.reason for k in selection.kept} == {
+        "inp": "kept by the recipe (first)",
+        "block.0": "inside a bf16 module of the policy",
+        "block.2": "inside a bf16 module of the policy",
+    }
+    fp8, plain = _outputs(model, with_fp8, x), _outputs(model, "base=mixed_fp16,bf16_names=block", x)
+    assert torch.equal(fp8["block"], plain["block"]) and fp8["block"].dtype == torch.bfloat16  # bf16 in both
+    assert torch.isfinite(fp8["model"]).all() and not torch.equal(fp8["model"], plain["model"])  # head in FP8
 
 
 def test_a_name_that_matches_no_module_is_refused():
@@ -161,6 +180,7 @@ def test_training_applies_the_steps_fp16_alone_skips():
 
     assert applied("base=mixed_fp16,kernels=emulated") == 0  # every step's loss is inf: skipped
     assert applied("base=mixed_fp16,kernels=emulated,bf16_names=block") == 4
+    assert applied("base=fp8,compute=fp16,kernels=emulated,bf16_names=block") == 4  # FP8 layers beside it
 
 
 def test_the_plan_the_policy_command_and_an_fp16_export_name_the_bf16_modules():

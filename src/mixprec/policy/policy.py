@@ -188,11 +188,6 @@ def _check_bf16_names(policy: Policy) -> None:
             f"compute={DTYPE_NAMES[policy.compute_dtype]}. Use it with compute=float16 (base=mixed_fp16); "
             "to keep modules in FP32, use fp32_names."
         )
-    if policy.fp8 is not None:
-        raise ValueError(
-            "Policy(bf16_names=...) with an FP8 recipe: not supported (the FP8 layers compute in the region's "
-            "format); keep FP8 out of the policy, or name the layers in fp32_names instead."
-        )
     if policy.param_dtype != torch.float32:
         raise ValueError(
             f"Policy(bf16_names=...) needs FP32 parameters (base=mixed_fp16); received "

@@ -122,8 +122,9 @@ class Region:
         if model is not None:
             self._output_hook = _install_output_cast(model)
             if self.policy.fp8 is not None:
-                fp32 = [name for name, _ in prepared.fp32_modules]  # their Linear layers stay FP32
-                self.fp8 = fp8_state(model, self.policy.fp8, fp32)
+                # the GEMM layers of FP32 and bf16 modules compute in their module's format
+                fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
+                self.fp8 = fp8_state(model, self.policy.fp8, fp32, bf16)
                 self.fp8.install(self._owner, model)
             if self._formats is not None:
                 self._formats.install()

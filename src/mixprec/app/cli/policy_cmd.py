@@ -95,5 +95,5 @@ def _fp8_layers(args: argparse.Namespace, device_type: str) -> str:
     prepared = prepare(model, args.spec, device=device_type)
     if prepared.policy.fp8 is None:
         return "none: the policy has no FP8 recipe"
-    fp32 = [name for name, _ in prepared.fp32_modules]
-    return gemm_selection(model, prepared.policy.fp8, fp32).describe()
+    fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
+    return gemm_selection(model, prepared.policy.fp8, fp32, bf16).describe()

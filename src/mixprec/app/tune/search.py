@@ -192,12 +192,11 @@ def search(
     accepted += _greedy(state, accepted[-1], reference)
     if state.not_tried:
         slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
-        both = sum(why.startswith(_BOTH) for why in state.not_tried.values())
         other = sum(choice.shape.kind != "GEMM" for choice in choices.values())
         progress(
             f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
-            f"slower than their current format by the cost model, {other} convolutions or attention, {both} "
-            "beside bf16 layers; the others ruled out by the doctor)"
+            f"slower than their current format by the cost model, {other} convolutions or attention; the others "
+            "ruled out by the doctor)"
         )
     assignment, verification = _verify(state, accepted)
     policy, assignment = _fastest_measured(state, assignment, verification)
@@ -300,19 +299,12 @@ def _first_moves(state: SearchState, reference: float) -> list[dict[str, str]]:
     return moves
 
 
-_BOTH = "FP8 and bf16_names in one policy: not supported"
-
-
 def _greedy(state: SearchState, assignment: dict[str, str], reference: float) -> list[dict[str, str]]:
     """FP8 for each layer the cost model finds faster there, least sensitive first, while the loss holds; the
     accepted assignments in order, each one layer more than the one before."""
     order = sorted(state.choices.values(), key=lambda c: (c.fp8_error, c.name))
     accepted, tried = [], 0
-    bf16 = [name for name, fmt in assignment.items() if fmt == BF16]
     for choice in order:
-        if "fp8" in choice.formats and bf16:  # one policy does not hold both (the FP8 layers' region format)
-            state.not_tried[choice.name] = f"{_BOTH}: {'+'.join(bf16)} computes in bf16"
-            continue
         if "fp8" not in choice.formats:
             state.not_tried[choice.name] = choice.reasons["fp8"]
             continue

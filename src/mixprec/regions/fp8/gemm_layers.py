@@ -158,17 +158,23 @@ def _attention_projections(model: nn.Module) -> set[str]:
     return names
 
 
+def _within(name: str, modules: Collection[str]) -> bool:
+    """Whether the module ``name`` is one of ``modules`` (dotted names) or inside one."""
+    return any(name == outer or name.startswith(outer + ".") for outer in modules)
+
+
 def select_gemm_layers(
     model: nn.Module,
     keep: Collection[str],
     fp32: Collection[str] = (),
     kernel: bool = False,
     only: Collection[str] = (),
+    bf16: Collection[str] = (),
 ) -> GemmSelection:
     """Sort ``model``'s GEMM layers into FP8 and kept (see the module docstring). ``keep``: the recipe's
     entries ("first", "last", "head", name globs); ``fp32``: the policy's FP32 modules by name; ``kernel``:
     whether the FP8 GEMM kernel runs (then shapes it refuses are kept); ``only``: name globs, the layers
-    that match none are kept (empty: every layer may run FP8)."""
+    that match none are kept (empty: every layer may run FP8); ``bf16``: an fp16 policy's bf16 modules by name."""
     selection = GemmSelection()
     in_mha = _attention_projections(model)
     gemms: list[tuple[str, nn.Module, Operands]] = []
@@ -178,8 +184,11 @@ def select_gemm_layers(
             reason = "nn.MultiheadAttention reads its weights itself, not through this layer's forward"
             selection.kept.append(KeptLayer(name, type(module).__name__, _NOT_SUPPORTED + reason))
         elif operands is not None:
-            if any(name == kept or name.startswith(kept + ".") for kept in fp32):
-                selection.kept.append(KeptLayer(name, type(module).__name__, "inside an FP32 module of the policy"))
+            inside = next(
+                (shown for shown, names in (("an FP32", fp32), ("a bf16", bf16)) if _within(name, names)), None
+            )
+            if inside is not None:
+                selection.kept.append(KeptLayer(name, type(module).__name__, f"inside {inside} module of the policy"))
             else:
                 gemms.append((name, module, operands))
         elif isinstance(module, _UNSUPPORTED):

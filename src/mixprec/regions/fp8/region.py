@@ -34,21 +34,25 @@ __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"
 _STATES: weakref.WeakKeyDictionary[nn.Module, Fp8State] = weakref.WeakKeyDictionary()
 
 
-def fp8_layers(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
+def fp8_layers(
+    model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = (), bf16: Collection[str] = ()
+) -> list[tuple[str, nn.Module]]:
     """The GEMM layers computed in FP8 (:mod:`mixprec.regions.fp8.gemm_layers`: ``nn.Linear``, transformers'
     ``Conv1D``, the ``mixprec_gemm`` protocol): all of them, less those ``recipe.keep`` keeps ("first" and
     "last" in the model's registration order, "head", name globs) and those ``recipe.only``'s globs leave out,
-    those in the modules named in ``fp32`` (the
-    policy's FP32 modules, with everything inside them) and, where the FP8 GEMM kernel runs, shapes it refuses.
-    :func:`gemm_selection` gives the kept ones with their reasons."""
-    return [(name, module) for name, module, _ in gemm_selection(model, recipe, fp32).fp8]
+    those in the modules named in ``fp32`` and ``bf16`` (the
+    policy's FP32 modules and an fp16 policy's bf16 modules, with everything inside them) and, where the FP8 GEMM
+    kernel runs, shapes it refuses. :func:`gemm_selection` gives the kept ones with their reasons."""
+    return [(name, module) for name, module, _ in gemm_selection(model, recipe, fp32, bf16).fp8]
 
 
-def gemm_selection(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> GemmSelection:
+def gemm_selection(
+    model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = (), bf16: Collection[str] = ()
+) -> GemmSelection:
     """The model's GEMM layers in FP8 and those kept, each with the reason, for ``recipe`` on the model's device."""
     param = next(model.parameters(), None)
     kernel = param is not None and recipe_uses_kernel(recipe, param.device)
-    selection = select_gemm_layers(model, recipe.keep, fp32, kernel, only=recipe.only)
+    selection = select_gemm_layers(model, recipe.keep, fp32, kernel, only=recipe.only, bf16=bf16)
     selection.precision = recipe.precision
     return selection
 
@@ -60,9 +64,11 @@ class Fp8State:
     ``out_dtype`` is set (inside a region), the layer's own forward otherwise.
     """
 
-    def __init__(self, model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> None:
-        self.recipe, self.fp32 = recipe, tuple(fp32)
-        self.selection = gemm_selection(model, recipe, self.fp32)  # chosen once
+    def __init__(
+        self, model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = (), bf16: Collection[str] = ()
+    ) -> None:
+        self.recipe, self.fp32, self.bf16 = recipe, tuple(fp32), tuple(bf16)
+        self.selection = gemm_selection(model, recipe, self.fp32, self.bf16)  # chosen once
         self.modules = {name: module for name, module, _ in self.selection.fp8}
         self._operands = {name: operands for name, _, operands in self.selection.fp8}
         devices = {name: self._operands[name](module)[0].device for name, module in self.modules.items()}
@@ -140,12 +146,12 @@ class _Fp8Forward(Link):
         return fp8_linear(x, weight, bias, self.layer, out_dtype)
 
 
-def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = ()) -> Fp8State:
-    """The model's FP8 state for ``recipe``, its Linear layers outside the ``fp32`` modules (created on first
-    use, replaced if the recipe or the FP32 modules change)."""
+def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = (), bf16: Collection[str] = ()) -> Fp8State:
+    """The model's FP8 state for ``recipe``, its GEMM layers outside the ``fp32`` and ``bf16`` modules (created on
+    first use, replaced if the recipe or those modules change)."""
     state = _STATES.get(model)
-    if state is None or state.recipe != recipe or state.fp32 != tuple(fp32):
-        state = _STATES[model] = Fp8State(model, recipe, fp32)
+    if state is None or state.recipe != recipe or (state.fp32, state.bf16) != (tuple(fp32), tuple(bf16)):
+        state = _STATES[model] = Fp8State(model, recipe, fp32, bf16)
     return state
 
 
