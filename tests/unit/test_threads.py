@@ -44,3 +44,40 @@ def test_an_fp32_module_on_one_thread_leaves_another_threads_emulation_on():
     for thread in threads:
         thread.join(timeout=120)
     assert len(calls) == 300 and not differing, f"{len(differing)} of {len(calls)} calls computed otherwise"
+
+
+def test_a_model_inside_a_region_on_one_thread_is_refused_on_another_and_taken_after():
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 4), torch.randn(2, 8)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def hold() -> None:
+        with mp.autocast():
+            inside.set()
+            leave.wait(timeout=60)
+            seen["holder"] = model(x).dtype  # its own region's output cast, untouched by the other thread
+
+    def enter(key: str) -> None:
+        try:
+            with mixprec.autocast("fp32", model):
+                seen[key] = model(x).dtype
+        except RuntimeError as error:
+            seen[key] = str(error)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(timeout=60)
+    other = threading.Thread(target=enter, args=("during",))
+    other.start()
+    other.join(timeout=60)
+    leave.set()
+    holder.join(timeout=60)
+    assert "inside a mixprec region on another thread" in seen["during"] and "copy.deepcopy(model)" in seen["during"]
+    assert seen["holder"] == torch.float32  # mixed_bf16's output dtype
+    after = threading.Thread(target=enter, args=("after",))
+    after.start()
+    after.join(timeout=60)
+    assert seen["after"] == torch.float32
+    with mp.autocast(), mixprec.autocast("base=mixed_bf16,output=bf16", model):  # nested on one thread: fine
+        assert model(x).dtype == torch.bfloat16

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,7 +56,7 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
-from mixprec.regions.routing import ACTIVE_REGION, ModelAttributes
+from mixprec.regions.routing import ACTIVE_REGION, REGION_THREAD, ModelAttributes, refuse_other_thread
 
 __all__ = ["Region", "autocast"]
 
@@ -139,9 +140,11 @@ class Region:
         ``recomputing``: entered again for an activation checkpoint's recompute (mixprec.checkpoint), where
         the checkpoint, not the emulation, keeps what backward saves."""
         policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
+        traced = torch.compiler.is_compiling()
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
-        traced = torch.compiler.is_compiling()
+            if not traced:
+                refuse_other_thread(model)
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
@@ -171,15 +174,21 @@ class Region:
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
             # the output cast's dtype, and this region as the one whose routed modules compute (the last entered)
-            ModelAttributes(model, {_OUTPUT_DTYPE: policy.output_dtype, ACTIVE_REGION: self._owner}, traced)
-            if model is not None
-            else null,
+            ModelAttributes(model, self._attributes(policy, traced), traced) if model is not None else null,
             self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
             yield policy
         if attention is not None and self._calls_attention is None:
             self._calls_attention = attention.attention_calls > 0
+
+    def _attributes(self, policy: Policy, traced: bool) -> dict[str, Any]:
+        """What the model carries while this region is entered: its outputs' dtype, this region as the one entered
+        last (whose routed modules compute), and, eagerly, the thread that entered it."""
+        values = {_OUTPUT_DTYPE: policy.output_dtype, ACTIVE_REGION: self._owner}
+        if not traced:
+            values[REGION_THREAD] = threading.get_ident()
+        return values
 
     def close(self) -> None:
         """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
@@ -232,7 +241,7 @@ def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
     """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
-    ModelAttributes.declare(model, (_OUTPUT_DTYPE, ACTIVE_REGION))
+    ModelAttributes.declare(model, (_OUTPUT_DTYPE, ACTIVE_REGION, REGION_THREAD))
     if _cast_outputs in model._forward_hooks.values():
         return None
     return model.register_forward_hook(_cast_outputs)

@@ -15,13 +15,28 @@ computes in its own formats, not in the engine's FP32 modules or FP8 layers, and
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from torch import nn
 
-__all__ = ["ACTIVE_REGION", "Link", "ModelAttributes", "route", "unroute"]
+__all__ = ["ACTIVE_REGION", "REGION_THREAD", "Link", "ModelAttributes", "refuse_other_thread", "route", "unroute"]
 
 ACTIVE_REGION = "_mixprec_region"  # the token of the region entered last on a model, while it is entered
+REGION_THREAD = "_mixprec_region_thread"  # and the thread that entered it (eager)
+
+
+def refuse_other_thread(model: nn.Module) -> None:
+    """Raise RuntimeError where ``model`` is inside a region entered on another thread: what a region sets (the
+    output cast's dtype, which region's modules compute in their formats) is the model's, not a thread's, so two
+    threads in regions on one model at once would change each other's formats and outputs, silently."""
+    thread = getattr(model, REGION_THREAD, None)
+    if thread is not None and thread != threading.get_ident() and getattr(model, ACTIVE_REGION, None) is not None:
+        raise RuntimeError(
+            f"mixprec: this {type(model).__name__} is inside a mixprec region on another thread; a model computes in "
+            "one region at a time. Give each thread its own copy (copy.deepcopy(model)), or serve an exported "
+            "model (mixprec export) with no region."
+        )
 
 
 class Link:
