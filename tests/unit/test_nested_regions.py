@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -61,3 +62,55 @@ def test_two_engines_on_one_model_each_computes_its_own_policy_in_its_region():
         with first.autocast(), second.autocast():
             assert torch.equal(model(x), expected["base=mixed_bf16,names=0+4"])
         assert torch.equal(model(x), _alone("fp32", model, x))  # no region: FP32 throughout
+
+
+@pytest.mark.parametrize("outer", ["fp8", "base=mixed_bf16,names=2"])
+def test_a_region_on_a_wrapper_or_a_submodule_decides_inside_the_engines(outer):
+    model, x = _mlp(), torch.randn(8, 16)
+    expected = _alone("mixed_bf16", model, x)
+    with torch.no_grad():
+        hidden = model[1](model[0](x))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), outer)
+    compiled = torch.compile(model, backend="eager")  # a wrapper, as DDP's: the region sees the model inside it
+    with torch.no_grad(), mp.autocast():
+        engines = model[2](hidden)
+        with mixprec.autocast("mixed_bf16", compiled):
+            assert torch.equal(compiled(x), expected)
+        with mixprec.autocast("mixed_bf16", model[2]):  # on a submodule: that one's policy there
+            assert torch.equal(model[2](hidden), _alone_layer(model[2], hidden))
+        assert torch.equal(model[2](hidden), engines) and not torch.equal(engines, _alone_layer(model[2], hidden))
+
+
+def _alone_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _alone("mixed_bf16", layer, x)
+
+
+def test_a_copied_routed_submodule_leaves_the_model_behind():
+    import io
+
+    model = nn.Sequential(nn.Embedding(20000, 64), nn.Linear(64, 64), nn.Linear(64, 8))  # the embedding: 5 MB
+    mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=2")
+    saved = io.BytesIO()
+    torch.save(model[2], saved)
+    assert saved.tell() < 100_000  # the layer's 2 kB of weights and its routing, not the model around it
+    twin = copy.deepcopy(model[2])
+    x = torch.randn(3, 64)
+    assert torch.equal(twin(x), nn.functional.linear(x, model[2].weight, model[2].bias))  # its own forward
+
+
+@pytest.mark.parametrize("engine", [None, "mixed_bf16"])
+def test_a_checkpoint_in_a_one_off_region_recomputes_there_after_the_region_closed(engine):
+    def gradients(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        model = nn.Sequential(block, nn.Linear(16, 4))
+        x = torch.randn(4, 16)
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), engine) if engine else None
+        with mp.autocast() if mp else contextlib.nullcontext():
+            with mixprec.autocast("base=mixed_bf16,names=0.2", model):  # an FP32 layer inside the checkpoint
+                out = model[1](mixprec.checkpoint(block, x) if checkpointed else block(x))
+            loss = out.float().pow(2).sum()
+        loss.backward()  # after the one-off region closed: its FP32 layer recomputes in FP32
+        return [p.grad for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(gradients(True), gradients(False), strict=True))

@@ -56,7 +56,15 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
-from mixprec.regions.routing import ACTIVE_REGION, REGION_THREAD, ModelAttributes, refuse_other_thread
+from mixprec.regions.routing import (
+    ACTIVE_REGION,
+    REGION_THREAD,
+    ModelAttributes,
+    new_token,
+    other_roots,
+    refuse_other_thread,
+    routing_changes,
+)
 
 __all__ = ["Region", "autocast"]
 
@@ -115,7 +123,7 @@ class Region:
             )
         self._output_hook = None
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
-        self._owner = object()  # whose routing: a token, so that a copied or pickled model carries no Region
+        self._owner = new_token()  # whose routing: a token, so that a copied or pickled model carries no Region
         routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
         # routed through once, as the FP8 layers (a module is routed only where the region has the model)
         self._formats = ModuleFormats(routed, self._owner, model) if routed else None
@@ -126,9 +134,12 @@ class Region:
                 # the GEMM layers of FP32 and bf16 modules compute in their module's format
                 fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32, bf16)
-                self.fp8.install(self._owner, model)
-            if self._formats is not None:
-                self._formats.install()
+            self._route()
+        self._closed = False  # closed, an entry (a checkpoint's recompute) routes the modules for its duration
+        # other regions' models routed inside this one's (found at eager entries as routing changes)
+        self._roots: tuple[int, list[nn.Module]] = (-1, [])
+        if model is not None:
+            self._other_roots(refresh=True)
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
         self._checkpointing = checkpointing_modules(model) if model is not None else []
         wire_checkpointing(self._checkpointing)
@@ -144,7 +155,8 @@ class Region:
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
             if not traced:
-                refuse_other_thread(model)
+                for marked in (model, *self._other_roots(refresh=True)):
+                    refuse_other_thread(marked)
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
@@ -164,6 +176,7 @@ class Region:
             attention = GemmAttention(refuse) if uses_gemm_attention(policy, plan) else None
         with (
             _no_graph_breaks() if traced else null,  # first: it covers everything entered after it
+            self._routed_again() if self._closed else null,
             entered(frame),
             # Not native: the region still owns the precision, so an outer autocast is switched off inside.
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
@@ -174,7 +187,7 @@ class Region:
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
             # the output cast's dtype, and this region as the one whose routed modules compute (the last entered)
-            ModelAttributes(model, self._attributes(policy, traced), traced) if model is not None else null,
+            ModelAttributes(self._attributes(policy, traced), traced) if model is not None else null,
             self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
@@ -182,23 +195,53 @@ class Region:
         if attention is not None and self._calls_attention is None:
             self._calls_attention = attention.attention_calls > 0
 
-    def _attributes(self, policy: Policy, traced: bool) -> dict[str, Any]:
+    def _attributes(self, policy: Policy, traced: bool) -> list[tuple[nn.Module, dict[str, Any]]]:
         """What the model carries while this region is entered: its outputs' dtype, this region as the one entered
-        last (whose routed modules compute), and, eagerly, the thread that entered it."""
-        values = {_OUTPUT_DTYPE: policy.output_dtype, ACTIVE_REGION: self._owner}
+        last (whose routed modules compute), and, eagerly, the thread that entered it; the models whose regions
+        route modules inside it (the model in a wrapper, the whole model around a submodule), the last two."""
+        mark: dict[str, Any] = {ACTIVE_REGION: self._owner}
         if not traced:
-            values[REGION_THREAD] = threading.get_ident()
-        return values
+            mark[REGION_THREAD] = threading.get_ident()
+        return [(self.model, {_OUTPUT_DTYPE: policy.output_dtype, **mark})] + [
+            (root, mark) for root in self._other_roots(refresh=False)
+        ]
+
+    def _other_roots(self, refresh: bool) -> list[nn.Module]:
+        """The models other regions route modules of this region's model for (:func:`other_roots`), found again
+        when routing changed; ``refresh=False`` (traced) takes the last found: a compiled step walks no modules."""
+        if refresh and self._roots[0] != routing_changes():
+            self._roots = (routing_changes(), other_roots(self.model))
+        return self._roots[1]
 
     def close(self) -> None:
         """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
         if self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
+        self._unroute()
+        self._closed = True
+
+    def _route(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.install(self._owner, self.model)
+        if self._formats is not None:
+            self._formats.install()
+
+    def _unroute(self) -> None:
         if self.fp8 is not None:  # taking it out again changes nothing
             self.fp8.remove(self._owner)
         if self._formats is not None:
             self._formats.remove()
+
+    @contextlib.contextmanager
+    def _routed_again(self) -> Iterator[None]:
+        """A closed region entered again, to recompute an activation checkpoint taken inside it (a one-off region's,
+        whose backward runs after it closed): its modules routed for the recompute, and taken out after."""
+        self._route()
+        try:
+            yield
+        finally:
+            self._unroute()
 
     def _made_module_regions(
         self, routed: list[tuple[nn.Module, str]]

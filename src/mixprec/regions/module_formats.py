@@ -127,7 +127,7 @@ class ModuleFormats:
     or "bf16"), and, while the region is entered, what each format's forward runs in (``regions``), the region's
     frame (eager) and its refusal."""
 
-    def __init__(self, modules: list[tuple[nn.Module, str]], owner: object, root: nn.Module) -> None:
+    def __init__(self, modules: list[tuple[nn.Module, str]], owner: int, root: nn.Module) -> None:
         self.modules, self.owner, self.root = modules, owner, root
         self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
         self.frame: Frame | None = None
@@ -145,7 +145,7 @@ class ModuleFormats:
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
-        return {**vars(self), "regions": None, "frame": None, "refuse": None}
+        return {**vars(self), "regions": None, "frame": None, "refuse": None, "root": None}
 
     @contextlib.contextmanager
     def computing(

@@ -27,7 +27,7 @@ from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.shape_speed import SpeedTable, decides_by_speed
-from mixprec.regions.routing import ACTIVE_REGION, Link, ModelAttributes, route, unroute
+from mixprec.regions.routing import ACTIVE_REGION, Link, ModelAttributes, new_token, route, unroute
 
 __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
@@ -81,7 +81,7 @@ class Fp8State:
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
 
-    def install(self, owner: object, root: nn.Module) -> None:
+    def install(self, owner: int, root: nn.Module) -> None:
         """Route the selected layers' forward through this state for ``owner`` (a region's token) of the model
         ``root``, on top of what was there (another region's routing, of this state or another recipe's)."""
         for name, module in self.modules.items():
@@ -89,7 +89,7 @@ class Fp8State:
             link.owner, link.root = owner, root
             route(module, link)
 
-    def remove(self, owner: object) -> None:
+    def remove(self, owner: int) -> None:
         """Take ``owner``'s routing out of the layers (another region's stays)."""
         for module in self.modules.values():
             unroute(module, owner)
@@ -165,10 +165,10 @@ def fp8_region(
     (:class:`mixprec.regions.Region`) installs the routing once and only sets the output dtype on entry
     (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
     """
-    state, owner = fp8_state(model, recipe, fp32), object()
+    state, owner = fp8_state(model, recipe, fp32), new_token()
     state.install(owner, model)
     try:
-        with state.computing(out_dtype), ModelAttributes(model, {ACTIVE_REGION: owner}, False):
+        with state.computing(out_dtype), ModelAttributes([(model, {ACTIVE_REGION: owner})], False):
             yield state
     finally:
         state.remove(owner)
