@@ -34,6 +34,8 @@ def _alone(policy: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         ("fp8", "base=fp8,fp8=(keep=first)"),  # another recipe inside
         ("base=mixed_fp16,bf16_names=2", "mixed_fp16"),  # a bf16 module of an fp16 policy outside
         ("base=mixed_fp16,names=2", "base=mixed_fp16,bf16_names=2"),  # FP32 outside, bf16 inside
+        ("base=mixed_fp16,kernels=emulated", "mixed_bf16"),  # the outer emulation does not reach inside
+        ("base=mixed_fp16,kernels=emulated", "fp32"),
     ],
 )
 def test_the_innermost_region_decides_and_the_outer_one_again_after_it(outer, inner):
@@ -114,3 +116,16 @@ def test_a_checkpoint_in_a_one_off_region_recomputes_there_after_the_region_clos
         return [p.grad for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(gradients(True), gradients(False), strict=True))
+
+
+@pytest.mark.parametrize("policy", ["fp8", "base=mixed_bf16,names=2"])
+def test_an_engine_on_a_compiled_model_computes_its_policy_and_a_copy_leaves_its_output_cast(policy):
+    model, x = _mlp(), torch.randn(8, 16)
+    expected = _alone(policy, model, x)
+    compiled = torch.compile(model, backend="eager")
+    mp = mixprec.MixedPrecision(compiled, torch.optim.SGD(model.parameters(), lr=0.1), policy)
+    with torch.no_grad(), mp.autocast():
+        assert torch.equal(compiled(x), expected)
+    with torch.no_grad(), mixprec.autocast("base=mixed_bf16,output=bf16", model):
+        twin = copy.deepcopy(model)
+    assert twin(x).dtype == torch.float32  # a copy made inside a region is outside it

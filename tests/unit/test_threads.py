@@ -81,3 +81,45 @@ def test_a_model_inside_a_region_on_one_thread_is_refused_on_another_and_taken_a
     assert seen["after"] == torch.float32
     with mp.autocast(), mixprec.autocast("base=mixed_bf16,output=bf16", model):  # nested on one thread: fine
         assert model(x).dtype == torch.bfloat16
+
+
+def test_a_checkpoints_recompute_on_autograds_thread_is_not_refused_while_the_caller_waits():
+    # CUDA runs backward nodes on the autograd engine's device thread: simulated by a backward on a helper thread
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    model = nn.Sequential(block, nn.Linear(16, 4))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=0.2")
+    x, failures = torch.randn(4, 16), []
+
+    def backward(loss: torch.Tensor) -> None:
+        try:
+            loss.backward()
+        except Exception as error:  # the test fails below, naming it
+            failures.append(error)
+
+    with mp.autocast():
+        loss = model[1](mixprec.checkpoint(block, x)).float().pow(2).sum()
+        helper = threading.Thread(target=backward, args=(loss,))
+        helper.start()
+        helper.join(timeout=60)
+    assert not failures and all(p.grad is not None for p in model.parameters())
+
+
+def test_a_copy_made_inside_a_region_is_in_no_region_on_any_thread():
+    import copy
+
+    model, x = nn.Linear(8, 4), torch.randn(2, 8)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,output=bf16")
+    with mp.autocast():
+        twin = copy.deepcopy(model)
+        seen = {}
+
+        def own_region() -> None:
+            with mixprec.autocast("fp32", twin):
+                seen["dtype"] = twin(x).dtype
+
+        other = threading.Thread(target=own_region)
+        other.start()
+        other.join(timeout=60)
+        assert seen["dtype"] == torch.float32  # its own region on another thread, not refused
+    assert twin(x).dtype == torch.float32 and model(x).dtype == torch.float32  # outside: no output cast

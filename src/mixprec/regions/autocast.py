@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,8 +41,10 @@ import torch
 from torch import nn
 
 from mixprec.compute.attention import GemmAttention
+from mixprec.compute.emulation import active_emulation, emulations_suspended
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
 from mixprec.policy.policy import Policy
+from mixprec.regions.casting import unwrapped
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.module_formats import (
     ModuleFormats,
@@ -56,15 +57,7 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
-from mixprec.regions.routing import (
-    ACTIVE_REGION,
-    REGION_THREAD,
-    ModelAttributes,
-    new_token,
-    other_roots,
-    refuse_other_thread,
-    routing_changes,
-)
+from mixprec.regions.routing import Seat, Seated, new_token, routing_changes, seat_of, seats_inside
 
 __all__ = ["Region", "autocast"]
 
@@ -125,11 +118,13 @@ class Region:
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
         self._owner = new_token()  # whose routing: a token, so that a copied or pickled model carries no Region
         routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
+        # the seat of the model inside its wrappers: where the routed forwards read which region computes
+        self._seat = seat_of(unwrapped(model)) if model is not None else Seat()
         # routed through once, as the FP8 layers (a module is routed only where the region has the model)
-        self._formats = ModuleFormats(routed, self._owner, model) if routed else None
+        self._formats = ModuleFormats(routed, self._owner, self._seat) if routed else None
         self._module_regions = self._made_module_regions(routed)
         if model is not None:
-            self._output_hook = _install_output_cast(model)
+            self._output_hook = _install_output_cast(model, self._seat)
             if self.policy.fp8 is not None:
                 # the GEMM layers of FP32 and bf16 modules compute in their module's format
                 fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
@@ -137,9 +132,9 @@ class Region:
             self._route()
         self._closed = False  # closed, an entry (a checkpoint's recompute) routes the modules for its duration
         # other regions' models routed inside this one's (found at eager entries as routing changes)
-        self._roots: tuple[int, list[nn.Module]] = (-1, [])
+        self._seats_found: tuple[int, list[Seat]] = (-1, [])
         if model is not None:
-            self._other_roots(refresh=True)
+            self._seats(refresh=True)
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
         self._checkpointing = checkpointing_modules(model) if model is not None else []
         wire_checkpointing(self._checkpointing)
@@ -154,9 +149,9 @@ class Region:
         traced = torch.compiler.is_compiling()
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
-            if not traced:
-                for marked in (model, *self._other_roots(refresh=True)):
-                    refuse_other_thread(marked)
+            if not traced and not recomputing:  # a recompute runs on autograd's thread, the caller waiting
+                for seat in self._seats(refresh=True):
+                    seat.refuse_other_thread(model)
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
@@ -182,12 +177,14 @@ class Region:
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
             # compiled, GEMM attention steps aside (the compiler picks its attention kernel): not entered at all
             attention if attention is not None else null,
+            # an outer region's emulation does not reach inside this one (the innermost region decides)
+            emulations_suspended() if not traced and active_emulation() is not None else null,
             emulation if emulation is not None else null,
             tf32_matmuls(device_type) if policy.allow_tf32 and plan.mode != "emulated" else null,
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
-            # the output cast's dtype, and this region as the one whose routed modules compute (the last entered)
-            ModelAttributes(self._attributes(policy, traced), traced) if model is not None else null,
+            # this region as the one whose routed modules compute (the last entered), and its outputs' dtype
+            Seated(self._seats(refresh=False), self._owner, traced, policy.output_dtype) if model is not None else null,
             self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
@@ -195,23 +192,13 @@ class Region:
         if attention is not None and self._calls_attention is None:
             self._calls_attention = attention.attention_calls > 0
 
-    def _attributes(self, policy: Policy, traced: bool) -> list[tuple[nn.Module, dict[str, Any]]]:
-        """What the model carries while this region is entered: its outputs' dtype, this region as the one entered
-        last (whose routed modules compute), and, eagerly, the thread that entered it; the models whose regions
-        route modules inside it (the model in a wrapper, the whole model around a submodule), the last two."""
-        mark: dict[str, Any] = {ACTIVE_REGION: self._owner}
-        if not traced:
-            mark[REGION_THREAD] = threading.get_ident()
-        return [(self.model, {_OUTPUT_DTYPE: policy.output_dtype, **mark})] + [
-            (root, mark) for root in self._other_roots(refresh=False)
-        ]
-
-    def _other_roots(self, refresh: bool) -> list[nn.Module]:
-        """The models other regions route modules of this region's model for (:func:`other_roots`), found again
-        when routing changed; ``refresh=False`` (traced) takes the last found: a compiled step walks no modules."""
-        if refresh and self._roots[0] != routing_changes():
-            self._roots = (routing_changes(), other_roots(self.model))
-        return self._roots[1]
+    def _seats(self, refresh: bool) -> list[Seat]:
+        """The model's seat, then those of the models whose regions route modules of this region's model
+        (:func:`seats_inside`), found again when routing changed; ``refresh=False`` (traced) takes the last found:
+        a compiled step walks no modules."""
+        if refresh and self._seats_found[0] != routing_changes():
+            self._seats_found = (routing_changes(), [self._seat, *seats_inside(self.model, self._seat)])
+        return self._seats_found[1]
 
     def close(self) -> None:
         """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
@@ -223,7 +210,7 @@ class Region:
 
     def _route(self) -> None:
         if self.fp8 is not None:
-            self.fp8.install(self._owner, self.model)
+            self.fp8.install(self._owner, self._seat)
         if self._formats is not None:
             self._formats.install()
 
@@ -272,19 +259,23 @@ def _no_graph_breaks() -> contextlib.AbstractContextManager:
     return toggle(True) if toggle is not None else contextlib.nullcontext()
 
 
-# The model's outputs are cast by one forward hook, installed once and kept: while a region is active
-# the model carries the output dtype in this attribute, and the hook casts to it; otherwise it does nothing.
-_OUTPUT_DTYPE = "_mixprec_output_dtype"
+class _OutputCast:
+    """The model's output cast: one forward hook, installed once and kept, that casts the outputs to the dtype its
+    model's seat holds while a region is entered (``Seat.output_dtype``), and does nothing otherwise. The dtype is
+    on the seat, a plain object, not on the module: a compiled step that enters the region changes no module
+    attribute (torch.compile's wrapper passes attributes to the model inside; dynamo refused a module written
+    through two paths)."""
+
+    def __init__(self, seat: Seat) -> None:
+        self.seat = seat
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        dtype = self.seat.output_dtype
+        return None if dtype is None else cast_floating(output, dtype)
 
 
-def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
-    dtype = getattr(module, _OUTPUT_DTYPE, None)
-    return None if dtype is None else cast_floating(output, dtype)
-
-
-def _install_output_cast(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
+def _install_output_cast(model: nn.Module, seat: Seat) -> torch.utils.hooks.RemovableHandle | None:
     """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
-    ModelAttributes.declare(model, (_OUTPUT_DTYPE, ACTIVE_REGION, REGION_THREAD))
-    if _cast_outputs in model._forward_hooks.values():
+    if any(isinstance(hook, _OutputCast) for hook in model._forward_hooks.values()):
         return None
-    return model.register_forward_hook(_cast_outputs)
+    return model.register_forward_hook(_OutputCast(seat))

@@ -32,6 +32,7 @@ __all__ = [
     "check_fp32_entries",
     "fp32_modules",
     "lowered_parameters",
+    "unwrapped",
 ]
 
 _TORCH_NORMS = (
@@ -72,16 +73,27 @@ def _wrapper_prefixes(model: nn.Module) -> tuple[str, ...]:
     """The prefixes wrappers put before every module name, longest first: DDP's ``module.``, torch.compile's
     ``_orig_mod.`` (nested: ``_orig_mod.module.``)."""
     prefix, prefixes = "", []
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            attribute = "module"
-        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            attribute = "_orig_mod"
-        else:
-            return tuple(reversed(prefixes))
+    while (attribute := _wrapped_attribute(model)) is not None:
         prefix += attribute + "."
         prefixes.append(prefix)
         model = getattr(model, attribute)
+    return tuple(reversed(prefixes))
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside its wrappers (DDP's, torch.compile's), or the model itself."""
+    while (attribute := _wrapped_attribute(model)) is not None:
+        model = getattr(model, attribute)
+    return model
+
+
+def _wrapped_attribute(model: nn.Module) -> str | None:
+    """The attribute holding the model a wrapper wraps: DDP's ``module``, torch.compile's ``_orig_mod``; None."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "module"
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        return "_orig_mod"
+    return None
 
 
 def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:

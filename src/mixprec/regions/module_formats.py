@@ -29,7 +29,7 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import ComputePlan
 from mixprec.regions.prepare import Prepared
 from mixprec.regions.recompute import Frame
-from mixprec.regions.routing import Link, route, unroute
+from mixprec.regions.routing import Link, Seat, route, unroute
 
 __all__ = ["ModuleFormats", "cast_floating", "emulation_for", "format_regions", "routed_fp32_modules"]
 
@@ -123,12 +123,12 @@ def routed_fp32_modules(prepared: Prepared) -> list[nn.Module]:
 
 
 class ModuleFormats:
-    """The routed modules of one region (``owner``, its token) of the model ``root``, each with its format ("fp32"
+    """The routed modules of one region (``owner``, its token; ``seat``, its model's), each with its format ("fp32"
     or "bf16"), and, while the region is entered, what each format's forward runs in (``regions``), the region's
     frame (eager) and its refusal."""
 
-    def __init__(self, modules: list[tuple[nn.Module, str]], owner: int, root: nn.Module) -> None:
-        self.modules, self.owner, self.root = modules, owner, root
+    def __init__(self, modules: list[tuple[nn.Module, str]], owner: int, seat: Seat) -> None:
+        self.modules, self.owner, self.seat = modules, owner, seat
         self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
         self.frame: Frame | None = None
         self.refuse: Callable[[str], None] | None = None
@@ -145,7 +145,7 @@ class ModuleFormats:
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
-        return {**vars(self), "regions": None, "frame": None, "refuse": None, "root": None}
+        return {**vars(self), "regions": None, "frame": None, "refuse": None}
 
     @contextlib.contextmanager
     def computing(
@@ -170,7 +170,7 @@ class _FormatForward(Link):
 
     def __init__(self, module: nn.Module, kind: str, formats: ModuleFormats) -> None:
         self.module, self.kind, self.formats = module, kind, formats
-        self.owner, self.root = formats.owner, formats.root
+        self.owner, self.seat = formats.owner, formats.seat
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, formats = self.module, self.formats

@@ -7,12 +7,13 @@ unlinks it wherever it lies in the chain, so the others keep routing. (Restoring
 a later region's routing when an earlier one closed first: the second MixedPrecision on a model then computed in
 bf16, not FP8.)
 
-Which link computes: the one whose region was entered last on the model (its token in the model's
-``_mixprec_region`` attribute while entered, :class:`ModelAttributes`), as the innermost ``torch.autocast`` decides;
-every other link passes the call down the chain. A region of another policy entered inside the engine's so
-computes in its own formats, not in the engine's FP32 modules or FP8 layers, and the engine's again after it. A
-region entered on a wrapper of the model (DDP's, torch.compile's) or on one of its submodules writes its token on
-the models whose regions route modules inside it too (:func:`other_roots`), so it decides there as well.
+Which link computes: the one whose region was entered last on the model, as the innermost ``torch.autocast``
+decides; every other link passes the call down the chain. The model's :class:`Seat` (a plain object in the model,
+without its wrappers, that every link routed for it holds) carries that region's token while it is entered. A
+region of another policy entered inside the engine's so computes in its own formats, not in the engine's FP32
+modules or FP8 layers, and the engine's again after it. A region entered on a submodule also takes the seats of
+the models whose regions route modules inside it (:func:`seats_inside`), so it decides there as well. A copy of a
+model (``copy.deepcopy``, pickling) has a seat of its own, empty: it is in no region.
 """
 
 from __future__ import annotations
@@ -21,55 +22,91 @@ import itertools
 import threading
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = [
-    "ACTIVE_REGION",
-    "REGION_THREAD",
     "Link",
-    "ModelAttributes",
+    "Seat",
+    "Seated",
     "new_token",
-    "other_roots",
-    "refuse_other_thread",
     "route",
     "routing_changes",
+    "seat_of",
+    "seats_inside",
     "unroute",
 ]
 
-ACTIVE_REGION = "_mixprec_region"  # the token of the region entered last on a model, while it is entered
-REGION_THREAD = "_mixprec_region_thread"  # and the thread that entered it (eager)
+_SEAT = "_mixprec_seat"
 
 
-def refuse_other_thread(model: nn.Module) -> None:
-    """Raise RuntimeError where ``model`` is inside a region entered on another thread: what a region sets (the
-    output cast's dtype, which region's modules compute in their formats) is the model's, not a thread's, so two
-    threads in regions on one model at once would change each other's formats and outputs, silently."""
-    thread = getattr(model, REGION_THREAD, None)
-    if thread is not None and thread != threading.get_ident() and getattr(model, ACTIVE_REGION, None) is not None:
-        raise RuntimeError(
-            f"mixprec: this {type(model).__name__} is inside a mixprec region on another thread; a model computes in "
-            "one region at a time. Give each thread its own copy (copy.deepcopy(model)), or serve an exported "
-            "model (mixprec export) with no region."
-        )
+class Seat:
+    """Which region computes on a model: the token of the region entered last on it (None outside every region),
+    the dtype its outputs are cast to there, and, entered eagerly, the thread that entered it."""
+
+    def __init__(self) -> None:
+        self.token: int | None = None
+        self.thread: int | None = None
+        self.output_dtype: torch.dtype | None = None
+
+    def __deepcopy__(self, memo: dict) -> Seat:
+        return Seat()  # a copy of the model is in no region (its links, copied with it, take this seat too)
+
+    def __reduce__(self) -> tuple:
+        return (Seat, ())
+
+    def refuse_other_thread(self, model: nn.Module) -> None:
+        """Raise RuntimeError where the model is inside a region entered on another thread: what a region sets
+        (the output cast's dtype, which region's modules compute in their formats) is the model's, not a
+        thread's, so two threads in regions on one model at once would change each other's, silently."""
+        if self.token is not None and self.thread is not None and self.thread != threading.get_ident():
+            raise RuntimeError(
+                f"mixprec: this {type(model).__name__} is inside a mixprec region on another thread; a model "
+                "computes in one region at a time. Give each thread its own copy (copy.deepcopy(model)), or serve "
+                "an exported model (mixprec export) with no region."
+            )
+
+
+def seat_of(model: nn.Module) -> Seat:
+    """The model's seat (made on first use, in the model's own ``__dict__``: neither a parameter, a buffer nor a
+    module)."""
+    seat = vars(model).get(_SEAT)
+    if seat is None:
+        seat = vars(model)[_SEAT] = Seat()
+    return seat
+
+
+class Seated:  # a class, not @contextmanager: no generator per region entry
+    """While entered, ``token`` holds each of ``seats`` (and, eagerly, this thread), and the first one (the
+    region's own model's) casts its outputs to ``output_dtype``; restored on exit."""
+
+    def __init__(self, seats: list[Seat], token: int, traced: bool, output_dtype: torch.dtype | None = None) -> None:
+        self.seats, self.token, self.traced, self.output_dtype = seats, token, traced, output_dtype
+
+    def __enter__(self) -> None:
+        thread = None if self.traced else threading.get_ident()  # compiled, no thread is read
+        self.previous = [(seat.token, seat.thread, seat.output_dtype) for seat in self.seats]
+        for seat in self.seats:
+            seat.token, seat.thread = self.token, thread
+        self.seats[0].output_dtype = self.output_dtype
+
+    def __exit__(self, *exc_info: object) -> None:
+        for seat, (token, thread, output_dtype) in zip(self.seats, self.previous, strict=True):
+            seat.token, seat.thread, seat.output_dtype = token, thread, output_dtype
 
 
 class Link:
-    """A routed forward of ``module`` (in the model ``root``): its ``owner`` (a region's token) and the forward it
+    """A routed forward of ``module``: its ``owner`` (a region's token), its model's ``seat``, and the forward it
     replaced (``previous``: None for the module's own)."""
 
     module: nn.Module
-    root: nn.Module
+    seat: Seat
     owner: int
     previous: Any = None
 
     def computes(self) -> bool:
-        """Whether this link's region is the one entered last on its model (a live one: a copy's is not)."""
-        return getattr(self.root, ACTIVE_REGION, None) == self.owner
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy (``copy.deepcopy``, pickling) leaves the model out: a copied submodule would carry a copy of the
-        whole model, and a copy's link never computes (no region entered holds its token)."""
-        return {**vars(self), "root": None}
+        """Whether this link's region is the one entered last on its model."""
+        return self.seat.token == self.owner
 
     @property
     def __wrapped__(self) -> Any:
@@ -103,17 +140,17 @@ def routing_changes() -> int:
     return _CHANGES[0]
 
 
-def other_roots(model: nn.Module) -> list[nn.Module]:
-    """The models, other than ``model``, whose regions route modules of ``model`` (the model inside a wrapper, the
-    whole model around a submodule): a region entered on ``model`` marks them too."""
-    roots: dict[int, nn.Module] = {}
+def seats_inside(model: nn.Module, own: Seat) -> list[Seat]:
+    """The seats, other than ``own``, of the models whose regions route modules of ``model`` (the whole model
+    around a submodule): a region entered on ``model`` takes them too."""
+    seats: dict[int, Seat] = {}
     for module in model.modules():
         link = vars(module).get("forward")
         while isinstance(link, Link):
-            if link.root is not None and link.root is not model:
-                roots.setdefault(id(link.root), link.root)
+            if link.seat is not own:
+                seats.setdefault(id(link.seat), link.seat)
             link = link.previous
-    return list(roots.values())
+    return list(seats.values())
 
 
 def unroute(module: nn.Module, owner: int) -> None:
@@ -134,37 +171,3 @@ def unroute(module: nn.Module, owner: int) -> None:
             _CHANGES[0] += 1
             return
         link = below
-
-
-class ModelAttributes:  # a class, not @contextmanager: no generator per region entry
-    """While entered, each model carries its ``values`` (attribute name to value), restored on exit. Written into
-    the module's ``__dict__`` directly: they are neither parameters, buffers nor modules, and
-    ``nn.Module.__setattr__``'s checks for those cost more than the rest of entering a region (compiled, dynamo
-    traces setattr)."""
-
-    def __init__(self, models: list[tuple[nn.Module, dict[str, Any]]], traced: bool) -> None:
-        self.models, self.traced = models, traced
-
-    @staticmethod
-    def declare(model: nn.Module, names: tuple[str, ...]) -> None:
-        """Give the model each attribute (inert, None) unless it has it: a compiled step that enters a region guards
-        on them, and would compile a second time if one appeared only after the first call."""
-        for name in names:
-            setattr(model, name, getattr(model, name, None))
-
-    def __enter__(self) -> None:
-        self.previous = [
-            (model, {name: getattr(model, name, None) for name in values}) for model, values in self.models
-        ]
-        self._write(self.models)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._write(self.previous)
-
-    def _write(self, models: list[tuple[nn.Module, dict[str, Any]]]) -> None:
-        for model, values in models:
-            for name, value in values.items():
-                if self.traced:
-                    setattr(model, name, value)
-                else:
-                    model.__dict__[name] = value

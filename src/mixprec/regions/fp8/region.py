@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from mixprec.policy.fp8_recipe import Fp8Recipe
+from mixprec.regions.casting import unwrapped
 from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.shape_speed import SpeedTable, decides_by_speed
-from mixprec.regions.routing import ACTIVE_REGION, Link, ModelAttributes, new_token, route, unroute
+from mixprec.regions.routing import Link, Seat, Seated, new_token, route, seat_of, unroute
 
 __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
@@ -81,12 +82,12 @@ class Fp8State:
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
 
-    def install(self, owner: int, root: nn.Module) -> None:
-        """Route the selected layers' forward through this state for ``owner`` (a region's token) of the model
-        ``root``, on top of what was there (another region's routing, of this state or another recipe's)."""
+    def install(self, owner: int, seat: Seat) -> None:
+        """Route the selected layers' forward through this state for ``owner`` (a region's token; ``seat``, its
+        model's), on top of what was there (another region's routing, of this state or another recipe's)."""
         for name, module in self.modules.items():
             link = _Fp8Forward(name, module, self.layers[name], self, self._operands[name])
-            link.owner, link.root = owner, root
+            link.owner, link.seat = owner, seat
             route(module, link)
 
     def remove(self, owner: int) -> None:
@@ -165,10 +166,10 @@ def fp8_region(
     (:class:`mixprec.regions.Region`) installs the routing once and only sets the output dtype on entry
     (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
     """
-    state, owner = fp8_state(model, recipe, fp32), new_token()
-    state.install(owner, model)
+    state, owner, seat = fp8_state(model, recipe, fp32), new_token(), seat_of(unwrapped(model))
+    state.install(owner, seat)
     try:
-        with state.computing(out_dtype), ModelAttributes([(model, {ACTIVE_REGION: owner})], False):
+        with state.computing(out_dtype), Seated([seat], owner, False):
             yield state
     finally:
         state.remove(owner)
