@@ -129,3 +129,20 @@ def test_an_engine_on_a_compiled_model_computes_its_policy_and_a_copy_leaves_its
     with torch.no_grad(), mixprec.autocast("base=mixed_bf16,output=bf16", model):
         twin = copy.deepcopy(model)
     assert twin(x).dtype == torch.float32  # a copy made inside a region is outside it
+
+
+def test_the_output_cast_outlives_a_released_engine_and_an_fp8_region_inside():
+    from mixprec.policy import Fp8Recipe
+    from mixprec.regions.fp8 import fp8_region
+
+    model, x = _mlp(), torch.randn(8, 16)
+    first = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "mixed_bf16")
+    second = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,output=fp16")
+    fp8 = fp8_region(model, Fp8Recipe(keep=("first", "last")), torch.bfloat16)  # FP8 layers, no output cast
+    with torch.no_grad(), second.autocast(), fp8:
+        assert model(x).dtype == torch.float16
+    first.release()
+    with torch.no_grad(), second.autocast():
+        assert model(x).dtype == torch.float16  # the first engine's release left the second's output cast
+    second.release()
+    assert model(x).dtype == torch.float32 and not model._forward_hooks  # the last one took it out

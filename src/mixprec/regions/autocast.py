@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -114,7 +115,7 @@ class Region:
             raise ValueError(
                 f"policy {self.policy} computes GEMM layers in FP8, which needs the model: use autocast(policy, model)."
             )
-        self._output_hook = None
+        self._casts_outputs = False  # whether this region counts among the users of the model's output cast
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
         self._owner = new_token()  # whose routing: a token, so that a copied or pickled model carries no Region
         routed = [(m, "fp32") for m in routed_fp32_modules(prepared)] + [(m, "bf16") for _, m in prepared.bf16_modules]
@@ -124,7 +125,8 @@ class Region:
         self._formats = ModuleFormats(routed, self._owner, self._seat) if routed else None
         self._module_regions = self._made_module_regions(routed)
         if model is not None:
-            self._output_hook = _install_output_cast(model, self._seat)
+            _use_output_cast(model, self._seat)
+            self._casts_outputs = True
             if self.policy.fp8 is not None:
                 # the GEMM layers of FP32 and bf16 modules compute in their module's format
                 fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
@@ -202,9 +204,9 @@ class Region:
 
     def close(self) -> None:
         """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
-        if self._output_hook is not None:
-            self._output_hook.remove()
-            self._output_hook = None
+        if self._casts_outputs:
+            _release_output_cast(self.model)
+            self._casts_outputs = False
         self._unroute()
         self._closed = True
 
@@ -274,8 +276,32 @@ class _OutputCast:
         return None if dtype is None else cast_floating(output, dtype)
 
 
-def _install_output_cast(model: nn.Module, seat: Seat) -> torch.utils.hooks.RemovableHandle | None:
-    """Register the output cast on ``model`` unless it has it; the handle, or None if it had it."""
-    if any(isinstance(hook, _OutputCast) for hook in model._forward_hooks.values()):
-        return None
-    return model.register_forward_hook(_OutputCast(seat))
+# the model's output cast and how many live regions use it: removed when the last one closes (two engines on one
+# model, the first released: the second still casts)
+_OUTPUT_CASTS: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def _use_output_cast(model: nn.Module, seat: Seat) -> None:
+    """Register the output cast on ``model`` unless it has it (a copy's, copied with it, is kept); count a user."""
+    entry = _OUTPUT_CASTS.get(model)
+    if entry is None:
+        present = any(isinstance(hook, _OutputCast) for hook in model._forward_hooks.values())
+        entry = _OUTPUT_CASTS[model] = [None if present else model.register_forward_hook(_OutputCast(seat)), 0]
+    entry[1] += 1
+
+
+def _release_output_cast(model: nn.Module) -> None:
+    """One user fewer; the last one removes the hook it registered."""
+    entry = _OUTPUT_CASTS.get(model)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] == 0:
+            if entry[0] is not None:
+                entry[0].remove()
+            del _OUTPUT_CASTS[model]
+
+
+def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> None:
+    """The output cast of earlier releases, a function reading an attribute of the model: whole models pickled
+    with it (``torch.save(model)``) still load; it does nothing now (:class:`_OutputCast` casts)."""
+    return None

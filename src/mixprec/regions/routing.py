@@ -76,11 +76,14 @@ def seat_of(model: nn.Module) -> Seat:
     return seat
 
 
-class Seated:  # a class, not @contextmanager: no generator per region entry
-    """While entered, ``token`` holds each of ``seats`` (and, eagerly, this thread), and the first one (the
-    region's own model's) casts its outputs to ``output_dtype``; restored on exit."""
+_KEEP = object()  # Seated without an output dtype: the output cast stays as it is
 
-    def __init__(self, seats: list[Seat], token: int, traced: bool, output_dtype: torch.dtype | None = None) -> None:
+
+class Seated:  # a class, not @contextmanager: no generator per region entry
+    """While entered, ``token`` holds each of ``seats`` (and, eagerly, this thread), and, given ``output_dtype``,
+    the first one (the region's own model's) casts its outputs to it; restored on exit."""
+
+    def __init__(self, seats: list[Seat], token: int, traced: bool, output_dtype: Any = _KEEP) -> None:
         self.seats, self.token, self.traced, self.output_dtype = seats, token, traced, output_dtype
 
     def __enter__(self) -> None:
@@ -88,7 +91,8 @@ class Seated:  # a class, not @contextmanager: no generator per region entry
         self.previous = [(seat.token, seat.thread, seat.output_dtype) for seat in self.seats]
         for seat in self.seats:
             seat.token, seat.thread = self.token, thread
-        self.seats[0].output_dtype = self.output_dtype
+        if self.output_dtype is not _KEEP:
+            self.seats[0].output_dtype = self.output_dtype
 
     def __exit__(self, *exc_info: object) -> None:
         for seat, (token, thread, output_dtype) in zip(self.seats, self.previous, strict=True):
