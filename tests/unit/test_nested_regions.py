@@ -146,3 +146,23 @@ def test_the_output_cast_outlives_a_released_engine_and_an_fp8_region_inside():
         assert model(x).dtype == torch.float16  # the first engine's release left the second's output cast
     second.release()
     assert model(x).dtype == torch.float32 and not model._forward_hooks  # the last one took it out
+
+
+def test_a_checkpoint_in_a_model_called_inside_another_models_region_recomputes_in_both():
+    # distillation: the student, under its engine (an FP32 layer inside its checkpoints), called inside the
+    # teacher's one-off region; the recompute enters both regions again, as the forward ran
+    def gradients(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        student, teacher = nn.Sequential(block, nn.Linear(16, 4)), nn.Linear(16, 4)
+        mp = mixprec.MixedPrecision(student, torch.optim.SGD(student.parameters(), lr=0.1), "base=mixed_bf16,names=0.2")
+        x = torch.randn(4, 16)
+        with mp.autocast():
+            with mixprec.autocast("mixed_bf16", teacher):
+                target = teacher(x)
+                out = student[1](mixprec.checkpoint(block, x) if checkpointed else block(x))
+            loss = (out.float() - target.float()).pow(2).sum()
+        mp.backward(loss)
+        return [p.grad for p in student.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(gradients(True), gradients(False), strict=True))

@@ -101,6 +101,11 @@ def innermost_region() -> EnteredRegion | None:
     return regions[-1] if regions else None
 
 
+def entered_regions() -> list[EnteredRegion]:
+    """The regions entered on this thread, outermost first (eager code)."""
+    return list(_stack("regions"))
+
+
 def _stack(name: str) -> list:
     stack = getattr(_local, name, None)
     if stack is None:

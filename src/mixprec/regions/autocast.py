@@ -202,6 +202,11 @@ class Region:
             self._seats_found = (routing_changes(), [self._seat, *seats_inside(self.model, self._seat)])
         return self._seats_found[1]
 
+    def computes_fp8(self) -> bool:
+        """Whether this region's FP8 layers compute now (it has some, and it is the last region entered on its
+        model)."""
+        return self.fp8 is not None and self._seat.token == self._owner
+
     def close(self) -> None:
         """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
         if self._casts_outputs:

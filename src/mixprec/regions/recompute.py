@@ -43,6 +43,7 @@ from mixprec.compute.emulation import active_emulation
 from mixprec.compute.foreign_recompute import (
     claim_checkpoint,
     entered_region,
+    entered_regions,
     innermost_region,
     mixprec_checkpoint_forward,
 )
@@ -80,33 +81,37 @@ def entered(frame: Frame | None) -> Iterator[None]:
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: around the forward, a
     mark that this checkpoint's recompute re-enters the region (the region's parts refuse torch's checkpoint
-    without it, see compute/foreign_recompute.py); around the recompute, the region the forward runs in now
-    (nothing around either if no region is active).
+    without it, see compute/foreign_recompute.py); around the recompute, the regions the forward runs in now,
+    outermost first (another model's region around this one's keeps its own routed modules computing: a student
+    called inside a teacher's region); nothing around either if no region is active.
 
     Raises:
-        ValueError: the region computes GEMM layers in FP8 (a recompute would record their amax again).
+        ValueError: a region's GEMM layers compute in FP8 now (a recompute would record their amax again).
     """
-    frame = current_frame()
-    if frame is None:
+    frames = [entry.record for entry in entered_regions()]
+    if not frames:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    if frame.region.fp8 is not None:
-        raise ValueError(
-            f"activation checkpointing under policy {frame.region.policy} is not supported: its FP8 layers "
-            "record each tensor's amax in the forward, and the recompute would record it a second time and "
-            "advance the scales. Checkpoint under a policy without fp8, or train FP8 without checkpointing."
-        )
-    inside = frame.open[-1] if frame.open else None
-    return mixprec_checkpoint_forward(), _recompute_in(frame.region, inside)
+    for region in (frame.region for frame in frames):
+        if region.computes_fp8():
+            raise ValueError(
+                f"activation checkpointing under policy {region.policy} is not supported: its FP8 layers "
+                "record each tensor's amax in the forward, and the recompute would record it a second time and "
+                "advance the scales. Checkpoint under a policy without fp8, or train FP8 without checkpointing."
+            )
+    inside = frames[-1].open[-1] if frames[-1].open else None
+    return mixprec_checkpoint_forward(), _recompute_in([frame.region for frame in frames], inside)
 
 
 @contextlib.contextmanager
-def _recompute_in(region: Any, inside: str | None) -> Iterator[None]:
-    """The region again, unless the backward runs inside it already; the region of the module the checkpoint
-    was called inside (``inside``: its format; an FP32 module's, a bf16 module's), if any."""
+def _recompute_in(regions: list[Any], inside: str | None) -> Iterator[None]:
+    """The regions again (outermost first), unless the backward runs inside the innermost already; the region of
+    the module the checkpoint was called inside (``inside``: its format; an FP32 module's, a bf16 module's), if
+    any."""
     with contextlib.ExitStack() as stack:
         frame = current_frame()
-        if frame is None or frame.region is not region:
-            stack.enter_context(region.enter(recomputing=True))
+        if frame is None or frame.region is not regions[-1]:
+            for region in regions:
+                stack.enter_context(region.enter(recomputing=True))
             frame = current_frame()
         if inside is not None and not frame.open:
             stack.enter_context(frame.module_regions[inside]())
