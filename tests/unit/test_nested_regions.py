@@ -166,3 +166,18 @@ def test_a_checkpoint_in_a_model_called_inside_another_models_region_recomputes_
         return [p.grad for p in student.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(gradients(True), gradients(False), strict=True))
+
+
+def test_a_whole_model_pickled_with_the_earlier_output_cast_hook_still_loads(tmp_path):
+    import importlib
+
+    regions_autocast = importlib.import_module(
+        "mixprec.regions.autocast"
+    )  # the module (the package exports a function)
+    model, x = _mlp(), torch.randn(2, 16)
+    model.register_forward_hook(regions_autocast._cast_outputs)  # what torch.save(model) stored before
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+    with torch.no_grad(), mixprec.autocast("base=mixed_bf16,output=bf16", loaded):
+        assert loaded(x).dtype == torch.bfloat16  # a region of today casts its outputs

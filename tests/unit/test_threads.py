@@ -123,3 +123,25 @@ def test_a_copy_made_inside_a_region_is_in_no_region_on_any_thread():
         other.join(timeout=60)
         assert seen["dtype"] == torch.float32  # its own region on another thread, not refused
     assert twin(x).dtype == torch.float32 and model(x).dtype == torch.float32  # outside: no output cast
+
+
+def test_after_a_region_on_a_compiled_wrapper_inside_the_engines_another_thread_takes_the_model():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 16)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=2")
+    compiled = torch.compile(model, backend="eager")  # passes attributes it lacks on to the model inside
+    with torch.no_grad(), mp.autocast(), mixprec.autocast("mixed_bf16", compiled):
+        compiled(x)
+    seen = {}
+
+    def later() -> None:
+        try:
+            with torch.no_grad(), mixprec.autocast("mixed_bf16", compiled):
+                seen["dtype"] = compiled(x).dtype
+        except RuntimeError as error:  # a stale mark of the thread above: named in the assertion below
+            seen["dtype"] = str(error)
+
+    other = threading.Thread(target=later)
+    other.start()
+    other.join(timeout=60)
+    assert seen["dtype"] == torch.float32  # no region is entered anywhere now: nothing to refuse
