@@ -149,10 +149,11 @@ class Region:
         the checkpoint, not the emulation, keeps what backward saves."""
         policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
         traced = torch.compiler.is_compiling()
+        seats = self._seats(refresh=not traced)
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
             if not traced and not recomputing:  # a recompute runs on autograd's thread, the caller waiting
-                for seat in self._seats(refresh=True):
+                for seat in seats:
                     seat.refuse_other_thread(model)
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
@@ -186,7 +187,7 @@ class Region:
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
             # this region as the one whose routed modules compute (the last entered), and its outputs' dtype
-            Seated(self._seats(refresh=False), self._owner, traced, policy.output_dtype) if model is not None else null,
+            Seated(seats, self._owner, traced, policy.output_dtype) if model is not None else null,
             self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ __all__ = [
     "bf16_modules",
     "cast_module",
     "check_fp32_entries",
+    "enclosing",
     "fp32_modules",
     "lowered_parameters",
     "unwrapped",
@@ -78,6 +79,11 @@ def _wrapper_prefixes(model: nn.Module) -> tuple[str, ...]:
         prefixes.append(prefix)
         model = getattr(model, attribute)
     return tuple(reversed(prefixes))
+
+
+def enclosing(name: str, modules: Iterable[str]) -> str | None:
+    """The first of ``modules`` (dotted names) that is the module ``name`` or holds it; None."""
+    return next((outer for outer in modules if name == outer or name.startswith(outer + ".")), None)
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -132,7 +138,7 @@ def _outermost(
     """The modules ``matches`` picks, outermost first, none inside one picked or inside one of ``skipped``."""
     taken = list(skipped or [])
     for name, module in model.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in taken):
+        if enclosing(name, taken) is not None:
             continue
         if matches(name, module):
             taken.append(name)
@@ -170,9 +176,9 @@ def _check_bf16_outside_fp32(
     fp32 = [name for name, _ in fp32_modules(model, policy)]
     for glob in policy.bf16_names:
         matched = [name for name, _ in named if _is_kept_name(name, (glob,), wrappers)]
-        enclosing = [next((p for p in fp32 if name == p or name.startswith(p + ".")), None) for name in matched]
-        if matched and None not in enclosing:
-            shown = ", ".join(sorted({_unwrapped_name(p, wrappers) for p in enclosing}))
+        outer = [enclosing(name, fp32) for name in matched]
+        if matched and None not in outer:
+            shown = ", ".join(sorted({_unwrapped_name(p, wrappers) for p in outer}))
             raise ValueError(
                 f"policy {policy}: bf16_names entry {glob!r} matches only modules kept in FP32 ({shown}: FP32 "
                 "wins inside them), so nothing would compute in bf16 for it. Take the entry out of bf16_names, or "

@@ -91,7 +91,8 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
     frames = [entry.record for entry in entered_regions()]
     if not frames:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    for region in (frame.region for frame in frames):
+    regions = [frame.region for frame in frames]
+    for region in regions:
         if region.computes_fp8():
             raise ValueError(
                 f"activation checkpointing under policy {region.policy} is not supported: its FP8 layers "
@@ -99,7 +100,7 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
                 "advance the scales. Checkpoint under a policy without fp8, or train FP8 without checkpointing."
             )
     inside = frames[-1].open[-1] if frames[-1].open else None
-    return mixprec_checkpoint_forward(), _recompute_in([frame.region for frame in frames], inside)
+    return mixprec_checkpoint_forward(), _recompute_in(regions, inside)
 
 
 @contextlib.contextmanager

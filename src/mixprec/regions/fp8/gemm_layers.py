@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.regions.casting import enclosing
+
 __all__ = ["GemmSelection", "KeptLayer", "gemm_operands", "register_gemm_layer", "select_gemm_layers"]
 
 Operands = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor | None]]
@@ -158,11 +160,6 @@ def _attention_projections(model: nn.Module) -> set[str]:
     return names
 
 
-def _within(name: str, modules: Collection[str]) -> bool:
-    """Whether the module ``name`` is one of ``modules`` (dotted names) or inside one."""
-    return any(name == outer or name.startswith(outer + ".") for outer in modules)
-
-
 def select_gemm_layers(
     model: nn.Module,
     keep: Collection[str],
@@ -185,7 +182,8 @@ def select_gemm_layers(
             selection.kept.append(KeptLayer(name, type(module).__name__, _NOT_SUPPORTED + reason))
         elif operands is not None:
             inside = next(
-                (shown for shown, names in (("an FP32", fp32), ("a bf16", bf16)) if _within(name, names)), None
+                (shown for shown, names in (("an FP32", fp32), ("a bf16", bf16)) if enclosing(name, names) is not None),
+                None,
             )
             if inside is not None:
                 selection.kept.append(KeptLayer(name, type(module).__name__, f"inside {inside} module of the policy"))

@@ -106,10 +106,6 @@ class Fp8State:
         finally:
             self.out_dtype, self.refuse = previous
 
-    def __getstate__(self) -> dict:
-        """A copy (``copy.deepcopy``, pickling) made inside a region is not inside it."""
-        return {**vars(self), "out_dtype": None, "refuse": None}
-
     def state_dict(self) -> dict:
         return {name: layer.state_dict() for name, layer in self.layers.items()}
 
