@@ -149,7 +149,7 @@ class Region:
         the checkpoint, not the emulation, keeps what backward saves."""
         policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
         traced = torch.compiler.is_compiling()
-        seats = self._seats(refresh=not traced)
+        seats = self._seats(refresh=not traced) if model is not None else []  # no model: nothing routed
         if model is not None:
             refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
             if not traced and not recomputing:  # a recompute runs on autograd's thread, the caller waiting
