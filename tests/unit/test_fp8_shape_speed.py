@@ -24,6 +24,14 @@ ROWS = 24
 FASTER = "base=mixed_bf16,fp8=hybrid(keep=none,gemm=scaled_mm,shapes=faster)"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """Each test compiles from a clean slate, as tests/unit/test_compile.py's do: the compiled code of earlier
+    tests' models (one code object, Sequential's forward) counts toward dynamo's recompile limit of 8, which the
+    fullgraph compiles here would otherwise hit, depending on which test files ran before in the process."""
+    torch._dynamo.reset()
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
