@@ -16,7 +16,7 @@ from torch import nn
 
 import mixprec
 from mixprec.regions.fp8 import SHAPE_CACHE_FILE, SHAPE_CACHE_VERSION, scaled_mm_available, shape_key
-from mixprec.regions.routing import Seat, Seated, new_token
+from mixprec.regions.routing import Seat, Seated, new_token, route_links
 
 pytestmark = pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
 
@@ -179,7 +179,7 @@ def test_a_copied_fp8_state_decides_in_a_table_of_its_own(kernel_cache):
     del state
     gc.collect()  # the original's table is gone: the copy's layers must not look for it
     seat, owner = Seat(), new_token()  # the layers' model's seat, with a region entered on it
-    twin.install(owner, seat)
+    route_links(twin.links(owner, seat))
     with twin.computing(torch.bfloat16), Seated([seat], owner, traced=False):
         out = twin.modules["0"](torch.randn(ROWS, 32))
     assert out.shape == (ROWS, 64) and set(twin.speeds.decided) == {"0"} and not twin.speeds.decided["0"].pays

@@ -54,11 +54,12 @@ from mixprec.regions.module_formats import (
     format_regions,
     routed_fp32_modules,
 )
+from mixprec.regions.one_off import kept_regions
 from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import tf32_matmuls, uses_gemm_attention
 from mixprec.regions.prepare import Prepared, prepare, refuse_foreign_autocast
 from mixprec.regions.recompute import Frame, checkpointing_modules, entered, wire_checkpointing
-from mixprec.regions.routing import Seat, Seated, new_token, routing_changes, seat_of, seats_inside
+from mixprec.regions.routing import Seat, Seated, new_token, route_links, routing_changes, seat_of, seats_inside
 
 __all__ = ["Region", "autocast"]
 
@@ -78,16 +79,39 @@ def autocast(
             in FP32 compute in FP32. Its device is the region's device unless ``device`` is given.
         device: the device whose autocast to use; default: the model's, else CUDA if present, else CPU.
 
+    A region of the same policy and device made on the model before, closed, is entered again while the model has
+    the same modules on the same device (:mod:`mixprec.regions.one_off`): a region written per batch prepares once,
+    and a compiled model is not recompiled at every batch.
+
     Raises:
         ValueError: the set-up checks of :func:`mixprec.prepare` (e.g. the device cannot compute in the
             policy's compute dtype).
     """
-    region = Region(policy, model, device)
+    region = _one_off_region(policy, model, device)
     try:
         with region.enter() as resolved:
             yield resolved
     finally:
         region.close()  # a one-off region leaves the model as it was
+
+
+def _one_off_region(policy: Policy | str | Prepared, model: nn.Module | None, device: Any) -> Region:
+    """The model's kept region for this policy and device, opened again, or a new one, kept (none kept without a
+    model, for a policy that cannot be a key, or while the kept one is entered: a region nested in its own policy)."""
+    key = (policy, None if device is None else str(device))
+    try:
+        hash(key)
+    except TypeError:  # a policy object that cannot be a key: a new region each time
+        return Region(policy, model, device)
+    if model is None:
+        return Region(policy, model, device)
+    kept = kept_regions(model)
+    region = kept.take(key, model)
+    if region is not None and region.reopen():
+        return region
+    region = Region(policy, model, device)
+    kept.keep(key, model, region)
+    return region
 
 
 class Region:
@@ -131,6 +155,7 @@ class Region:
                 # the GEMM layers of FP32 and bf16 modules compute in their module's format
                 fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
                 self.fp8 = fp8_state(model, self.policy.fp8, fp32, bf16)
+                self._fp8_links = self.fp8.links(self._owner, self._seat)  # made once, routed each time
             self._route()
         self._closed = False  # closed, an entry (a checkpoint's recompute) routes the modules for its duration
         # other regions' models routed inside this one's (found at eager entries as routing changes)
@@ -216,9 +241,20 @@ class Region:
         self._unroute()
         self._closed = True
 
+    def reopen(self) -> bool:
+        """A closed region made ready to enter again, with the same routed forwards and token as before (False,
+        nothing changed, where it is not closed: entered now)."""
+        if not self._closed or self.model is None:
+            return False
+        _use_output_cast(self.model, self._seat)
+        self._casts_outputs = True
+        self._route()
+        self._closed = False
+        return True
+
     def _route(self) -> None:
         if self.fp8 is not None:
-            self.fp8.install(self._owner, self._seat)
+            route_links(self._fp8_links)
         if self._formats is not None:
             self._formats.install()
 

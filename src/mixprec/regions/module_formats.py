@@ -29,7 +29,7 @@ from mixprec.regions.op_overrides import FP32Ops
 from mixprec.regions.plan import ComputePlan
 from mixprec.regions.prepare import Prepared
 from mixprec.regions.recompute import Frame
-from mixprec.regions.routing import Link, Seat, route, unroute
+from mixprec.regions.routing import Link, Seat, route_links, unroute
 
 __all__ = ["ModuleFormats", "cast_floating", "emulation_for", "format_regions", "routed_fp32_modules"]
 
@@ -129,14 +129,14 @@ class ModuleFormats:
 
     def __init__(self, modules: list[tuple[nn.Module, str]], owner: int, seat: Seat) -> None:
         self.modules, self.owner, self.seat = modules, owner, seat
+        self.links = [_FormatForward(module, kind, self) for module, kind in modules]  # made once, routed each time
         self.regions: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None
         self.frame: Frame | None = None
         self.refuse: Callable[[str], None] | None = None
 
     def install(self) -> None:
         """Route each module's forward through this object (the forward an instance had is kept and called)."""
-        for module, kind in self.modules:
-            route(module, _FormatForward(module, kind, self))
+        route_links(self.links)
 
     def remove(self) -> None:
         """Take this object's routing out of each module (another region's routing stays)."""

@@ -31,6 +31,7 @@ __all__ = [
     "Seated",
     "new_token",
     "route",
+    "route_links",
     "routing_changes",
     "seat_of",
     "seats_inside",
@@ -137,6 +138,13 @@ def route(module: nn.Module, link: Link) -> None:
     link.previous = vars(module).get("forward")
     module.forward = link
     _CHANGES[0] += 1
+
+
+def route_links(links: list[Link]) -> None:
+    """Route each link's module through it. A region keeps its links and routes the same ones each time it routes:
+    a compiled model, which guards its modules' forwards, sees the same objects and is not recompiled."""
+    for link in links:
+        route(link.module, link)
 
 
 def routing_changes() -> int:

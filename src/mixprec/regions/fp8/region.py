@@ -16,7 +16,6 @@ deleted within one traced step, besides, is replayed by the compiler as a bare d
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Collection, Iterator
 
 import torch
@@ -28,11 +27,13 @@ from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.gemm_layers import GemmSelection, Operands, select_gemm_layers
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
 from mixprec.regions.fp8.shape_speed import SpeedTable, decides_by_speed
-from mixprec.regions.routing import Link, Seat, Seated, new_token, route, seat_of, unroute
+from mixprec.regions.routing import Link, Seat, Seated, new_token, route_links, seat_of, unroute
 
 __all__ = ["Fp8State", "fp8_layers", "fp8_region", "fp8_state", "gemm_selection"]
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, Fp8State] = weakref.WeakKeyDictionary()
+# The model's Fp8State sits in the model's own __dict__, as its seat does: a weak-keyed table would keep a model
+# that is itself a GEMM layer alive forever (its state holds the layer, so the key never dies).
+_STATE = "_mixprec_fp8_state"
 
 
 def fp8_layers(
@@ -61,8 +62,8 @@ def gemm_selection(
 class Fp8State:
     """The scale states of a model's FP8 layers, by module name, and the region's output dtype.
 
-    ``install`` routes each selected Linear's forward through :class:`_Fp8Forward`: FP8 while
-    ``out_dtype`` is set (inside a region), the layer's own forward otherwise.
+    A region routes each selected layer's forward through one of its :meth:`links`: FP8 while ``out_dtype`` is set
+    (inside a region) and the region is the one entered last on the model, the forward it replaced otherwise.
     """
 
     def __init__(
@@ -82,13 +83,16 @@ class Fp8State:
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
 
-    def install(self, owner: int, seat: Seat) -> None:
-        """Route the selected layers' forward through this state for ``owner`` (a region's token; ``seat``, its
-        model's), on top of what was there (another region's routing, of this state or another recipe's)."""
+    def links(self, owner: int, seat: Seat) -> list[Link]:
+        """The selected layers' forwards through this state for ``owner`` (a region's token; ``seat``, its model's),
+        to route (:func:`route_links`) on top of what is there (another region's routing, of this state or another
+        recipe's)."""
+        links = []
         for name, module in self.modules.items():
             link = _Fp8Forward(name, module, self.layers[name], self, self._operands[name])
             link.owner, link.seat = owner, seat
-            route(module, link)
+            links.append(link)
+        return links
 
     def remove(self, owner: int) -> None:
         """Take ``owner``'s routing out of the layers (another region's stays)."""
@@ -146,9 +150,9 @@ class _Fp8Forward(Link):
 def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = (), bf16: Collection[str] = ()) -> Fp8State:
     """The model's FP8 state for ``recipe``, its GEMM layers outside the ``fp32`` and ``bf16`` modules (created on
     first use, replaced if the recipe or those modules change)."""
-    state = _STATES.get(model)
+    state = vars(model).get(_STATE)
     if state is None or state.recipe != recipe or (state.fp32, state.bf16) != (tuple(fp32), tuple(bf16)):
-        state = _STATES[model] = Fp8State(model, recipe, fp32, bf16)
+        state = vars(model)[_STATE] = Fp8State(model, recipe, fp32, bf16)
     return state
 
 
@@ -163,7 +167,7 @@ def fp8_region(
     (:meth:`Fp8State.computing`): a compiled step then changes no module attribute.
     """
     state, owner, seat = fp8_state(model, recipe, fp32), new_token(), seat_of(unwrapped(model))
-    state.install(owner, seat)
+    route_links(state.links(owner, seat))
     try:
         with state.computing(out_dtype), Seated([seat], owner, False):
             yield state

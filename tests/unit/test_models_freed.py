@@ -1,0 +1,62 @@
+"""A model is freed once the user drops it: nothing mixprec keeps about a model (its seat, its FP8 scale states,
+its output cast, compensated residuals) holds it alive after its engine and regions are gone."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+POLICIES = [
+    "mixed_bf16",
+    "fp8",
+    "base=fp8,fp8=(scaling=blockwise)",
+    "base=mixed_fp16,kernels=emulated",
+    "base=mixed_bf16,output=fp16",
+    "pure_bf16",
+]
+
+
+def _trained_once(policy: str, model: nn.Module) -> weakref.ref:
+    optimizer = mixprec.AdamW(model.parameters()) if policy == "pure_bf16" else torch.optim.SGD(model.parameters())
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    x = torch.randn(8, 16)
+    with mp.autocast():
+        loss = model(x).float().square().mean()
+    mp.backward(loss)
+    mp.step()
+    with torch.no_grad(), mixprec.autocast("fp8", model):  # and a one-off region of another policy
+        model(x)
+    return weakref.ref(model)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shape", ["a GEMM layer itself", "a Sequential"])
+def test_a_model_trained_under_a_policy_is_freed_when_dropped(policy, shape):
+    # A model that is itself a GEMM layer was kept forever by its FP8 state, which holds the layer
+    model = nn.Linear(16, 16) if shape == "a GEMM layer itself" else nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    alive = _trained_once(policy, model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_copy_of_an_fp8_model_keeps_its_own_scale_states():
+    import copy
+
+    model = nn.Linear(16, 16)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters()), "fp8")
+    with torch.no_grad(), mp.autocast():
+        expected = model(torch.randn(8, 16))
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with torch.no_grad(), mixprec.autocast("fp8", model):
+        original = model(x)
+    with torch.no_grad(), mixprec.autocast("fp8", twin):
+        assert torch.equal(twin(x), original)  # the copy's states, copied with it: the same scales
+    assert expected.dtype == original.dtype

@@ -1,0 +1,100 @@
+"""A one-off region written per batch (``with mixprec.autocast(policy, model):`` in a loop, as the integrations'
+evaluation regions are) is prepared once and enters the same routed forwards each time: a compiled model is not
+recompiled at every batch, and the model is left as it was after each."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _alone(policy: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    twin = copy.deepcopy(model)
+    with torch.no_grad(), mixprec.autocast(policy, twin):
+        return twin(x)
+
+
+def _untouched(model: nn.Module) -> bool:
+    """No routed forward and no hook left on any module."""
+    return all("forward" not in vars(m) and not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("policy", ["fp8", "base=mixed_bf16,names=2", "base=mixed_fp16,kernels=native,bf16_names=2"])
+def test_a_compiled_model_in_a_one_off_region_per_batch_compiles_once(policy):
+    torch._dynamo.reset()
+    model, compiles = _mlp(), []
+
+    def counting(graph, example_inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(model, backend=counting)
+    after_warm_up = None
+    for batch in range(6):
+        x = torch.randn(8, 16)
+        expected = _alone(policy, model, x)
+        with torch.no_grad(), mixprec.autocast(policy, compiled):
+            assert torch.equal(compiled(x), expected), batch
+        assert _untouched(model)
+        if batch == 1:  # the first region watches for attention, the next ones know there is none
+            after_warm_up = len(compiles)
+    assert len(compiles) == after_warm_up  # a new region each batch recompiled: 6 graphs in 6 batches
+
+
+def test_a_module_replaced_between_regions_computes_in_the_policys_format():
+    model, x = _mlp(), torch.randn(8, 16)
+    with torch.no_grad(), mixprec.autocast("base=mixed_bf16,names=2", model):
+        model(x)
+    model[2] = nn.Linear(32, 32)  # the kept region routed the old one
+    with torch.no_grad(), mixprec.autocast("base=mixed_bf16,names=2", model):
+        out = model(x)
+    assert torch.equal(out, _alone("base=mixed_bf16,names=2", model, x))
+    assert not torch.equal(out, _alone("mixed_bf16", model, x))  # the new layer in FP32, not bf16
+
+
+def test_a_region_nested_in_its_own_policy_keeps_computing_after_the_inner_one():
+    model, x = _mlp(), torch.randn(8, 16)
+    expected = _alone("fp8", model, x)
+    with torch.no_grad(), mixprec.autocast("fp8", model):
+        with mixprec.autocast("fp8", model):
+            assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)  # the inner one's exit left the outer one's FP8 layers routed
+    assert _untouched(model)
+
+
+def test_policies_alternated_on_one_model_each_compute_their_own():
+    model, x = _mlp(), torch.randn(8, 16)
+    policies = ["fp8", "base=mixed_bf16,names=0+4", "mixed_bf16", "base=mixed_fp16,kernels=emulated", "fp32"]
+    expected = {policy: _alone(policy, model, x) for policy in policies}
+    with torch.no_grad():
+        for _ in range(3):  # more policies than the model keeps regions for
+            for policy in policies:
+                with mixprec.autocast(policy, model):
+                    assert torch.equal(model(x), expected[policy]), policy
+    assert _untouched(model)
+
+
+def test_a_model_copied_or_saved_after_one_off_regions_carries_none_of_them():
+    model, x = _mlp(), torch.randn(8, 16)
+    for policy in ("fp8", "base=mixed_bf16,names=2"):
+        with torch.no_grad(), mixprec.autocast(policy, model):
+            model(x)
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    assert saved.tell() < 20_000  # the weights (3.6 kB) and the modules: no region, plan or FP8 selection
+    saved.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(saved, weights_only=False)):
+        with torch.no_grad(), mixprec.autocast("base=mixed_bf16,names=2", twin):
+            assert torch.equal(twin(x), _alone("base=mixed_bf16,names=2", model, x))
+        assert torch.equal(twin(x), model(x))  # outside: FP32, as the original
