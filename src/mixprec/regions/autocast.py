@@ -133,6 +133,7 @@ class Region:
         self.prepared = prepared
         self._calls_attention: bool | None = None  # whether the model's forward calls attention: known after one
         self.policy, self.plan, self.model = prepared.policy, prepared.plan, prepared.model
+        self._has_model = self.model is not None
         self.device_type = prepared.device.type
         model = self.model
         if self.policy.fp8 is not None and model is None:
@@ -172,14 +173,17 @@ class Region:
         null context for each part the policy does not use, so torch.compile can trace it.
         ``recomputing``: entered again for an activation checkpoint's recompute (mixprec.checkpoint), where
         the checkpoint, not the emulation, keeps what backward saves."""
-        policy, plan, device_type, model = self.policy, self.plan, self.device_type, self.model
+        policy, plan, device_type, has_model = self.policy, self.plan, self.device_type, self._has_model
         traced = torch.compiler.is_compiling()
-        seats = self._seats(refresh=not traced) if model is not None else []  # no model: nothing routed
-        if model is not None:
-            refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
-            if not traced and not recomputing:  # a recompute runs on autograd's thread, the caller waiting
+        seats = self._seats(refresh=not traced) if has_model else []  # no model: nothing routed
+        # Compiled, the model itself is not read (the eager entries check it): dynamo then tracked a compiled model
+        # (torch.compile's wrapper) by the region's path beside the caller's and failed ("already tracked for
+        # mutation") where the engine was built on the wrapper and its region entered inside a compiled step.
+        if has_model and not traced:
+            refuse_foreign_autocast(self.model)  # also when another framework wrapped the model after setup
+            if not recomputing:  # a recompute runs on autograd's thread, the caller waiting
                 for seat in seats:
-                    seat.refuse_other_thread(model)
+                    seat.refuse_other_thread(self.model)
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
@@ -212,7 +216,7 @@ class Region:
             FP32Ops(policy.fp32_ops, device_type, refuse) if fp32_ops else null,
             self.fp8.computing(policy.compute_dtype, refuse) if self.fp8 is not None else null,
             # this region as the one whose routed modules compute (the last entered), and its outputs' dtype
-            Seated(seats, self._owner, traced, policy.output_dtype) if model is not None else null,
+            Seated(seats, self._owner, traced, policy.output_dtype) if has_model else null,
             self._formats.computing(module_regions, frame, refuse) if self._formats is not None else null,
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
