@@ -1,6 +1,7 @@
 """Run by test_lightning.py under torchrun (two CPU processes): MixprecPrecision with strategy="ddp",
 rank 0's loss infinite at update 3; prints each rank's counters, LR and parameter checksum."""
 
+import gc
 import os
 import sys
 
@@ -60,3 +61,6 @@ lr = trainer.optimizers[0].param_groups[0]["lr"]
 line = (f"RANK {trainer.global_rank} steps {s.steps} skipped {s.skipped_steps} scale {s.scale:g} lr {lr:.6f} "
         f"checksum {checksum:.10f} params {','.join(dtypes)}\n")  # fmt: skip
 os.write(1, line.encode())  # one write: an unbuffered print writes text and newline apart, and the ranks interleave
+if torch.distributed.is_initialized():
+    gc.collect()  # DDP wrappers caught in reference cycles go now, while the group is alive
+    torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort it (SIGABRT, seen 2x)

@@ -60,3 +60,14 @@ def test_a_copy_of_an_fp8_model_keeps_its_own_scale_states():
     with torch.no_grad(), mixprec.autocast("fp8", twin):
         assert torch.equal(twin(x), original)  # the copy's states, copied with it: the same scales
     assert expected.dtype == original.dtype
+
+
+def test_weights_replaced_after_one_off_regions_are_freed():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    for policy in ("fp8", "base=mixed_bf16,names=1", "mixed_bf16"):
+        with torch.no_grad(), mixprec.autocast(policy, model):  # each kept for the next region of its policy
+            model(torch.randn(8, 16))
+    old = [weakref.ref(p) for p in model.parameters()]
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    gc.collect()
+    assert all(ref() is None for ref in old)  # the kept regions held the parameters they were prepared with

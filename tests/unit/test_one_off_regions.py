@@ -98,3 +98,60 @@ def test_a_model_copied_or_saved_after_one_off_regions_carries_none_of_them():
         with torch.no_grad(), mixprec.autocast("base=mixed_bf16,names=2", twin):
             assert torch.equal(twin(x), _alone("base=mixed_bf16,names=2", model, x))
         assert torch.equal(twin(x), model(x))  # outside: FP32, as the original
+
+
+@pytest.mark.parametrize("policy", ["mixed_fp16", "base=mixed_fp16,kernels=emulated,names=2", "mixed_bf16"])
+@pytest.mark.parametrize("where", ["inside its own region", "inside the next region"])
+def test_a_checkpoints_backward_inside_a_region_of_its_policy_recomputes_as_the_forward_ran(policy, where):
+    # The recompute took a region entered again (the next batch's, kept) for the entry that ran the forward, and
+    # inside an emulated region's own entry recomputed there: CheckpointError (the saved tensors differed)
+    x, grads = torch.randn(8, 16), []
+    for checkpointed in (False, True):
+        model = _mlp()
+        with mixprec.autocast(policy, model):
+            hidden = mixprec.checkpoint(model[:2], x) if checkpointed else model[:2](x)
+            loss = model[2:](hidden).float().square().sum()
+            if where == "inside its own region":
+                loss.backward()
+        if where == "inside the next region":
+            with mixprec.autocast(policy, model):
+                model(x)  # the next batch
+                loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(map(torch.equal, *grads))
+
+
+def test_a_prepared_policy_is_refused_for_a_model_changed_since_also_by_a_kept_region():
+    model, x = _mlp(), torch.randn(8, 16)
+    prepared = mixprec.prepare(model, "base=mixed_bf16,names=2")
+    with torch.no_grad(), mixprec.autocast(prepared, model):
+        model(x)
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)  # new parameters, the same modules
+    changed = r"parameters changed after mixprec\.prepare"
+    with pytest.raises(ValueError, match=changed), mixprec.autocast(prepared, model):
+        pass
+
+
+def test_a_kept_region_watches_for_attention_again_at_each_entry(kernel_cache):
+    import torch.nn.functional as F
+
+    kernel_cache(torch.bfloat16, attention="gemm")  # as where the probe measured bf16 GEMM attention faster
+
+    class Attending(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor, attend: bool = True) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, -1)
+            return self.out(F.scaled_dot_product_attention(q, k, v) if attend else v)
+
+    torch.manual_seed(0)
+    model, x = Attending(), torch.randn(2, 16, 32)
+    expected = copy.deepcopy(model)
+    with mixprec.autocast("mixed_bf16", expected):
+        expected = expected(x)
+    with mixprec.autocast("mixed_bf16", model):
+        model(x, attend=False)  # a first forward that calls no attention (a warm-up, another path)
+    with mixprec.autocast("mixed_bf16", model):
+        assert torch.equal(model(x), expected)  # GEMM attention, as a new region computes it

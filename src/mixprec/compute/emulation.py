@@ -40,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from mixprec.compute.foreign_recompute import checkpoint_holds_saved
 from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "EmulatedAutocast", "active_emulation"]
@@ -199,8 +200,11 @@ class EmulatedAutocast(TorchFunctionMode):
 
     def __enter__(self) -> EmulatedAutocast:
         super().__enter__()
-        # Saving 16-bit sources for backward is an eager-mode saving; compiled, the compiler plans it.
-        self._saving = self._saves_low and not torch.compiler.is_compiling()
+        # Saving 16-bit sources for backward is an eager-mode saving; compiled, the compiler plans it. Inside a
+        # checkpointed block (an emulation entered in its forward and again in its recompute: a bf16 module of an
+        # fp16 region, a region inside the block) the checkpoint keeps nothing to save: its hooks must see every
+        # saved tensor, else the forward and the recompute save different lists (CheckpointError).
+        self._saving = self._saves_low and not torch.compiler.is_compiling() and not checkpoint_holds_saved()
         if self._saving:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._saved_hooks.__enter__()

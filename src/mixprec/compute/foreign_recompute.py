@@ -38,6 +38,7 @@ import torch
 
 __all__ = [
     "EnteredRegion",
+    "checkpoint_holds_saved",
     "claim_checkpoint",
     "closing_failed_checkpoints",
     "entered_region",
@@ -49,6 +50,7 @@ __all__ = [
 _local = threading.local()
 # torch.utils.checkpoint's saved-tensor hook while it records a forward (a class of torch's, by its name)
 _TORCH_CHECKPOINT_HOOK = "_checkpoint_hook."
+_TORCH_RECOMPUTE_HOOK = "_recomputation_hook."  # and while it recomputes one
 
 
 @contextlib.contextmanager
@@ -117,6 +119,13 @@ def _stack(name: str) -> list:
 def _top_pack() -> object | None:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return None if hooks is None else hooks[0]
+
+
+def checkpoint_holds_saved() -> bool:
+    """Whether torch's checkpoint takes what autograd saves now: its forward's hook or its recompute's is the
+    innermost saved-tensor hook (eager code)."""
+    name = getattr(_top_pack(), "__qualname__", "")
+    return name.startswith((_TORCH_CHECKPOINT_HOOK, _TORCH_RECOMPUTE_HOOK))
 
 
 def refuse_foreign_recompute(part: str) -> None:

@@ -105,6 +105,8 @@ def _one_off_region(policy: Policy | str | Prepared, model: nn.Module | None, de
         return Region(policy, model, device)
     if model is None:
         return Region(policy, model, device)
+    if isinstance(policy, Prepared):
+        prepare(model, policy, device)  # refused where the model changed since it was prepared, as a new region is
     kept = kept_regions(model)
     region = kept.take(key, model)
     if region is not None and region.reopen():
@@ -130,7 +132,9 @@ class Region:
         device: str | torch.device | None = None,
     ) -> None:
         prepared = prepare(model, policy, device)
-        self.prepared = prepared
+        # Not the Prepared itself: its lists of the model's parameters would keep weights replaced since alive (a
+        # kept one-off region lives as long as its model)
+        self._bf16_plan = prepared.bf16_plan
         self._calls_attention: bool | None = None  # whether the model's forward calls attention: known after one
         self.policy, self.plan, self.model = prepared.policy, prepared.plan, prepared.model
         self._has_model = self.model is not None
@@ -250,6 +254,7 @@ class Region:
         nothing changed, where it is not closed: entered now)."""
         if not self._closed or self.model is None:
             return False
+        self._calls_attention = None  # watched again: this entry's forward may call attention where the last did not
         _use_output_cast(self.model, self._seat)
         self._casts_outputs = True
         self._route()
@@ -287,7 +292,7 @@ class Region:
         if not routed:
             return {}
         kinds = {kind for _, kind in routed}
-        plans = {"region": self.plan, "bf16": self.prepared.bf16_plan}
+        plans = {"region": self.plan, "bf16": self._bf16_plan}
         entries = itertools.product((False, True), (None, refuse_foreign_recompute))
         return {
             (recomputing, refuse): format_regions(

@@ -105,17 +105,15 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
 
 @contextlib.contextmanager
 def _recompute_in(regions: list[Any], inside: str | None) -> Iterator[None]:
-    """The regions again (outermost first), unless the backward runs inside the innermost already; the region of
-    the module the checkpoint was called inside (``inside``: its format; an FP32 module's, a bf16 module's), if
-    any."""
+    """The regions again (outermost first), entered for the recompute also where the backward runs inside one of
+    them (a recompute in the emulation's own entry, which saves 16-bit copies for backward, raised CheckpointError:
+    the recomputed tensors' metadata differed); the region of the module the checkpoint was called inside
+    (``inside``: its format; an FP32 module's, a bf16 module's), if any."""
     with contextlib.ExitStack() as stack:
-        frame = current_frame()
-        if frame is None or frame.region is not regions[-1]:
-            for region in regions:
-                stack.enter_context(region.enter(recomputing=True))
-            frame = current_frame()
-        if inside is not None and not frame.open:
-            stack.enter_context(frame.module_regions[inside]())
+        for region in regions:
+            stack.enter_context(region.enter(recomputing=True))
+        if inside is not None:
+            stack.enter_context(current_frame().module_regions[inside]())
         yield
 
 
