@@ -8,7 +8,9 @@ GPU decides whether a launch-bound step waits on the host. Pairs, interleaved ro
 
 - torch.autocast bf16 + AdamW(foreach=True) (the five-line loop) against mixprec ``mixed_bf16``;
 - torch.autocast fp16 + GradScaler against mixprec ``mixed_fp16`` with native kernels (``kernels=native``:
-  the same kernels as the loop, not the CPU's emulation).
+  the same kernels as the loop, not the CPU's emulation);
+- the bf16 loop with ``mixprec.autocast("mixed_bf16", model)`` in place of ``torch.autocast``, entered at every
+  step (a one-off region, as code moved from ``torch.autocast`` writes it; no engine): the region's own cost.
 
 Each round times ``--steps`` steps per mode, the modes interleaved step by step after 10 warm-up steps each,
 and keeps each mode's median CPU time per step; the figure is the median over rounds.
@@ -75,11 +77,31 @@ def _mixprec_loop(policy: str, layers: int):
     return step
 
 
+def _one_off_loop(layers: int):
+    import torch
+
+    import mixprec
+
+    model = _model(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+
+    def step():
+        with mixprec.autocast("mixed_bf16", model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 MODES = {
     "torch autocast bf16": lambda layers: _torch_loop("bfloat16", layers),
     "mixprec mixed_bf16": lambda layers: _mixprec_loop("mixed_bf16", layers),
     "torch fp16 + GradScaler": lambda layers: _torch_loop("float16", layers),
     "mixprec mixed_fp16 native": lambda layers: _mixprec_loop("base=mixed_fp16,kernels=native", layers),
+    "mixprec one-off mixed_bf16 region": _one_off_loop,
 }
 
 

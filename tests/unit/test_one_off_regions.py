@@ -9,20 +9,11 @@ import io
 
 import pytest
 import torch
+from region_models import alone as _alone
+from region_models import mlp as _mlp
 from torch import nn
 
 import mixprec
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _alone(policy: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    twin = copy.deepcopy(model)
-    with torch.no_grad(), mixprec.autocast(policy, twin):
-        return twin(x)
 
 
 def _untouched(model: nn.Module) -> bool:
