@@ -344,3 +344,52 @@ def test_a_refusal_or_an_error_inside_a_checkpoint_leaves_no_hook_behind(device)
     torch.manual_seed(1)
     _assert_equal(list(expected), list(torch.autograd.grad(torch_checkpoint(block, x, use_reentrant=False).sum(),
                                                            list(block.parameters()))))  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "base=mixed_fp16,kernels=emulated,fp32_modules=Block"])
+def test_a_graph_kept_for_a_second_backward_recomputes_at_each(policy, device):
+    # torch enters a checkpoint's recompute context once per recompute: a one-shot context raised AttributeError
+    if "fp16" in policy and not mixprec.device_caps(device).supports_fp16:
+        pytest.skip(f"{device} computes no fp16")
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = Net(checkpointed).to(device)
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+        with mp.autocast():
+            loss = model(torch.randn(4, 6, 16, device=device)).float().pow(2).mean()
+        mp.backward(loss, retain_graph=True)
+        mp.backward(loss)
+        grads.append([p.grad for p in model.parameters()])
+    _assert_equal(*grads)
+
+
+class _AttentionThenMlp(nn.Module):
+    """Attention outside the checkpoint, an MLP inside it (recomputed in full: ``early_stop=False``)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.qkv, self.checkpointed = nn.Linear(16, 48), checkpointed
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, width // 2).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, width)
+        return mixprec.checkpoint(self.mlp, x, early_stop=False) if self.checkpointed else self.mlp(x)
+
+
+def test_a_recompute_inside_the_engines_region_leaves_its_attention_watched(device):
+    # the recompute's entry, which saw the MLP alone, recorded "no attention" for the engine's region: from the
+    # second step its attention ran on torch's kernel, not the GEMM attention the probe chose
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = _AttentionThenMlp(checkpointed).to(device)
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "mixed_bf16")
+        for _ in range(2):
+            model.zero_grad()
+            with mp.autocast():
+                mp.backward(model(torch.randn(4, 6, 16, device=device)).float().pow(2).mean())  # inside the region
+        grads.append([p.grad for p in model.parameters()])  # the second step's
+    _assert_equal(*grads)

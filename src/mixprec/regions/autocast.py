@@ -225,7 +225,7 @@ class Region:
             null if traced else closing_failed_checkpoints(),  # last: its exit comes first (torch <= 2.12)
         ):
             yield policy
-        if attention is not None and self._calls_attention is None:
+        if attention is not None and self._calls_attention is None and not recomputing:  # a recompute: part of one
             self._calls_attention = attention.attention_calls > 0
 
     def _seats(self, refresh: bool) -> list[Seat]:

@@ -100,7 +100,25 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
                 "advance the scales. Checkpoint under a policy without fp8, or train FP8 without checkpointing."
             )
     inside = frames[-1].open[-1] if frames[-1].open else None
-    return mixprec_checkpoint_forward(), _recompute_in(regions, inside)
+    return mixprec_checkpoint_forward(), _Reusable(functools.partial(_recompute_in, regions, inside))
+
+
+class _Reusable:
+    """A context manager made anew from ``make`` at each entry: torch's checkpoint enters its recompute context once
+    per recompute, and a graph kept with ``retain_graph=True`` recomputes at each backward (a generator-based
+    context entered twice raised AttributeError)."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.make = make
+        self.entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        context = self.make()
+        context.__enter__()
+        self.entered.append(context)
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self.entered.pop().__exit__(*exc_info)
 
 
 @contextlib.contextmanager
@@ -127,7 +145,7 @@ def _with_recompute(context_fn: Callable | None) -> Callable:
     def both() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         forward, recompute = context_fn()
         mark, region = recompute_context()
-        return _nested(mark, forward), _nested(region, recompute)
+        return _nested(mark, forward), _Reusable(functools.partial(_nested, region, recompute))
 
     return both
 
