@@ -81,6 +81,8 @@ def test_prepare_runs_every_check_before_anything_is_cast():
     with pytest.raises(ValueError, match="another framework's autocast"):
         mixprec.prepare(model, "mixed_bf16")
     assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything was cast
+    with pytest.raises(ValueError, match="another framework's autocast"):  # compiled after Accelerate's prepare
+        mixprec.prepare(torch.compile(model), "mixed_bf16")
 
 
 def test_prepare_without_a_model_is_a_region_for_code():

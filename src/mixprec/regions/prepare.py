@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -139,12 +140,17 @@ def _same_device(given: torch.device, prepared: torch.device) -> bool:
 def refuse_foreign_autocast(model: nn.Module) -> None:
     """Raise ValueError when another framework already runs ``model`` under its own autocast: Accelerate's
     ``Accelerator(mixed_precision="fp16"|"bf16")`` replaces ``model.forward`` and keeps the original as
-    ``_original_forward`` (on the model, or on the module a DDP wrapper holds)."""
-    for module in (model, getattr(model, "module", None)):
-        if isinstance(module, nn.Module) and "_original_forward" in vars(module):
+    ``_original_forward`` (on the model, or on a model its wrappers hold: DDP's ``module``, torch.compile's
+    ``_orig_mod``, at any depth)."""
+    module: Any = model
+    seen: list[nn.Module] = []  # a module whose `module` attribute leads back would loop
+    while isinstance(module, nn.Module) and all(module is not other for other in seen):
+        seen.append(module)
+        if "_original_forward" in vars(module):
             raise ValueError(
                 "mixprec: the model's forward already runs under another framework's autocast (Accelerate's "
                 "Accelerator(mixed_precision='fp16' or 'bf16') replaced model.forward); two mixed-precision "
                 "systems would fight (autocast twice, two loss scalers). Use Accelerator(mixed_precision='no') "
                 "and let the mixprec policy set the precision."
             )
+        module = module._orig_mod if type(module).__name__ == "OptimizedModule" else getattr(module, "module", None)
