@@ -146,3 +146,19 @@ def test_a_kept_region_watches_for_attention_again_at_each_entry(kernel_cache):
         model(x, attend=False)  # a first forward that calls no attention (a warm-up, another path)
     with mixprec.autocast("mixed_bf16", model):
         assert torch.equal(model(x), expected)  # GEMM attention, as a new region computes it
+
+
+def test_an_fp8_state_first_made_in_inference_mode_trains_after():
+    # Lightning's predict or validate before fit: the scale histories were inference tensors, and training's in-place
+    # record raised "Inplace update to inference tensor outside InferenceMode"
+    model, x = _mlp(), torch.randn(8, 16)
+    policy = "base=fp8,fp8=(scaling=delayed)"
+    with torch.inference_mode(), mixprec.autocast(policy, model):
+        model(x)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy)
+    for _ in range(2):
+        with mp.autocast():
+            loss = model(x).float().square().mean()
+        mp.backward(loss)
+        assert mp.step()
+    assert all(layer["input"]["recorded"] == 3 for layer in mp.state_dict()["fp8"].values())

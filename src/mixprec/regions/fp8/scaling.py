@@ -211,13 +211,17 @@ class ScaleState:
         self.recipe = recipe
         self.format = get_format(fmt)  # resolved once: a compiled step does no lookup by name
         self.max = self.format.max
-        self.history = torch.zeros(recipe.history, dtype=torch.float32, device=device)
-        self.recorded = torch.zeros((), dtype=torch.int64, device=device)
+        # Never inference tensors, wherever made: a state first made in an evaluation under torch.inference_mode
+        # (Lightning's predict or validate before fit) is the one training records into in place after it
+        with torch.inference_mode(False):
+            self.history = torch.zeros(recipe.history, dtype=torch.float32, device=device)
+            self.recorded = torch.zeros((), dtype=torch.int64, device=device)
 
     def to(self, device: torch.device) -> None:
         """Keep the state on ``device`` (a history loaded on the CPU, a model moved after setup)."""
         if self.history.device != device:
-            self.history, self.recorded = self.history.to(device), self.recorded.to(device)
+            with torch.inference_mode(False):  # see __init__
+                self.history, self.recorded = self.history.to(device), self.recorded.to(device)
 
     def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
         """The scale to cast ``tensor`` with; records its amax for later (delayed) scales."""
@@ -240,7 +244,8 @@ class ScaleState:
             raise ValueError(f"FP8 scale state: expected an amax history of {self.recipe.history} values.")
         # onto the state's device; a state still on the CPU moves to the tensors' device on first use
         recorded = int(state["recorded"])
-        history = history.detach().to(self.history.device, torch.float32, copy=True)
-        history[max(recorded, 0) :] = 0.0  # never recorded: zeros, as _past_amax reads them
-        self.history = history
-        self.recorded = torch.tensor(recorded, dtype=torch.int64, device=self.history.device)
+        with torch.inference_mode(False):  # see __init__
+            history = history.detach().to(self.history.device, torch.float32, copy=True)
+            history[max(recorded, 0) :] = 0.0  # never recorded: zeros, as _past_amax reads them
+            self.history = history
+            self.recorded = torch.tensor(recorded, dtype=torch.int64, device=self.history.device)
