@@ -136,7 +136,9 @@ _CHANGES = [0]  # how many times a forward was routed or taken out: a region's o
 def route(module: nn.Module, link: Link) -> None:
     """Make ``link`` the module's forward, on top of what was there."""
     link.previous = vars(module).get("forward")
-    module.forward = link
+    # not through Module.__setattr__, which first looks for a parameter, buffer or module of that name: a one-off
+    # FP8 region routes every GEMM layer at each entry (189 -> 135 us for 49 layers)
+    vars(module)["forward"] = link
     _CHANGES[0] += 1
 
 
@@ -172,7 +174,7 @@ def unroute(module: nn.Module, owner: int) -> None:
         if top.previous is None:
             vars(module).pop("forward", None)
         else:
-            module.forward = top.previous
+            vars(module)["forward"] = top.previous
         _CHANGES[0] += 1
         return
     link = top
