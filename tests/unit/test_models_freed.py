@@ -73,3 +73,26 @@ def test_weights_replaced_after_one_off_regions_are_freed():
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     gc.collect()
     assert all(ref() is None for ref in old)  # the kept regions held the parameters they were prepared with
+
+
+class _CheckpointingRoot(nn.Sequential):
+    """A root module with Hugging Face's checkpointing flag: the region keeps a list of such modules."""
+
+    gradient_checkpointing = False
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "fp8", "base=mixed_bf16,names=1", "base=mixed_fp16,bf16_names=1"])
+def test_a_model_dropped_after_one_off_regions_is_freed_at_once(policy):
+    # without the cycle collector, as `del model; torch.cuda.empty_cache()` relies on: the kept regions in the
+    # model's __dict__ held the model (their region's model, their layout's first module)
+    model = _CheckpointingRoot(nn.Linear(16, 32), nn.Linear(32, 4))
+    for _ in range(2):
+        with torch.no_grad(), mixprec.autocast(policy, model):
+            model(torch.randn(8, 16))
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -136,10 +136,13 @@ class Region:
         # kept one-off region lives as long as its model)
         self._bf16_plan = prepared.bf16_plan
         self._calls_attention: bool | None = None  # whether the model's forward calls attention: known after one
-        self.policy, self.plan, self.model = prepared.policy, prepared.plan, prepared.model
-        self._has_model = self.model is not None
+        self.policy, self.plan, model = prepared.policy, prepared.plan, prepared.model
+        # The model held weakly, as everything of it the region keeps that could be the model itself: a one-off region
+        # is kept in the model's own __dict__, and a cycle back to the model would leave a dropped model (its GPU
+        # memory) to the cycle collector instead of freeing it at once
+        self._model = weakref.ref(model) if model is not None else None
+        self._has_model = model is not None
         self.device_type = prepared.device.type
-        model = self.model
         if self.policy.fp8 is not None and model is None:
             raise ValueError(
                 f"policy {self.policy} computes GEMM layers in FP8, which needs the model: use autocast(policy, model)."
@@ -168,8 +171,8 @@ class Region:
         if model is not None:
             self._seats(refresh=True)
         # layers that call a checkpoint function of their own (Hugging Face's): it recomputes in this region
-        self._checkpointing = checkpointing_modules(model) if model is not None else []
-        wire_checkpointing(self._checkpointing)
+        self._checkpointing = [weakref.ref(m) for m in checkpointing_modules(model)] if model is not None else []
+        wire_checkpointing(self._checkpointing_modules())
 
     @contextlib.contextmanager
     def enter(self, *, recomputing: bool = False) -> Iterator[Policy]:
@@ -183,11 +186,12 @@ class Region:
         # Compiled, the model itself is not read (the eager entries check it): dynamo then tracked a compiled model
         # (torch.compile's wrapper) by the region's path beside the caller's and failed ("already tracked for
         # mutation") where the engine was built on the wrapper and its region entered inside a compiled step.
-        if has_model and not traced:
-            refuse_foreign_autocast(self.model)  # also when another framework wrapped the model after setup
+        model = self.model if has_model and not traced else None  # None too where it was dropped (a recompute)
+        if model is not None:
+            refuse_foreign_autocast(model)  # also when another framework wrapped the model after setup
             if not recomputing:  # a recompute runs on autograd's thread, the caller waiting
                 for seat in seats:
-                    seat.refuse_other_thread(self.model)
+                    seat.refuse_other_thread(model)
         # Each part that computes what torch's own checkpoint would recompute without it (outside the region)
         # refuses that checkpoint, applied here, once; compiled, the compiler recomputes from its graph.
         refuse = None if traced else refuse_foreign_recompute
@@ -197,7 +201,7 @@ class Region:
         module_regions = self._module_regions.get((recomputing, refuse))
         frame = None
         if not traced:  # compiled, the compiler recomputes checkpoints from its graph
-            wire_checkpointing(self._checkpointing)  # checkpointing enabled after this region was prepared
+            wire_checkpointing(self._checkpointing_modules())  # checkpointing enabled after this region was prepared
             frame = Frame(self, self._module_regions.get((True, refuse), {}))
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"
         attention = None
@@ -232,9 +236,18 @@ class Region:
         """The model's seat, then those of the models whose regions route modules of this region's model
         (:func:`seats_inside`), found again when routing changed; ``refresh=False`` (traced) takes the last found:
         a compiled step walks no modules."""
-        if refresh and self._seats_found[0] != routing_changes():
-            self._seats_found = (routing_changes(), [self._seat, *seats_inside(self.model, self._seat)])
+        model = self.model if refresh and self._seats_found[0] != routing_changes() else None
+        if model is not None:
+            self._seats_found = (routing_changes(), [self._seat, *seats_inside(model, self._seat)])
         return self._seats_found[1]
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The region's model; None without one, or once it was dropped."""
+        return self._model() if self._model is not None else None
+
+    def _checkpointing_modules(self) -> list[nn.Module]:
+        return [module for ref in self._checkpointing if (module := ref()) is not None]
 
     def computes_fp8(self) -> bool:
         """Whether this region's FP8 layers compute now (it has some, and it is the last region entered on its
@@ -243,19 +256,21 @@ class Region:
 
     def close(self) -> None:
         """Remove the output-cast hook and the routing this region installed (none if the model had them)."""
-        if self._casts_outputs:
-            _release_output_cast(self.model)
-            self._casts_outputs = False
+        model = self.model
+        if self._casts_outputs and model is not None:  # a dropped model took its hook with it
+            _release_output_cast(model)
+        self._casts_outputs = False
         self._unroute()
         self._closed = True
 
     def reopen(self) -> bool:
         """A closed region made ready to enter again, with the same routed forwards and token as before (False,
         nothing changed, where it is not closed: entered now)."""
-        if not self._closed or self.model is None:
+        model = self.model
+        if not self._closed or model is None:
             return False
         self._calls_attention = None  # watched again: this entry's forward may call attention where the last did not
-        _use_output_cast(self.model, self._seat)
+        _use_output_cast(model, self._seat)
         self._casts_outputs = True
         self._route()
         self._closed = False

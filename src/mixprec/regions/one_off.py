@@ -12,6 +12,7 @@ routes the same objects back.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from typing import Any
 
@@ -64,7 +65,9 @@ def kept_regions(model: nn.Module) -> KeptRegions:
 
 def _layout(model: nn.Module) -> tuple:
     """What a prepared region depends on: each module by name (the policy's entries match names; the routing holds
-    the modules) and the device (the compute plan). A module compares by identity."""
+    the modules) and the device (the compute plan). A module compares by identity. Not the model itself (the first
+    of its named modules, and the one whose ``__dict__`` holds this): a model held by its own ``__dict__`` is freed
+    only by the cycle collector."""
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    return (device, tuple(model.named_modules()))
+    return (device, tuple(itertools.islice(model.named_modules(), 1, None)))
