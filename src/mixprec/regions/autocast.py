@@ -99,11 +99,7 @@ def _one_off_region(policy: Policy | str | Prepared, model: nn.Module | None, de
     """The model's kept region for this policy and device, opened again, or a new one, kept (none kept without a
     model, for a policy that cannot be a key, or while the kept one is entered: a region nested in its own policy)."""
     key = (policy, None if device is None else str(device))
-    try:
-        hash(key)
-    except TypeError:  # a policy object that cannot be a key: a new region each time
-        return Region(policy, model, device)
-    if model is None:
+    if model is None or not _hashable(key):  # a policy object that cannot be a key: a new region each time
         return Region(policy, model, device)
     if isinstance(policy, Prepared):
         prepare(model, policy, device)  # refused where the model changed since it was prepared, as a new region is
@@ -114,6 +110,14 @@ def _one_off_region(policy: Policy | str | Prepared, model: nn.Module | None, de
     region = Region(policy, model, device)
     kept.keep(key, model, region)
     return region
+
+
+def _hashable(key: tuple) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 class Region:

@@ -34,6 +34,7 @@ __all__ = [
     "fp32_modules",
     "lowered_parameters",
     "unwrapped",
+    "wrapper_attribute",
 ]
 
 _TORCH_NORMS = (
@@ -74,7 +75,7 @@ def _wrapper_prefixes(model: nn.Module) -> tuple[str, ...]:
     """The prefixes wrappers put before every module name, longest first: DDP's ``module.``, torch.compile's
     ``_orig_mod.`` (nested: ``_orig_mod.module.``)."""
     prefix, prefixes = "", []
-    while (attribute := _wrapped_attribute(model)) is not None:
+    while (attribute := wrapper_attribute(model)) is not None:
         prefix += attribute + "."
         prefixes.append(prefix)
         model = getattr(model, attribute)
@@ -88,12 +89,12 @@ def enclosing(name: str, modules: Iterable[str]) -> str | None:
 
 def unwrapped(model: nn.Module) -> nn.Module:
     """The model inside its wrappers (DDP's, torch.compile's), or the model itself."""
-    while (attribute := _wrapped_attribute(model)) is not None:
+    while (attribute := wrapper_attribute(model)) is not None:
         model = getattr(model, attribute)
     return model
 
 
-def _wrapped_attribute(model: nn.Module) -> str | None:
+def wrapper_attribute(model: nn.Module) -> str | None:
     """The attribute holding the model a wrapper wraps: DDP's ``module``, torch.compile's ``_orig_mod``; None."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "module"

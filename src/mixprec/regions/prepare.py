@@ -25,7 +25,13 @@ from torch import nn
 from mixprec.compute.device import device_type_of
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
-from mixprec.regions.casting import bf16_modules, check_fp32_entries, fp32_modules, lowered_parameters
+from mixprec.regions.casting import (
+    bf16_modules,
+    check_fp32_entries,
+    fp32_modules,
+    lowered_parameters,
+    wrapper_attribute,
+)
 from mixprec.regions.plan import ComputePlan, bf16_plan, check_device_supports, compute_plan
 
 __all__ = ["Prepared", "prepare", "refuse_foreign_autocast"]
@@ -153,4 +159,4 @@ def refuse_foreign_autocast(model: nn.Module) -> None:
                 "systems would fight (autocast twice, two loss scalers). Use Accelerator(mixed_precision='no') "
                 "and let the mixprec policy set the precision."
             )
-        module = module._orig_mod if type(module).__name__ == "OptimizedModule" else getattr(module, "module", None)
+        module = getattr(module, wrapper_attribute(module) or "module", None)  # and other wrappers' `module`
