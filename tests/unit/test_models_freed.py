@@ -96,3 +96,30 @@ def test_a_model_dropped_after_one_off_regions_is_freed_at_once(policy):
         assert alive() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "policy", ["mixed_bf16", "mixed_fp16", "o2_bf16", "pure_bf16", "base=fp8,fp8=(scaling=delayed)", "fp32"]
+)
+def test_an_engine_dropped_with_its_model_frees_it_at_once(policy):
+    # without the cycle collector: the engine held itself through its pending-gradient guard (a bound method of
+    # the engine), so `del mp, model, optimizer; torch.cuda.empty_cache()` kept the weights until a collection
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = mixprec.AdamW(model.parameters()) if policy == "pure_bf16" else torch.optim.AdamW(model.parameters())
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    for _ in range(2):
+        with mp.autocast():
+            loss = model(torch.randn(8, 16)).float().square().mean()
+        mp.backward(loss)
+        mp.clip_grad_norm_(1.0)
+        mp.step()
+        mp.step_scheduler(scheduler)
+    mp.load_state_dict(mp.state_dict())
+    alive = [weakref.ref(model), weakref.ref(mp)]
+    gc.disable()
+    try:
+        del model, optimizer, mp, scheduler, loss
+        assert [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()

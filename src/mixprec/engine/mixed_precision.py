@@ -171,7 +171,7 @@ class MixedPrecision:
         scaled = not all(isinstance(scaler, NoOpLossScaler) for scaler in self.scalers)
         self._resume = PartialResumeGuard(self.optimizer) if scaled else None  # the scale is what a resume loses
         resume = [self._resume] if self._resume is not None else []
-        guards = [parameters, PendingGradsGuard(self._with_gradients), *registered_guards(), *drift, *resume]
+        guards = [parameters, PendingGradsGuard(MixedPrecision._with_gradients), *registered_guards(), *drift, *resume]
         return GuardList(guards)
 
     def _with_gradients(self) -> tuple[torch.Tensor, ...]:

@@ -46,8 +46,10 @@ def grads_pending(mp: Any) -> bool:
 class PendingGradsGuard:
     """The gradients as the last backward left them: each one's tensor and version counter, by parameter."""
 
-    def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
-        self._params = params  # the model's and the optimizer's now (o2's masters hold the unscaled ones)
+    def __init__(self, params: Callable[[Any], Iterable[torch.Tensor]]) -> None:
+        # params(mp): the model's and the optimizer's now (o2's masters hold the unscaled ones); given the engine
+        # at each call rather than bound to it, so the engine holds no cycle through its guards (freed at `del`)
+        self._params = params
         # as the last backward left them, column by column: the parameters with a gradient, it, its version
         self._seen: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
 
@@ -57,7 +59,7 @@ class PendingGradsGuard:
 
     def after_backward(self, mp: Any) -> None:
         if grads_pending(mp):  # unscaled gradients are the caller's to edit
-            self.record(self._params())
+            self.record(self._params(mp))
 
     def before_gradients(self, mp: Any) -> None:
         """Before a backward adds to the gradients or an unscale divides them: nothing may have edited them."""
