@@ -282,6 +282,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, mixprec_cli, args, needles):
         assert not (tmp_path / "runs").exists()
 
 
+def test_an_out_folder_that_cannot_be_made_is_one_line_naming_it(tmp_path, mixprec_cli):
+    (tmp_path / "a-file").write_text("not a folder")
+    out = tmp_path / "a-file" / "run"  # a file in the folder's path: the machine refuses (exit 1)
+    result = mixprec_cli("train", "digits", "--steps", "1", "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--out {out}: cannot create this folder" in lines[0], result.stderr
+
+
 def test_two_runs_started_into_one_folder_at_once_one_proceeds(tmp_path):
     args = ["train", "digits", "--policy", "fp32", "--steps", "60", "--quiet", "--out", str(tmp_path / "run")]
     processes = [

@@ -99,10 +99,16 @@ def claim_folder(folder: str | Path, holds: str, argument: str) -> bool:
 
     Raises:
         ValueError: as :func:`check_folder`.
+        OSError: the folder cannot be created (a file in its path, no permission); the message names ``argument``.
     """
     folder = check_folder(folder, holds, argument)
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # the same kind (a runtime failure), saying which argument and what to do
+        raise type(error)(
+            f"{argument} {folder}: cannot create this folder ({error.strerror or error}); name a folder you can write."
+        ) from None
     if created or not _holds_files(folder):
         _mark(folder, holds)
     return created
