@@ -323,6 +323,32 @@ def test_state_from_another_policy_is_refused():
         mp.load_state_dict({"scalers": []})
 
 
+@pytest.mark.parametrize("wrong", ["a master's shape", "an FP8 layer unknown here"])
+def test_a_refused_state_leaves_everything_as_it_was(wrong):
+    # the scalers were loaded before the masters were checked: a refused load left the other run's loss scale
+    policy = "o2_fp16" if wrong == "a master's shape" else "base=fp8,compute=fp16,fp8=(scaling=delayed)"
+    widths = (24, 32) if wrong == "a master's shape" else (24, 24)
+    states = []
+    for width, scale in zip(widths, (2.0**10, 2.0**5), strict=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, width), nn.GELU(), nn.Linear(width, 5))
+        mp = mixprec.MixedPrecision(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), policy, mixprec.DynamicLossScaler(init_scale=scale)
+        )
+        train_step(mp, model, 0)
+        states.append(mp.state_dict())
+    saved, before = states
+    if wrong == "an FP8 layer unknown here":
+        saved["fp8"]["9"] = saved["fp8"]["2"]  # a layer this model does not have, after the known ones
+    with pytest.raises(ValueError):
+        mp.load_state_dict(saved)
+    after = mp.state_dict()
+    assert after["scalers"] == before["scalers"] and after["counters"] == before["counters"]
+    assert all(torch.equal(a, b) for a, b in zip(after["masters"], before["masters"], strict=True))
+    for name, layer in before["fp8"].items():
+        assert torch.equal(after["fp8"][name]["input"]["history"], layer["input"]["history"])
+
+
 def test_state_resumes_under_another_fp8_cast_or_shapes_with_its_histories():
     model = make_model()
     saved = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=fp8,fp8=(scaling=delayed)")

@@ -533,15 +533,28 @@ class MixedPrecision:
         warn_mid_window(self._order.micro_step, self.accumulation_steps, saving=True)
         state = {
             "policy": str(self.policy),
-            "scalers": [s.state_dict() for s in self.scalers],
-            "counters": self._log.state_dict(),
+            **self._small_state(),
             "micro_step": self._order.micro_step,
             "accumulation_steps": self.accumulation_steps,
-            "fp8": self._region.fp8.state_dict() if self._region.fp8 is not None else {},
         }
         if masters:
             state["masters"] = [m.clone() for m in self.masters.state()] if self.masters is not None else []
         return state
+
+    def _small_state(self) -> dict[str, Any]:
+        """The state but the masters: scalers, counters, FP8 scale states (host sync: the scales)."""
+        return {
+            "scalers": [s.state_dict() for s in self.scalers],
+            "counters": self._log.state_dict(),
+            "fp8": self._region.fp8.state_dict() if self._region.fp8 is not None else {},
+        }
+
+    def _load_small_state(self, state: dict[str, Any]) -> None:
+        for scaler, scaler_state in zip(self.scalers, state["scalers"], strict=True):
+            scaler.load_state_dict(scaler_state)
+        self._log.load_state_dict(state["counters"])
+        if self._region.fp8 is not None:
+            self._region.fp8.load_state_dict(state.get("fp8", {}))
 
     @property
     def released(self) -> bool:
@@ -586,14 +599,19 @@ class MixedPrecision:
         if not masters:
             state = {**state, "masters": [m.clone() for m in self.masters.state()] if self.masters is not None else []}
         check_saved_state(state, self.policy, len(self.scalers), self.accumulation_steps, self.masters is not None)
-        for scaler, scaler_state in zip(self.scalers, state["scalers"], strict=True):
-            scaler.load_state_dict(scaler_state)
+        if self.masters is not None:
+            self.masters.check_state(state["masters"])
+        # a state refused part way (a scaler's, the FP8 layers') leaves this one as it was: the small parts put
+        # back, the masters (checked above) written last
+        before = self._small_state()
+        try:
+            self._load_small_state(state)
+        except BaseException:
+            self._load_small_state(before)
+            raise
         if self.masters is not None:
             self.masters.load_state(state["masters"])
-        self._log.load_state_dict(state["counters"])
         warn_mid_window(int(state["micro_step"]), self.accumulation_steps, saving=False)
         self._order.micro_step = 0
-        if self._region.fp8 is not None:
-            self._region.fp8.load_state_dict(state.get("fp8", {}))
         if self._resume is not None:
             self._resume.restored()

@@ -121,7 +121,16 @@ class MasterWeights:
         return [m.detach() for m in self.masters]
 
     def load_state(self, values: list[torch.Tensor]) -> None:
-        """Restore master values and refresh the model's copies from them."""
+        """Restore master values and refresh the model's copies from them (refused, nothing changed, as
+        :meth:`check_state`)."""
+        self.check_state(values)
+        with torch.no_grad():
+            for master, value in zip(self.masters, values, strict=True):
+                master.copy_(value)  # from any device and dtype the checkpoint was read to
+        self.copy_to_model()
+
+    def check_state(self, values: list[torch.Tensor]) -> None:
+        """Raise ValueError unless ``values`` are master values of this model (their number and shapes)."""
         if not isinstance(values, list) or len(values) != len(self.masters):
             count = len(values) if isinstance(values, list) else type(values).__name__
             raise ValueError(
@@ -135,9 +144,6 @@ class MasterWeights:
                     f"master weight {index} has shape {shape} in the checkpoint, {tuple(master.shape)} in this "
                     "model; load a checkpoint saved from the same model and policy."
                 )
-            with torch.no_grad():
-                master.copy_(value)
-        self.copy_to_model()
 
 
 def release_masters(masters: MasterWeights, optimizer: torch.optim.Optimizer) -> None:
