@@ -68,6 +68,24 @@ def test_resume_to_fewer_steps_than_the_run_has_is_refused_before_anything_is_wr
     assert (tmp_path / "config.json").read_text() == config
 
 
+def test_a_damaged_newest_checkpoint_past_the_length_does_not_refuse_the_resume(tmp_path, run, caplog):
+    # the length check read the step from the newest checkpoint's name: a damaged step-20, which the resume
+    # skips for step-15, refused --steps 19
+    args = ("--size", "tiny", "--checkpoint-every", "5", "--keep", "2", "--quiet", "--out", tmp_path)
+    assert run("train", "digits", "--steps", "20", *args).returncode == 0
+    damaged = tmp_path / "checkpoints" / "step-00000020.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="mixprec"):
+        resumed = run("train", "--out", tmp_path, "--resume", "--steps", "19", "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "using step-00000015.safetensors" in caplog.text
+    assert list_checkpoints(tmp_path / "checkpoints")[-1].name == "step-00000019.safetensors"
+    refused = run("train", "--out", tmp_path, "--resume", "--steps", "18")  # past a checkpoint that loads: refused
+    assert refused.returncode == 2 and "the run is at update 19, past the 18 steps" in refused.stderr
+
+
 def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_over(tmp_path, run, caplog):
     # docs/training.md's requeue recipe resumes whenever config.json exists: a run killed before its first
     # checkpoint left one, and every requeued job failed with "nothing to resume"

@@ -573,6 +573,36 @@ def test_a_misnamed_or_edited_newest_checkpoint_is_skipped_with_one_line(tmp_pat
     assert trainer.updates_done == 4
 
 
+def test_a_damaged_newest_checkpoint_is_set_aside_so_pruning_keeps_the_ones_that_load(tmp_path, caplog):
+    # left in place, the damaged step-4 counted as the newest: the run resumed from 2 and with keep=1 the save at
+    # step 3 deleted the step-3 file it had just written and the step-2 one, leaving only the damaged file
+    run = tmp_path / "run"
+    make_trainer(run, checkpoint_every=2).fit(steps=4)
+    folder = run / "checkpoints"
+    damaged = folder / "step-00000004.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    trainer = make_trainer(run, checkpoint_every=1, keep_checkpoints=1)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        trainer.fit(steps=3, resume=True)
+    assert "checksum mismatch" in caplog.text and "set aside as step-00000004.safetensors.skipped" in caplog.text
+    assert [p.name for p in list_checkpoints(folder)] == ["step-00000003.safetensors"]
+    assert (folder / "step-00000004.safetensors.skipped").read_bytes() == bytes(data)  # kept for a look
+    again = make_trainer(run, checkpoint_every=1)
+    again.fit(steps=4, resume=True)  # resumes from the checkpoint the first resume wrote
+    straight = make_trainer(tmp_path / "straight")
+    straight.fit(steps=4)
+    assert_bit_identical(parameters(straight), parameters(again))
+
+
+def test_a_save_never_deletes_itself_for_a_checkpoint_named_past_it(tmp_path):
+    save_checkpoint(tmp_path, 9, {"x": torch.tensor(9)})  # not this run's line: say, copied in by hand
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor(step)}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"step-0000000{n}.safetensors" for n in (2, 3, 9)]
+
+
 def test_a_checkpoint_that_does_not_fit_is_skipped_and_leaves_the_trainer_as_it_was(tmp_path, caplog):
     reference = make_trainer(tmp_path / "reference", checkpoint_every=1)
     reference.fit(steps=2)

@@ -41,6 +41,7 @@ __all__ = [
     "newest_step",
     "save_checkpoint",
     "save_sharded_checkpoint",
+    "set_aside",
 ]
 
 logger = logging.getLogger("mixprec")
@@ -59,7 +60,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     try:
         write_atomically(final, data)
     except OSError as exc:
-        older = list_checkpoints(directory)[:-1]
+        older = _up_to(directory, step)[:-1]
         if exc.errno != errno.ENOSPC or not older:
             raise _write_error(final, exc) from None
         # the disk is full: make room by deleting all but the newest checkpoint, never fewer than one
@@ -70,7 +71,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
             write_atomically(final, data)
         except OSError as again:
             raise _write_error(final, again) from None
-    _prune(directory, keep)
+    _prune(directory, keep, step)
     return final
 
 
@@ -88,7 +89,7 @@ def save_sharded_checkpoint(
     error, failed, full, older = _write_sharded_once(directory, final, step, state, device)
     if failed and full and older:
         if world().is_main:
-            older_checkpoints = list_checkpoints(directory)[:-1]
+            older_checkpoints = _up_to(directory, step)[:-1]
             for old in older_checkpoints:
                 _remove(old)
             logger.warning("Disk full writing %s: deleted %d older checkpoints", final.name, len(older_checkpoints))
@@ -100,7 +101,7 @@ def save_sharded_checkpoint(
             raise error
         raise _write_error(final, error or OSError(errno.EIO, "another rank could not write its part")) from None
     if world().is_main:
-        _prune(directory, keep)
+        _prune(directory, keep, step)
     return final
 
 
@@ -149,9 +150,16 @@ def _publish(staging: Path, final: Path) -> None:
     fsync_directory(final.parent)
 
 
-def _prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and whatever a killed writer left."""
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+def _up_to(directory: Path, step: int) -> list[Path]:
+    """The checkpoints of ``directory`` up to ``step`` (the one being saved), oldest first. One named past it is
+    not this run's line (a damaged one a resume went back from, normally set aside by then): never counted as
+    the newest, so never the reason to delete one that loads."""
+    return [path for path in list_checkpoints(directory) if (_step(path) or 0) <= step]
+
+
+def _prune(directory: Path, keep: int, step: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints up to ``step``, and whatever a killed writer left."""
+    for old in _up_to(directory, step)[:-keep] if keep > 0 else []:
         _remove(old)
     for stale in directory.iterdir():  # ours is renamed by now: a killed writer's
         if _STAGING.fullmatch(stale.name):
@@ -192,10 +200,32 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def newest_step(directory: str | Path) -> int | None:
-    """The step the newest checkpoint's name says (None without one); read from names, no file opened."""
-    found = list_checkpoints(directory)
-    return _step(found[-1]) if found else None
+def newest_step(directory: str | Path, verify_past: int | None = None) -> int | None:
+    """The step the newest checkpoint's name says (None without one); read from names, no file opened.
+
+    ``verify_past``: a checkpoint named past that step counts only if it verifies (read and checksummed, only
+    then): a damaged one that a resume would skip for an older one is not where the run is."""
+    for path in reversed(list_checkpoints(directory)):
+        step = _step(path)
+        if verify_past is None or step is None or step <= verify_past:
+            return step
+        try:
+            load_checkpoint(path)
+        except CheckpointError:
+            continue
+        return step
+    return None
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint a resume skipped (damaged, or not this model's) out of the run's line, kept for a look:
+    ``step-00000300.safetensors.skipped``. Left in place it would count as the newest checkpoint, and pruning
+    would delete the ones that load in its favour."""
+    aside = path.with_name(f"{path.name}.skipped")
+    _remove(aside)
+    os.replace(path, aside)
+    fsync_directory(path.parent)
+    return aside
 
 
 def load_checkpoint(path: str | Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:

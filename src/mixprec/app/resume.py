@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from mixprec.app.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, set_aside
 from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.distributed import agree_max
 from mixprec.policy import resumes_under
@@ -124,8 +124,11 @@ def restore_latest(trainer: Resumable, directory: Path, *, allow_foreign: bool =
             trainer.load_state_dict(before)
             problems.append(str(exc))
             continue
-        for problem in problems if trainer.world.is_main else ():  # one line each, from rank 0, said once
-            logger.warning("Skipped a checkpoint: %s; using %s", problem, path.name)  # an older one is used
+        if trainer.world.is_main:  # one line each, from rank 0, said once; the skipped ones set aside
+            for problem, skipped in zip(problems, paths, strict=False):
+                aside = set_aside(skipped)
+                logger.warning("Skipped a checkpoint: %s; using %s (the skipped one set aside as %s)",
+                               problem, path.name, aside.name)  # fmt: skip
         return path, state
     raise ValueError(f"no usable checkpoint in {directory}: " + "; ".join(problems))
 

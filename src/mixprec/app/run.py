@@ -224,7 +224,10 @@ def _train_in(  # long: the run's steps in order, each one or two lines
                 logger.warning("%s holds no checkpoint (its run ended before the first): starting the run over from "
                                "its config.json", run_dir)  # fmt: skip
         else:  # a length the run is past: refused before anything is written
-            trainer.check_resume_length(trainer.total_steps(**length), step, next(iter(length)))
+            total = trainer.total_steps(**length)
+            # a checkpoint named past the length is read first: a damaged one, which the resume would skip, is
+            # not where the run is
+            trainer.check_resume_length(total, newest_step(trainer.checkpoint_dir, total) or 0, next(iter(length)))
     except BaseException:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
