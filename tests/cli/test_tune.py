@@ -163,6 +163,60 @@ def test_on_a_gpus_profile_the_fragile_layer_computes_in_bf16_not_fp32(tmp_path,
     assert set(result["fp8_not_tried"]) <= {"2"}
 
 
+def test_with_no_tolerance_the_chosen_policy_is_within_it_on_its_own_verification(tmp_path, mixprec_cli):
+    # the last per-layer policy (the doctor's layer kept in bf16) was chosen at +0.004% against tolerance 0: the
+    # reference itself (uniform FP32 here, the fp16 base makes inf) is chosen instead, and the file says so
+    entries = {}
+    for m, k, n in [(32, 16, 32), (32, 32, 32), (32, 32, 4)]:
+        ms = GemmShape(m, k, n).flops / 1e9
+        entries[f"{m}x{k}x{n}"] = {"fp32": 4 * ms, "16": ms, "fp8": 2 * ms, "bf16": ms}
+    profile = DeviceProfile("a GPU (test profile)", "mixed_fp16", entries).save(tmp_path / "profile.json")
+    finished, result, _ = _tune_fragile(tmp_path, mixprec_cli, "--device-profile", profile, "--tolerance", "0")
+    verdict = result["verification"]["verdict"]
+    assert verdict["within_tolerance"] and verdict["loss_change"] <= 0, verdict
+    advice = json.loads((tmp_path / "out" / "policy.json").read_text())
+    assert advice["policy"] == result["chosen"]["policy"]
+    if "fallback" in verdict:
+        assert result["chosen"]["policy"] == "fp32" and verdict["fallback"] in advice["reasons"]
+        assert "every verified per-layer policy was past the tolerance" in finished.stderr
+
+
+NAN_LOSS = """
+import torch
+from torch import nn
+from mixprec.app import TaskParts
+
+def build(config):
+    torch.manual_seed(config.seed)
+    batches = [(torch.randn(32, 16), torch.randint(0, 4, (32,))) for _ in range(4)]
+    return TaskParts(model=nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)), train_data=batches,
+                     eval_data=batches[:2], loss_fn=lambda out, y: nn.functional.cross_entropy(out, y) * float("nan"),
+                     defaults={"lr": 1e-3})
+"""
+
+
+def test_a_model_whose_loss_is_nan_in_fp32_too_gets_no_policy_and_exit_1(tmp_path, mixprec_cli):
+    # it was tuned, verified at +inf%, and given base=mixed_bf16 with exit 0
+    (tmp_path / "nanloss.py").write_text(NAN_LOSS)
+    out = tmp_path / "out"
+    finished = mixprec_cli("tune", "--model", "nanloss:build", "--trial-steps", "2", "--verify-steps", "2",
+                           "--seeds", "1", "--out", out, cwd=tmp_path)  # fmt: skip
+    assert finished.returncode == 1, finished.stderr
+    last = finished.stderr.strip().splitlines()[-1]
+    assert last.startswith("mixprec tune: nanloss:build: the trial runs (2 steps) made inf or NaN") and "doctor" in last
+    assert not (out / "policy.json").exists() and "Traceback" not in finished.stderr
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"), [("seeds", 0), ("verify_steps", 0), ("trial_steps", 0), ("budget_minutes", 0)]
+)
+def test_tune_from_python_refuses_counts_below_one_naming_them(tmp_path, argument, value):
+    # seeds=0 ended in statistics' "fmean requires at least one data point"; verify_steps=0 verified trial_steps
+    with pytest.raises(ValueError, match=rf"tune\({argument}=...\) must be .*received 0"):
+        mixprec.tune("digits", out=tmp_path / "out", **{argument: value})
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_budget_stops_the_trials_and_the_verification_still_runs(tmp_path, mixprec_cli):
     start = time.monotonic()
     finished, result = _tune(mixprec_cli, tmp_path / "b", "--device-profile", _profile(tmp_path),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from mixprec.app.cli.arg_types import file_path, positive_number, seed, tolerance, whole_number
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     spec = task_spec(args)  # the flags first: a mistake is said before torch loads
     from mixprec.app.tune.cost import KIND
     from mixprec.app.tune.run import tune
+    from mixprec.app.tune.search import NoFiniteReference
     from mixprec.persist import check_overwrite
 
     if args.save_profile is not None:  # before the minutes of tuning
@@ -58,21 +60,25 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--save-profile writes the timings measured here: with --device-profile none are.")
         check_overwrite(args.save_profile, "--save-profile", KIND)
     out = args.out or Path("runs") / slug(f"tune-{spec}")
-    result = tune(
-        spec,
-        out=out,
-        base=args.base,
-        tolerance=args.tolerance,
-        trial_steps=args.trial_steps,
-        verify_steps=args.verify_steps,
-        seeds=args.seeds,
-        budget_minutes=args.budget_minutes,
-        device_profile=args.device_profile,
-        seed=args.seed,
-        size=args.size,
-        device=args.device,
-        batch_size=args.batch_size,
-    )
+    try:
+        result = tune(
+            spec,
+            out=out,
+            base=args.base,
+            tolerance=args.tolerance,
+            trial_steps=args.trial_steps,
+            verify_steps=args.verify_steps,
+            seeds=args.seeds,
+            budget_minutes=args.budget_minutes,
+            device_profile=args.device_profile,
+            seed=args.seed,
+            size=args.size,
+            device=args.device,
+            batch_size=args.batch_size,
+        )
+    except NoFiniteReference as finding:  # a finding about the model, not a usage error: exit 1, as the doctor's
+        print(f"mixprec tune: {spec}: {finding}", file=sys.stderr)
+        return 1
     if args.save_profile is not None:
         from mixprec.app.tune.run import measured_profile
 

@@ -20,6 +20,7 @@ from typing import Any
 from mixprec.app.config import TrainConfig
 from mixprec.app.tune.cost import BF16, DeviceProfile
 from mixprec.app.tune.search import TuneOptions, search
+from mixprec.checks import positive_number, whole_number
 
 __all__ = ["BASES", "choose_base", "measured_profile", "tune", "tune_task"]
 
@@ -101,7 +102,10 @@ def tune(
 
     Raises:
         ValueError: a factory that cannot be found again by its module and name (a lambda, a closure), a base
-            that is not mixed_bf16 or mixed_fp16, a tolerance outside [0, 1), a profile for another base.
+            that is not mixed_bf16 or mixed_fp16, a tolerance outside [0, 1), steps or seeds below 1, a budget
+            of 0 minutes or less, a profile for another base.
+        NoFiniteReference (a ValueError): the model made inf/NaN under the uniform base and in FP32; nothing is
+            written.
     """
     if callable(task):
         module, name = getattr(task, "__module__", None), getattr(task, "__qualname__", "")
@@ -116,6 +120,10 @@ def tune(
         raise ValueError(f"tune(base=...): received {base!r}; use mixed_bf16, mixed_fp16 or auto.")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tune(tolerance=...): received {tolerance!r}; use a share in [0, 1), e.g. 0.005 for 0.5%.")
+    for value, name in ((trial_steps, "trial_steps"), (verify_steps, "verify_steps"), (seeds, "seeds")):
+        whole_number(value, f"tune({name}=...)")
+    if budget_minutes is not None:
+        positive_number(budget_minutes, "tune(budget_minutes=...)")
     profile = DeviceProfile.load(device_profile) if device_profile is not None else None
     if profile is not None and profile.base != base:
         raise ValueError(
@@ -178,6 +186,7 @@ def _write(out: Path, result: dict[str, Any], config: TrainConfig) -> None:
         f"predicted {chosen['prediction']['speedup']:.3f}x {result['base']} ({chosen['prediction']['scope']})",
         f"verified loss change {100 * result['verification']['verdict']['loss_change']:+.3f}% over "
         f"{len(result['verification']['base']['losses'])} seeds",
+        *([result["verification"]["verdict"]["fallback"]] if "fallback" in result["verification"]["verdict"] else []),
     )
     advice = PolicyAdvice(chosen["policy"], None, reasons)
     write_policy_file(advice, out / "policy.json", source=f"mixprec tune {config.task}")

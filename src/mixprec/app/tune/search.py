@@ -40,7 +40,19 @@ from mixprec.app.tune.cost import (
 from mixprec.app.tune.layers import ATTENTION, LayerChoice
 from mixprec.app.tune.names import compact_names
 
-__all__ = ["Candidate", "TuneOptions", "assignment_policy", "pareto_front", "search"]
+__all__ = ["Candidate", "NoFiniteReference", "TuneOptions", "assignment_policy", "pareto_front", "search"]
+
+
+class NoFiniteReference(ValueError):
+    """Neither the uniform base nor FP32 kept the loss finite: there is no loss for a policy to hold (a finding
+    about the model: ``mixprec tune`` exits 1, as the doctor does for a model that makes inf/NaN in FP32)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what} made inf or NaN under the uniform base and in FP32: there is no loss for a policy to keep, so "
+            "none was chosen or written. mixprec doctor TASK names the first module, phase and kind of the first "
+            "inf or NaN."
+        )
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,8 @@ def search(
     if profile is None:  # measured here: the step of the uniform base is this device's
         _measure_here(state, forced, reference_ms)
     reference = reference_loss if math.isfinite(reference_loss) else fp32_loss
+    if not math.isfinite(reference):  # before the search: nothing it could hold
+        raise NoFiniteReference(f"the trial runs ({options.trial_steps} steps)")
     _references(state, base_loss, fp32_loss, reference)
     accepted = _first_moves(state, reference)
     accepted += _greedy(state, accepted[-1], reference)
@@ -198,8 +212,8 @@ def search(
             f"slower than their current format by the cost model, {other} convolutions or attention; the others "
             "ruled out by the doctor)"
         )
-    assignment, verification = _verify(state, accepted)
-    policy, assignment = _fastest_measured(state, assignment, verification)
+    policy, assignment, verification = _verify(state, accepted)
+    policy, assignment = _fastest_measured(state, policy, assignment, verification)
     return {
         "base": base,
         "tolerance": options.tolerance,
@@ -342,15 +356,19 @@ def _record(state: SearchState, assignment: dict[str, str], reference: float, no
     return candidate
 
 
-def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[str, str], dict[str, Any]]:
+def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[str, dict[str, str], dict[str, Any]]:
     """The uniform base and FP32 over ``seeds`` seeds, ``verify_steps`` each; then the accepted assignments,
-    fastest first, until one keeps the mean validation loss within the tolerance of the base's (the first one,
-    the doctor's FP32 layers alone, is the base itself when there are none). With a cost model measured here, its
-    predicted steps against the measured ones."""
+    fastest first, until one keeps the mean validation loss within the tolerance of the reference's (the base's,
+    FP32's where the base made inf/NaN). When even the last, the doctor's layers kept out alone, is past it, the
+    reference itself is chosen: the tolerance holds on the verification by construction. With a cost model
+    measured here, its predicted steps against the measured ones. Returns the policy, its assignment, the
+    summary."""
     runs = {name: _seeded(state, name, policy) for name, policy in (("base", state.options.base), ("fp32", "fp32"))}
     means = {name: statistics.fmean(loss for loss, _ in results) for name, results in runs.items()}
     reference = means["base"] if math.isfinite(means["base"]) else means["fp32"]
-    tried = []
+    if not math.isfinite(reference):
+        raise NoFiniteReference(f"the verification runs ({state.options.verify_steps} steps)")
+    tried, change = [], math.inf
     for index, assignment in enumerate(reversed(accepted)):
         last, policy = index == len(accepted) - 1, assignment_policy(state.options.base, assignment, state.modules)
         if not last and state.out_of_budget(verifications=state.options.seeds):
@@ -360,10 +378,40 @@ def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[st
         mean = statistics.fmean(loss for loss, _ in chosen)
         change = _change(mean, reference)
         tried.append({"policy": policy, "mean": mean, "loss_change": change})
-        if change <= state.options.tolerance or last:
+        if change <= state.options.tolerance:
             break
         state.progress(f"tune: {policy} verified at {100 * change:+.3f}%, past the tolerance: falling back")
+    fallback = None
+    if change > state.options.tolerance:  # every one past it: the reference, uniform
+        fallback = "base" if math.isfinite(means["base"]) else "fp32"
+        policy, assignment = _uniform(state)[fallback]
+        chosen, mean, change = runs[fallback], means[fallback], 0.0
+        state.progress(f"tune: every verified per-layer policy was past the tolerance: the reference, {policy}")
     runs["chosen"] = chosen
+    summary = _verification_summary(runs, tried, reference=means["base"], mean=mean, change=change, state=state)
+    if fallback is not None:
+        summary["verdict"]["fallback"] = f"uniform {policy}: every verified per-layer policy was past the tolerance"
+    if state.base_step_ms is not None:
+        summary["cost_model"] = _cost_model_check(state, assignment, summary)
+    return policy, assignment, summary
+
+
+def _uniform(state: SearchState) -> dict[str, tuple[str, dict[str, str]]]:
+    """The two uniform policies, each with its assignment (FP32: every layer in FP32)."""
+    return {"base": (state.options.base, {}), "fp32": ("fp32", {name: "fp32" for name in state.choices})}
+
+
+def _verification_summary(
+    runs: dict[str, list[tuple[float, float]]],
+    tried: list[dict[str, Any]],
+    *,
+    reference: float,
+    mean: float,
+    change: float,
+    state: SearchState,
+) -> dict[str, Any]:
+    """Each verified policy's losses, mean and median step, the policies tried, and the verdict of the chosen one
+    (``reference``: the base's mean, FP32's taken where it is not finite)."""
     summary: dict[str, Any] = {
         name: {
             "losses": [loss for loss, _ in results],
@@ -375,35 +423,32 @@ def _verify(state: SearchState, accepted: list[dict[str, str]]) -> tuple[dict[st
     base = summary["base"]["losses"]
     summary["tried"] = tried
     summary["verdict"] = {
-        "reference": "base" if math.isfinite(means["base"]) else "FP32 run (the base made inf/NaN)",
+        "reference": "base" if math.isfinite(reference) else "FP32 run (the base made inf/NaN)",
         "loss_change": change,
         "base_seed_spread": max(base) - min(base),
         "within_tolerance": change <= state.options.tolerance,
         "within_base_spread": abs(mean - summary["base"]["mean"]) <= max(base) - min(base),
     }
-    if state.base_step_ms is not None:
-        summary["cost_model"] = _cost_model_check(state, assignment, summary)
-    return assignment, summary
+    return summary
 
 
 _MEASURED_MARGIN = 0.95  # a uniform policy replaces the chosen one only where its step measured 5% faster or more
 
 
 def _fastest_measured(
-    state: SearchState, assignment: dict[str, str], verification: dict[str, Any]
+    state: SearchState, policy: str, assignment: dict[str, str], verification: dict[str, Any]
 ) -> tuple[str, dict[str, str]]:
     """The policy to write and its assignment: the verified per-layer one; or, with the cost model measured here,
     the uniform base or uniform FP32 where the verification measured its step at least 5% faster and its loss
     within the tolerance. The cost model counts the layers alone, not what a 16-bit base adds around the layers it
     puts in FP32 (its region, the casts between layers): on a CPU with slow 16-bit kernels the per-layer policy
     that puts every layer in FP32 can measure far slower than FP32 itself. The verdict then describes the pick."""
-    policy = assignment_policy(state.options.base, assignment, state.modules)
     if state.base_step_ms is None or "chosen" not in verification:
         return policy, assignment
     verdict, chosen_ms = verification["verdict"], verification["chosen"]["ms_per_step"]
     means = {name: verification[name]["mean"] for name in ("base", "fp32")}
     reference = means["base"] if math.isfinite(means["base"]) else means["fp32"]  # as the verdict's
-    uniform = {"base": (state.options.base, {}), "fp32": ("fp32", {name: "fp32" for name in state.choices})}
+    uniform = _uniform(state)
     faster = [
         name
         for name in (("base", "fp32") if assignment else ("fp32",))
