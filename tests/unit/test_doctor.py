@@ -38,7 +38,9 @@ def _batches(n=3, features=16, classes=4):
 def test_the_doctor_names_the_module_where_fp16_overflow_starts():
     diagnosis = diagnose(_overflowing_model(), _batches(), nn.functional.cross_entropy, steps=3)
     fp16 = diagnosis.formats["fp16"]
-    assert fp16.overflow_starts_in == ("2.2.0",)
+    # per call: in the third batch 2.2.0's output fits fp16 (57738) and 3's overflows from it (101620); in the
+    # first, 3's input (62003, 2.2.0's overflow cut by the ReLU) fits and its output overflows again
+    assert fp16.overflow_starts_in == ("2.2.0", "3")
     assert "2.2.0" in fp16.activations_overflow and "2.1" not in fp16.activations_overflow
     stats = diagnosis.report.get("2.2.0", "forward")
     assert stats.formats["fp16"].overflow > 0 and stats.input_amax < 65504
@@ -84,6 +86,37 @@ def test_a_model_that_makes_nan_in_fp32_gets_no_16_bit_advice():
     (reason,) = diagnosis.reasons
     assert "inf or NaN already in FP32, in every one of 2 recorded step(s), starting in 2" in reason
     assert json.loads(diagnosis.to_json())["fp32_nonfinite"] == list(diagnosis.fp32_nonfinite)
+
+
+class _SqrtAtZero(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x * 0)  # finite forward, an infinite derivative: inf * 0 = NaN gradients
+
+
+def test_a_model_whose_fp32_gradients_are_nan_at_every_step_gets_no_16_bit_advice():
+    # a finite loss, NaN weight gradients at every step: the doctor recommended mixed_fp16 ("keeps 100% of them")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), _SqrtAtZero(), nn.Linear(8, 4))
+    diagnosis = diagnose(model, _batches(), nn.functional.cross_entropy, steps=2)
+    assert (diagnosis.policy, diagnosis.loss_scale) == ("fp32", None)
+    assert diagnosis.fp32_nonfinite == ("0", "gradients")  # the first gradient non-finite on arrival: 0's output
+    (reason,) = diagnosis.reasons
+    assert "gradients are inf or NaN already in FP32 (2 of 2 recorded step(s) with a finite loss" in reason
+    assert "the gradient of 0's output (made where that output is used)" in reason
+
+
+def test_one_batch_with_nan_gradients_is_said_beside_the_advice():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    batches = _batches(n=3)
+    model.register_full_backward_pre_hook(  # the second batch's gradient of the output: NaN
+        lambda module, grad: (grad[0] * float("nan"),) if len(calls) == 2 else None
+    )
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    diagnosis = diagnose(model, batches, nn.functional.cross_entropy, steps=3)
+    assert diagnosis.policy != "fp32"
+    assert any("1 of 3 recorded steps had a finite loss but inf or NaN gradients" in r for r in diagnosis.reasons)
 
 
 def test_diagnose_leaves_the_model_as_it_was():
@@ -150,6 +183,54 @@ def test_first_inf_in_backward_is_named_with_the_module_that_produced_it(device)
     event = tracer.check()
     tracer.detach()
     assert (event.module, event.phase, event.tensor, event.kind) == ("1.1", "backward", "input gradient", "inf")
+
+
+def test_a_nan_made_by_a_modules_own_code_in_backward_names_that_module_not_its_child():
+    # block's own sqrt at 0, between its two children: the NaN arrived at block.a's output gradient and was charged
+    # to block.a, which only passed it on
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(torch.sqrt(torch.relu(self.a(x)) * 0))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Block())
+    with NonFiniteTracer(model) as tracer:
+        model(torch.randn(3, 4)).sum().backward()
+        event = tracer.check()
+    assert (event.module, event.phase, event.tensor) == ("1", "backward", "gradient of its own code")
+    # the same sqrt as a module of its own is named as the module (its input gradient), as before
+    model = nn.Sequential(nn.Linear(4, 4), _SqrtAtZero(), nn.Linear(4, 1))
+    with NonFiniteTracer(model) as tracer:
+        model(torch.randn(3, 4)).sum().backward()
+        event = tracer.check()
+    assert (event.module, event.tensor) == ("1", "input gradient")
+
+
+def test_a_module_called_twice_starts_an_overflow_where_one_of_its_calls_does():
+    # overflow_origins compared the largest input over all calls: a third call's overflowing input hid the second
+    class Amplify(nn.Module):
+        def forward(self, x):
+            return x * 300
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.amp, self.out = nn.Linear(4, 4), Amplify(), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.amp(self.amp(self.amp(self.inp(x)))))  # ~1 -> 300 -> 9e4 (fp16 inf) -> 2.7e7
+
+    torch.manual_seed(0)
+    model = Net()
+    with RangeWatch(model, formats=("fp16", "bf16")) as watch:
+        model(torch.randn(8, 4) * 3).sum().backward()
+    report = watch.report()
+    assert report.overflow_origins("fp16") == ["amp"] and report.get("amp", "forward").origin_calls["fp16"] == 1
+    assert report.overflow_origins("bf16") == []
 
 
 def test_a_clean_step_reports_nothing_and_inputs_are_checked():

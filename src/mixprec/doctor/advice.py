@@ -28,6 +28,7 @@ from torch import nn
 from mixprec.compute.nest import map_floating
 from mixprec.doctor.report import DoctorReport, Histogram
 from mixprec.doctor.watch import DEFAULT_FORMATS, RangeWatch
+from mixprec.numerics.finite import magnitudes_not_finite, max_magnitudes
 from mixprec.numerics.formats import get_format
 
 __all__ = ["Diagnosis", "FormatAdvice", "diagnose", "recommend_scale"]
@@ -133,7 +134,7 @@ def diagnose(
     watch = RangeWatch(model, formats=names)
     try:
         with watch:
-            first, nonfinite_losses = _record(model, batches, loss_fn, watch, steps)
+            first, nonfinite_losses, nonfinite_grads = _record(model, batches, loss_fn, watch, steps)
         scope = _sixteen_bit_gradients(model, first, loss_fn) if first is not None else None
     finally:
         for p, grad in saved_grads.items():
@@ -147,22 +148,47 @@ def diagnose(
     where = (*report.nonfinite_outputs(), "loss")
     if nonfinite_losses == watch.steps:
         return Diagnosis(report, keep, advice, "fp32", None, (_broken_in_fp32(where, watch.steps),), where)
+    backward = (*report.nonfinite_gradients(), "gradients")  # a finite loss, inf/NaN made by the backward pass
+    if nonfinite_losses + nonfinite_grads == watch.steps:
+        why = _gradients_broken_in_fp32(backward, nonfinite_grads, watch.steps)
+        return Diagnosis(report, keep, advice, "fp32", None, (why,), backward)
     policy, loss_scale, reasons = _recommend_policy(advice, keep, bf16_supported)
     if nonfinite_losses:
         reasons = (*reasons, _some_steps_broken(where, nonfinite_losses, watch.steps))
+    if nonfinite_grads:
+        reasons = (*reasons, _some_steps_broken(backward, nonfinite_grads, watch.steps, "gradients"))
     return Diagnosis(report, keep, advice, policy, loss_scale, reasons)
 
 
 def _first_place(nonfinite: tuple[str, ...]) -> str:
-    """Where the first inf or NaN was made: a module ("" is the model itself), else the loss."""
-    return "the loss" if nonfinite == ("loss",) else f"{nonfinite[0] or 'the model'}"
+    """Where the first inf or NaN was made: a module ("" is the model itself), else the loss (or, for the backward
+    pass, the gradients)."""
+    if nonfinite in (("loss",), ("gradients",)):
+        return f"the {nonfinite[0]}"
+    return f"{nonfinite[0] or 'the model'}"
 
 
-def _some_steps_broken(nonfinite: tuple[str, ...], broken: int, steps: int) -> str:
+def _some_steps_broken(nonfinite: tuple[str, ...], broken: int, steps: int, what: str = "loss") -> str:
+    made = "a non-finite loss" if what == "loss" else "a finite loss but inf or NaN gradients"
     return (
-        f"{broken} of {steps} recorded steps had a non-finite loss already in FP32 (first inf or NaN in "
-        f"{_first_place(nonfinite)}): "
+        f"{broken} of {steps} recorded steps had {made} already in FP32 (first inf or NaN in "
+        f"{_first_place(nonfinite)}{'' if what == 'loss' else ', the gradient of its output'}): "
         "those batches are skipped whatever the precision; check the data"
+    )
+
+
+def _gradients_broken_in_fp32(nonfinite: tuple[str, ...], broken: int, steps: int) -> str:
+    first = (
+        f"the gradient of {nonfinite[0] or 'the model'}'s output (made where that output is used)"
+        if len(nonfinite) > 1
+        else "the gradients"
+    )
+    return (
+        f"the model's gradients are inf or NaN already in FP32 ({broken} of {steps} recorded step(s) with a finite "
+        f"loss, every other step's loss non-finite); the first the backward pass reached: {first}: "
+        "no precision policy trains it (every update would be skipped). Fix the model (a sqrt, log or division at "
+        "0, whose derivative is infinite there), then run the doctor again (mixprec.NonFiniteTracer names the "
+        "first module that makes a non-finite gradient)"
     )
 
 
@@ -194,8 +220,9 @@ def _check_model_and_loss(model: Any, loss_fn: Any) -> None:
 
 def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: RangeWatch, steps: int) -> tuple:
     """FP32 forward and backward passes over up to ``steps`` batches, recorded by ``watch``; returns the first
-    batch (None if there was none) and how many losses were non-finite (a host sync per batch)."""
-    first, nonfinite_losses = None, 0
+    batch (None if there was none), how many losses were non-finite, and how many of the finite ones had inf or
+    NaN gradients (two host syncs per batch)."""
+    first, nonfinite_losses, nonfinite_grads = None, 0, 0
     for batch in batches:
         if watch.steps >= steps:
             break
@@ -208,10 +235,14 @@ def _record(model: nn.Module, batches: Iterable[Any], loss_fn: Callable, watch: 
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"diagnose(loss_fn=...) must return a one-element loss tensor; it returned {shape}.")
-        nonfinite_losses += not bool(torch.isfinite(loss).all())
+        finite = bool(torch.isfinite(loss).all())
+        nonfinite_losses += not finite
         loss.backward()
+        if finite:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            nonfinite_grads += bool(grads) and bool(magnitudes_not_finite(max_magnitudes(grads, loss.device)))
         watch.step()
-    return first, nonfinite_losses
+    return first, nonfinite_losses, nonfinite_grads
 
 
 def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:

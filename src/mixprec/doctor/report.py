@@ -63,7 +63,8 @@ class ModuleStats:
 
     ``order`` is the position of the module's first record within its phase (execution order for
     ``forward``, the order the backward pass reached it otherwise); ``input_amax`` (forward only) is
-    the largest finite magnitude among the module's floating-point inputs.
+    the largest finite magnitude among the module's floating-point inputs; ``origin_calls`` (forward
+    only), per format, how many calls overflowed it although that call's inputs fit.
     """
 
     module: str
@@ -77,6 +78,7 @@ class ModuleStats:
     input_amax: float | None
     formats: dict[str, FormatRange]
     histogram: Histogram
+    origin_calls: dict[str, int] = field(default_factory=dict)
 
     def overflows(self, fmt: str) -> bool:
         return self.formats[fmt].overflow > 0
@@ -105,13 +107,17 @@ class DoctorReport:
         return [s for s in self.phase(phase) if s.overflows(fmt)]
 
     def overflow_origins(self, fmt: str) -> list[str]:
-        """Modules whose forward outputs overflow ``fmt`` although their inputs fit: where it starts.
+        """Modules whose forward outputs overflow ``fmt`` although their inputs fit, in one call at least: where it
+        starts (a module called twice, once from a fitting input, counts: its largest input over all calls
+        need not fit).
 
         A container whose child already is such a module is left out, so the deepest module is named.
         """
         threshold = _overflow_threshold(fmt)
         starts = [
-            s.module for s in self.overflowing(fmt, "forward") if s.input_amax is None or s.input_amax < threshold
+            s.module
+            for s in self.overflowing(fmt, "forward")
+            if (s.origin_calls[fmt] > 0 if fmt in s.origin_calls else s.input_amax is None or s.input_amax < threshold)
         ]
         return [m for m in starts if not any(_is_descendant(o, m) for o in starts)]
 
@@ -119,6 +125,13 @@ class DoctorReport:
         """Modules whose forward outputs held inf or NaN in the recorded (FP32) run, in the order their outputs
         were made: the first is where the non-finite values start."""
         return [s.module for s in self.phase("forward") if s.nonfinite]
+
+    def nonfinite_gradients(self) -> list[str]:
+        """Modules the gradient of whose output (in the order the backward pass reached them), then whose weight
+        gradient, held inf or NaN in the recorded (FP32) run. The first output gradient was made non-finite where
+        that output is used: by the next module's backward, or by code between modules."""
+        records = [s for phase in ("backward", "weight_grad") for s in self.phase(phase) if s.nonfinite]
+        return list(dict.fromkeys(s.module for s in records))
 
     def overflow_reach(self, fmt: str) -> list[str]:
         """The outermost modules whose forward inputs or outputs overflow ``fmt``: all the overflow reaches,

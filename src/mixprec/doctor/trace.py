@@ -9,7 +9,9 @@ names the first non-finite one:
     forward    the innermost module whose output is the first non-finite tensor of the step
                ("input" when the model's own inputs already hold one)
     backward   the module whose backward pass produced the first non-finite input gradient or
-               weight gradient ("loss" when the gradient of the model's output already is one)
+               weight gradient ("loss" when the gradient of the model's output already is one); a module's
+               own code between its submodules (tensor "gradient of its own code") when the gradient of a
+               submodule's output that no submodule consumed already is one
 
 A module's input gradient is the total over every consumer of that tensor; with shared inputs the
 first module to consume it in the forward pass is named.
@@ -43,7 +45,7 @@ class NonFiniteEvent:
     step: int
     module: str
     phase: str  # "forward" or "backward"
-    tensor: str  # "output", "input", "input gradient", "weight gradient", "output gradient"
+    tensor: str  # "output", "input", "input gradient", "weight gradient", "output gradient", "gradient of its own code"
     kind: str  # "nan" or "inf"
 
     def __str__(self) -> str:
@@ -70,6 +72,8 @@ class NonFiniteTracer:
         self.model = model
         self._names = {module: name or "model" for name, module in model.named_modules()}
         self._records: list[tuple[str, str, str, torch.Tensor]] = []
+        # this forward's module outputs, by tensor: the outermost module that returned each (see _model_outputs)
+        self._outputs: dict[int, tuple[str, torch.Tensor]] = {}
         self._handles: list[Any] = []
         self.steps = 0
         self.first: NonFiniteEvent | None = None
@@ -101,12 +105,24 @@ class NonFiniteTracer:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _model_inputs(self, module: nn.Module, args: tuple) -> None:
+        self._outputs.clear()
         map_floating(args, lambda t: self._record("input", "forward", "input", t) or t)
 
     def _model_outputs(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled():
-            hook = self._record_grad("loss", "output gradient")
-            map_floating(output, lambda t: (t.requires_grad and t.register_hook(hook)) or t)
+        outputs, self._outputs = self._outputs, {}
+        if not torch.is_grad_enabled():
+            return
+        returned = set()
+        hook = self._record_grad("loss", "output gradient")
+        map_floating(output, lambda t: returned.add(id(t)) or (t.requires_grad and t.register_hook(hook)) or t)
+        # Each module's output gradient, hooked only now, after every module's input-gradient hook on the same
+        # tensor: a hook on a tensor runs in the order it was registered, so a module that consumed the output
+        # records it first. One no module consumed was used by the enclosing module's own code: non-finite on
+        # arrival, that code's backward made it (a sqrt at 0 between two layers, not the layer before it).
+        for key, (name, tensor) in outputs.items():
+            if key not in returned and tensor.requires_grad:
+                parent = name.rpartition(".")[0] if "." in name else "model"
+                tensor.register_hook(self._record_grad(parent, "gradient of its own code"))
 
     def _module_hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -116,6 +132,8 @@ class NonFiniteTracer:
                     args,
                     lambda t: (t.requires_grad and t.register_hook(self._record_grad(name, "input gradient"))) or t,
                 )
+                if module is not self.model:  # the outermost module returning a tensor, the last to see it
+                    map_floating(output, lambda t: self._outputs.__setitem__(id(t), (name, t)) or t)
 
         return hook
 

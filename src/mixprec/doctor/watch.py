@@ -38,6 +38,7 @@ class _Accumulator:
         self.amax: torch.Tensor | None = None
         self.histogram: torch.Tensor | None = None
         self.input_amax: torch.Tensor | None = None
+        self.origin_calls: torch.Tensor | None = None  # per format: calls whose output overflowed, inputs fitting
 
     def add(self, counts: RangeCounts) -> None:
         self.calls += 1
@@ -50,6 +51,9 @@ class _Accumulator:
 
     def add_input_amax(self, amax: torch.Tensor) -> None:
         self.input_amax = amax if self.input_amax is None else torch.maximum(self.input_amax, amax)
+
+    def add_origin_calls(self, origins: torch.Tensor) -> None:
+        self.origin_calls = origins if self.origin_calls is None else self.origin_calls + origins
 
 
 class RangeWatch:
@@ -77,6 +81,7 @@ class RangeWatch:
             raise TypeError(f"RangeWatch(model=...) needs an nn.Module; received {type(model).__name__}.")
         formats = (formats,) if isinstance(formats, str) else formats  # one name, not its characters
         self.formats = tuple(get_format(f, argument="formats").name for f in formats)
+        self._thresholds = torch.tensor([get_format(f).overflow_threshold for f in self.formats])
         self.phases = tuple(phases)
         unknown = [p for p in self.phases if p not in PHASES]
         if unknown or not self.phases:
@@ -142,20 +147,33 @@ class RangeWatch:
                 return
             if "forward" in self.phases:
                 accumulator = self._accumulator(name, "forward")
-                for tensor in outputs:
-                    accumulator.add(self._counts(tensor))
+                counts = [self._counts(tensor) for tensor in outputs]
+                for each in counts:
+                    accumulator.add(each)
                 inputs: list[torch.Tensor] = []
                 map_floating(args, lambda t: inputs.append(t) or t)
-                for tensor in inputs:  # one pass; inf or NaN inputs make the module no overflow origin
-                    amax = torch.linalg.vector_norm(tensor.detach(), float("inf")).float() if tensor.numel() else None
-                    if amax is not None:
-                        accumulator.add_input_amax(amax)
+                amaxes = [  # one pass each; inf or NaN inputs make the call no overflow origin
+                    torch.linalg.vector_norm(t.detach(), float("inf")).float() for t in inputs if t.numel()
+                ]
+                for amax in amaxes:
+                    accumulator.add_input_amax(amax)
+                accumulator.add_origin_calls(self._origins(counts, amaxes))
             if "backward" in self.phases and torch.is_grad_enabled():
                 for tensor in outputs:
                     if tensor.requires_grad:
                         tensor.register_hook(self._grad_hook(name, "backward"))
 
         return hook
+
+    def _origins(self, counts: list[RangeCounts], input_amaxes: list[torch.Tensor]) -> torch.Tensor:
+        """Per format, 1 where this call's output overflows it although every input fits (the call is where an
+        overflow starts), else 0: on the device, judged call by call (a module called again with a larger input
+        is an origin where one of its calls was)."""
+        overflow = torch.stack([c.counts[len(COUNT_FIELDS) + 2 :: 3] for c in counts]).sum(0) > 0
+        if not input_amaxes:
+            return overflow.long()
+        largest = torch.stack(input_amaxes).amax()
+        return (overflow & (largest < self._thresholds.to(largest.device))).long()
 
     def _counts(self, tensor: torch.Tensor) -> RangeCounts:
         """Counts of a forward output; a container returning its last child's tensor reuses them."""
@@ -185,9 +203,12 @@ class RangeWatch:
         with_inputs = [a.input_amax.float().cpu() for a in accs if a.input_amax is not None]
         inputs_read = iter(torch.stack(with_inputs).tolist() if with_inputs else [])
         input_amaxes = [None if a.input_amax is None else next(inputs_read) for a in accs]
+        with_origins = [a.origin_calls.cpu() for a in accs if a.origin_calls is not None]
+        origins_read = iter(torch.stack(with_origins).tolist() if with_origins else [])
+        origin_calls = [{} if a.origin_calls is None else dict(zip(self.formats, next(origins_read))) for a in accs]
         stats = []
-        for (name, phase), acc, count, amax, histogram, input_amax in zip(
-            keys, accs, counts, amaxes, histograms, input_amaxes, strict=True
+        for (name, phase), acc, count, amax, histogram, input_amax, origins in zip(
+            keys, accs, counts, amaxes, histograms, input_amaxes, origin_calls, strict=True
         ):
             values, zeros, nonfinite = count[: len(COUNT_FIELDS)]
             per_format = count[len(COUNT_FIELDS) :]
@@ -208,6 +229,7 @@ class RangeWatch:
                     input_amax=input_amax,
                     formats=formats,
                     histogram=Histogram(HISTOGRAM_LOW, tuple(histogram)),
+                    origin_calls=origins,
                 )
             )
         return DoctorReport(self.formats, self.steps, tuple(stats))
