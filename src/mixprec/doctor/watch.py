@@ -205,7 +205,9 @@ class RangeWatch:
         input_amaxes = [None if a.input_amax is None else next(inputs_read) for a in accs]
         with_origins = [a.origin_calls.cpu() for a in accs if a.origin_calls is not None]
         origins_read = iter(torch.stack(with_origins).tolist() if with_origins else [])
-        origin_calls = [{} if a.origin_calls is None else dict(zip(self.formats, next(origins_read))) for a in accs]
+        origin_calls = [
+            {} if a.origin_calls is None else dict(zip(self.formats, next(origins_read), strict=True)) for a in accs
+        ]
         stats = []
         for (name, phase), acc, count, amax, histogram, input_amax, origins in zip(
             keys, accs, counts, amaxes, histograms, input_amaxes, origin_calls, strict=True
