@@ -128,6 +128,19 @@ def test_skipped_update_moves_neither_weights_nor_the_schedule():
     assert learn.mixprec.carried["counters"]["skipped_steps"] == 1
 
 
+def test_a_skipped_update_under_gradient_accumulation_takes_its_whole_window_back():
+    # 2 batches an update: the window of batches 2-3 skipped. Only batch 3 was taken back out of the schedule, so
+    # the next window ran one batch ahead of the skipped one's hyper-parameters
+    plain, skipping = Record(), Record(inf_at=2)
+    _quiet_fit(_learner("mixed_fp16", cbs=[plain, GradientAccumulation(2 * BS)]), 1, 1e-2, one_cycle=True)
+    learn = _learner("mixed_fp16", cbs=[skipping, GradientAccumulation(2 * BS)])
+    _quiet_fit(learn, 1, 1e-2, one_cycle=True)
+    rows, clean = [r["lr"] for r in skipping.rows], [r["lr"] for r in plain.rows]
+    assert _same_weights_list(skipping.rows[2]["weights"], skipping.rows[4]["weights"])  # nothing applied
+    assert rows[:4] == clean[:4] and rows[4:6] == clean[2:4]  # the next window replays the skipped one's
+    assert learn.mixprec.carried["counters"]["skipped_steps"] == 1
+
+
 def _same_weights_list(a, b) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 

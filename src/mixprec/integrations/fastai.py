@@ -15,7 +15,8 @@ fastai's events, mapped onto MixedPrecision (order 10, fastai's ``MixedPrecision
     before_backward   mp.backward(loss_grad), then CancelBackwardException (fastai's own backward skipped)
     before_step       GradientClip's clipping by mp.clip_grad_norm_ (the FP32 norm of the unscaled gradients),
                       mp.step(): update or skip; CancelStepException (fastai's opt.step() skipped)
-    after_batch       a skipped update takes its batch back out of ``pct_train``: the schedule does not move
+    after_batch       a skipped update takes its batches back out of ``pct_train`` (every micro-batch of its
+                      window under GradientAccumulation): the schedule does not move
     after_fit         mp.release(): the model FP32 again with the masters' values, the optimizer on it
 
 A skipped update moves neither the weights, the masters, the optimizer state nor the hyper-parameter schedule
@@ -83,6 +84,8 @@ class MixprecCallback(Callback):
         self.grad_norm: torch.Tensor | None = None  # the last clipped update's FP32 norm, unscaled
         self._region = contextlib.ExitStack()
         self._skipped = False  # this batch's update was skipped
+        self._stepped = False  # this batch ended a window: mp.step() ran (applied or skipped)
+        self._window = 0  # training batches since the last mp.step(): GradientAccumulation cancels the others
         self._lag = 0.0  # pct_train taken back for skipped updates in this fit
         self._resumed_lag: float | None = None  # a loaded save's, for a fit resumed with start_epoch
 
@@ -104,6 +107,7 @@ class MixprecCallback(Callback):
                 )
         resumed = any(type(cb).__name__ == "SkipToEpoch" for cb in self.learn.cbs)
         self._lag = self._resumed_lag if resumed and self._resumed_lag is not None else 0.0
+        self._window = 0  # GradientAccumulation counts from 0 at each fit
         self._resumed_lag = None
 
     def before_train(self) -> None:
@@ -112,7 +116,7 @@ class MixprecCallback(Callback):
         self.learn.pct_train -= self._lag  # TrainEvalCallback (order -10) set it from the epoch alone
 
     def before_batch(self) -> None:
-        self._skipped = False
+        self._skipped = self._stepped = False
         if self.training and self.mp is not None:
             self._region.enter_context(self.mp.autocast())
         else:  # validation, get_preds, validate() before any fit
@@ -128,15 +132,22 @@ class MixprecCallback(Callback):
     def before_step(self) -> None:
         if self.clip is not None:
             self.grad_norm = self.mp.clip_grad_norm_(*self.clip)
+        self._stepped = True
         self._skipped = not self.mp.step()  # host sync (free on the CPU): the schedule's gate
         raise CancelStepException  # mp.step() stepped the optimizer (or skipped); fastai's opt.step() must not
 
     def after_batch(self) -> None:
         self._region.close()  # a batch cancelled before after_loss
-        if self._skipped and self.training:  # TrainEvalCallback (order -10) advanced pct_train: take it back
-            step = 1.0 / (self.learn.n_iter * self.learn.n_epoch)
+        if not self.training:
+            return
+        self._window += 1
+        if not self._stepped:  # GradientAccumulation cancelled the step: the window goes on
+            return
+        if self._skipped:  # TrainEvalCallback (order -10) advanced pct_train once a batch: take the window back
+            step = self._window / (self.learn.n_iter * self.learn.n_epoch)
             self.learn.pct_train -= step
             self._lag += step
+        self._window = 0
 
     def after_fit(self) -> None:
         self._region.close()
