@@ -120,6 +120,16 @@ def test_block_formats_keep_shape_and_dtype_and_pad_a_ragged_last_dimension():
             assert torch.equal(y[..., 32:], tail)
 
 
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"])
+def test_negative_zeros_keep_their_sign_and_empty_tensors_pass(name):
+    # nvfp4 gave +0.0 for -0.0 in a block of scale 0, and raised on an empty tensor (amax of nothing)
+    x = torch.tensor([[-0.0] * 32, [-0.0, 1.0] + [0.0] * 30])
+    y = mixprec.quantize(x, name)
+    assert torch.equal(torch.signbit(y), torch.signbit(x)) and not y.abs().sum() - 1.0
+    for shape in ((2, 0), (0,), (0, 16)):
+        assert mixprec.quantize(torch.empty(shape), name).shape == shape
+
+
 def test_bad_block_format_arguments_say_what_to_do():
     x = torch.randn(32)
     with pytest.raises(ValueError, match=r"scale_rule: received 'floor'; use one of 'ocp', 'ceil'"):

@@ -99,6 +99,8 @@ def quantize_blocks(
     quantize = partial(quantize_elements, rounding=rounding, generator=generator)  # scales round to nearest below
     if x.dim() == 0:
         return quantize_blocks(x.reshape(1), fmt, scale_rule, rounding, generator).reshape(())
+    if x.numel() == 0:  # no block (an amax of nothing is undefined, a reshape into blocks ambiguous)
+        return x.clone()
     size = x.shape[-1]
     padded = F.pad(x, (0, -size % fmt.block)) if size % fmt.block else x
     blocks = padded.reshape(*padded.shape[:-1], -1, fmt.block)
@@ -133,5 +135,6 @@ def _nvfp4(blocks: torch.Tensor, element: Format, quantize) -> torch.Tensor:
     block_scale = torch.where(torch.isfinite(block_amax), block_scale, math.nan)  # inf or NaN: the block NaN
     denominator = block_scale * tensor_scale
     safe = torch.where(denominator > 0, denominator, 1.0)
-    elements = quantize(torch.where(denominator > 0, blocks / safe, 0.0), element, saturate=True)
+    # a block of scale 0 (all zero, or its scale below e4m3's): zeros of the values' signs (-0.0 stays -0.0)
+    elements = quantize(torch.where(denominator > 0, blocks / safe, blocks * 0.0), element, saturate=True)
     return elements * denominator

@@ -199,8 +199,6 @@ def search(
     if profile is None:  # measured here: the step of the uniform base is this device's
         _measure_here(state, forced, reference_ms)
     reference = reference_loss if math.isfinite(reference_loss) else fp32_loss
-    if not math.isfinite(reference):  # before the search: nothing it could hold
-        raise NoFiniteReference(f"the trial runs ({options.trial_steps} steps)")
     _references(state, base_loss, fp32_loss, reference)
     accepted = _first_moves(state, reference)
     accepted += _greedy(state, accepted[-1], reference)
@@ -279,7 +277,10 @@ def _change(loss: float, reference: float) -> float:
 
 def _references(state: SearchState, base_loss: float, fp32_loss: float, reference: float) -> None:
     """The uniform base and FP32, tried first, as candidates (the front's two ends); FP32 predicted as every GEMM
-    layer in FP32 on top of the base."""
+    layer in FP32 on top of the base. Raises NoFiniteReference when even the reference is inf or NaN: before the
+    search, which would have nothing to hold."""
+    if not math.isfinite(reference):
+        raise NoFiniteReference(f"the trial runs ({state.options.trial_steps} steps)")
     every_fp32 = {name: "fp32" for name in state.choices}
     for note, policy, assignment, loss in (("uniform base", state.options.base, {}, base_loss),
                                             ("uniform FP32", "fp32", every_fp32, fp32_loss)):  # fmt: skip
