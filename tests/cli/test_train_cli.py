@@ -157,6 +157,18 @@ def test_compare_prints_one_table_and_a_report(tmp_path, run):
     assert "| mixed_bf16 |" in (tmp_path / "report.md").read_text()
 
 
+def test_compare_takes_fp32_by_any_of_its_names_as_the_reference(tmp_path, run):
+    # the reference was found by the literal name "fp32": with float32 every ratio was against the first run
+    result = run("compare", "digits", "--size", "tiny", "--steps", "2", "--policies", "mixed_bf16,float32",
+                 "--out", tmp_path, "--quiet")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "speed vs float32" in result.stdout
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
+    assert rows["float32"][3] == "1.00x" and rows["float32"][5] == "1.00x"  # speed and activations vs itself
+    report = (tmp_path / "report.md").read_text()
+    assert "mixed_bf16,float32" in report  # the configuration names the policies compared, not the first alone
+
+
 def test_export_halves_the_file_and_reports_accuracy(tmp_path, run):
     assert run("train", "digits", "--size", "tiny", "--policy", "o2_bf16", "--out", tmp_path, "--quiet").returncode == 0
     result = run("export", tmp_path, "--dtype", "bf16", "--repeats", "2")
@@ -167,6 +179,41 @@ def test_export_halves_the_file_and_reports_accuracy(tmp_path, run):
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.split()}
     assert abs(float(rows["bf16"][4]) - float(rows["fp32"][4])) < 0.02  # accuracy barely moves
     assert "accuracy change" in result.stdout
+
+
+HELD_OUT = """
+import torch
+from torch import nn
+from mixprec.app import TaskParts, accuracy
+
+def build(config):
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    batches = [(x[i:i + 16], torch.zeros(16, dtype=torch.long)) for i in range(0, 64, 16)]
+    return TaskParts(model=nn.Linear(8, 2), train_data=batches, eval_data=[(x[:32], torch.zeros(32, dtype=torch.long))],
+                     test_data=[(x[32:], torch.ones(32, dtype=torch.long))],  # the other label: another loss
+                     loss_fn=nn.functional.cross_entropy, metric=accuracy, defaults={"lr": 1e-2})
+"""
+
+
+def test_export_evaluates_on_the_test_data_where_the_task_has_it(tmp_path, run):
+    # it evaluated on the validation data that guided the run, while serve-bench (and the help) said test
+    from safetensors.torch import load_file
+
+    (tmp_path / "held_out.py").write_text(HELD_OUT)
+    out = tmp_path / "run"
+    trained = run("train", "--model", "held_out:build", "--steps", "2", "--out", out, "--quiet", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    result = run("export", out, "--dtype", "bf16", "--repeats", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "in bf16 (on the test data)" in result.stdout
+    weights = load_file(str(out / "export" / "model-fp32.safetensors"))
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)  # the factory's inputs
+    logits = x[32:] @ weights["weight"].T + weights["bias"]
+    expected = torch.nn.functional.cross_entropy(logits, torch.ones(32, dtype=torch.long)).item()
+    row = next(line.split() for line in result.stdout.splitlines() if line.startswith("fp32"))
+    assert float(row[5]) == pytest.approx(expected, abs=1e-4)  # the loss column, on the test split
 
 
 def test_users_own_model_from_a_factory(tmp_path, run):

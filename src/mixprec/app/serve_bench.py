@@ -175,9 +175,7 @@ def serve_bench(
     if cuda_graphs:
         require_cuda(device, "cuda_graphs")
     fp32_model.load_state_dict(weights)
-    split, data = ("test", parts.test_data) if parts.test_data is not None else ("validation", parts.eval_data)
-    if data is None:
-        raise ValueError(f"task {config.task!r} has no evaluation data to measure accuracy on.")
+    split, data = parts.held_out()
     modes = _modes(fp32_model, trainer.mp.policy, device, cuda_graphs)
     unit = "sequence" if _token_rows(next(iter(data))[0]) else "sample"
     results = {}

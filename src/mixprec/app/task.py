@@ -92,10 +92,18 @@ class TaskParts:
     schedule: Callable[[int], Callable[[int], float]] | None = None
     # (name, parameter) -> True for parameters AdamW does not decay (e.g. biases and norms); None: decay all
     no_weight_decay: Callable[[str, nn.Parameter], bool] | None = None
-    # a held-out split that training never sees (eval_data guides the run): what serve-bench reports on
+    # a held-out split that training never sees (eval_data guides the run): what export and serve-bench report on
     test_data: Iterable | None = None
     # (name, parameter) -> True for a pretrained body that fine-tuning freezes for defaults["frozen_epochs"]
     frozen: Callable[[str, nn.Parameter], bool] | None = None
+
+    def held_out(self) -> tuple[str, Iterable]:
+        """The split a trained model is judged on, and its name: the test data where the task has one (the
+        validation data guided the run), else the validation data."""
+        data = self.test_data if self.test_data is not None else self.eval_data
+        if data is None:
+            raise ValueError("the task has no evaluation data to measure accuracy on.")
+        return ("test" if self.test_data is not None else "validation"), data
 
 
 def warmup_linear(warmup: float) -> Callable[[int], Callable[[int], float]]:

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     report = write_compare_report(
         out / "report.md",
         title=f"mixprec compare: {base.task}",
-        config=base.to_dict(),
+        # the runs' settings, but the policy: each run's own (the first run's would read as the comparison's)
+        config={"policies": args.policies, **{k: v for k, v in base.to_dict().items() if k != "policy"}},
         machine=machine_info(),
         headers=headers,
         rows=rows,
@@ -90,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
 def table(outcomes: list[RunOutcome]) -> tuple[list[str], list[list[str]]]:
     """One row per policy; speed and memory as ratios to the FP32 run (or the first run)."""
-    reference = next((o for o in outcomes if o.config.policy == "fp32"), outcomes[0])
+    from mixprec.policy import get_policy
+
+    fp32 = str(get_policy("fp32"))  # by what the policy is, not its name: float32, o0 and 32_true are FP32 too
+    reference = next((o for o in outcomes if str(o.policy) == fp32), outcomes[0])
     metric = outcomes[0].metric
     headers = [
         "policy",

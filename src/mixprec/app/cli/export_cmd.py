@@ -13,7 +13,7 @@ EXPORT_DTYPES = ("fp16", "bf16")
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="save a run's weights in fp16/bf16 and compare them with FP32 on the test set",
+        help="save a run's weights in fp16/bf16 and compare them with FP32 on the test set (else validation)",
         description="Export a trained run's weights as safetensors in half precision; evaluate and time both.",
     )
     parser.add_argument("run_dir", type=file_path, metavar="RUN", help="a run folder written by mixprec train")
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(render_table(headers, rows))
     delta = {k: result.half_eval[k] - result.fp32_eval[k] for k in result.fp32_eval}
-    print("\n" + ", ".join(f"{k} change {v:+.4f}" for k, v in delta.items()) + f" in {result.dtype}")
+    changes = ", ".join(f"{k} change {v:+.4f}" for k, v in delta.items())
+    print(f"\n{changes} in {result.dtype} (on the {result.split} data)")
     print(f"written: {result.half_path} and {result.fp32_path}")
     return 0
