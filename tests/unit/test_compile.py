@@ -365,6 +365,40 @@ def test_a_compiled_checkpoint_recomputes_what_the_forward_computed(policy, plan
         torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "policy", ["base=mixed_bf16,names=block.fc", "base=mixed_fp16,kernels=native,bf16_names=block.fc"]
+)
+def test_a_compiled_checkpoint_with_a_module_of_another_format_recomputes_what_it_computed(policy):
+    # the routed module's frame bookkeeping, a side effect inside the checkpoint's traced body, made dynamo run
+    # torch's checkpoint eagerly, which the region refused as a foreign checkpoint
+    expected = _checkpoint_gradients(policy, checkpointed=False, compiled=True)  # as the test above, native
+    for plain, recomputed in zip(expected, _checkpoint_gradients(policy, True, compiled=True), strict=True):
+        torch.testing.assert_close(recomputed, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["base=mixed_bf16,names=0", "base=mixed_fp16,kernels=native,bf16_names=0"])
+def test_a_compiled_models_backward_runs_outside_the_regions_autocast_as_eager(policy):
+    # AOTAutograd traced the backward under the region's autocast: the FP32 module's weight gradient came out of a
+    # bf16 matmul (0.35% off), under fp16 overflowing where eager's FP32 gradient does not (other steps skipped)
+    gradients = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy)
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        torch._dynamo.reset()
+        with mp.autocast():
+            loss = forward(torch.randn(8, 64, generator=torch.Generator().manual_seed(1))).float().pow(2).mean()
+        mp.backward(loss)
+        mp.unscale_()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*gradients, strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+    from torch._functorch import config
+
+    assert config.backward_pass_autocast == "same_as_forward"  # set back on exit
+
+
 def test_a_graph_break_inside_a_region_entered_in_compiled_code_is_an_error():
     # torch 2.13's dynamo resumed such a break without the rest of the with block: the step below returned
     # the model's output instead of the loss

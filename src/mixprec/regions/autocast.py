@@ -219,6 +219,7 @@ class Region:
             entered(frame),
             # Not native: the region still owns the precision, so an outer autocast is switched off inside.
             torch.autocast(device_type, dtype=plan.dtype) if native else torch.autocast(device_type, enabled=False),
+            _backward_outside_autocast() if native and not traced else null,
             # compiled, GEMM attention steps aside (the compiler picks its attention kernel): not entered at all
             attention if attention is not None else null,
             # an outer region's emulation does not reach inside this one (the innermost region decides)
@@ -319,6 +320,24 @@ class Region:
             )
             for recomputing, refuse in entries
         }
+
+
+@contextlib.contextmanager
+def _backward_outside_autocast() -> Iterator[None]:
+    """A model compiled inside the region gets a backward that runs as eager's does, outside autocast.
+    AOTAutograd traces the backward graph with the forward, under the autocast around it (torch 2.13's
+    ``backward_pass_autocast="same_as_forward"``, pytorch#179804): an FP32 module's (``names=``) and a bf16
+    module's backward then ran in the region's 16 bits (under a native fp16 policy the FP32 module's weight
+    gradient overflowed, 2.1e5 in FP32: other steps skipped than eager). Set back on exit; a compiled step
+    entering the region traces its autocast inside the graph and is not affected."""
+    import torch._functorch.config as config  # not imported by `import torch` (1.7 ms, once)
+
+    before = config.backward_pass_autocast
+    config.backward_pass_autocast = "off"
+    try:
+        yield
+    finally:
+        config.backward_pass_autocast = before
 
 
 def _no_graph_breaks() -> contextlib.AbstractContextManager:

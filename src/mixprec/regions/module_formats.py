@@ -180,7 +180,9 @@ class _FormatForward(Link):
         if formats.refuse is not None:  # torch's own checkpoint would recompute it in the region's format
             formats.refuse(f"the policy's {_SHOWN[self.kind]} module {type(module).__name__}")
         widened = _all_to_fp32 if self.kind == "fp32" else _fp16_to_fp32
-        frame = formats.frame
+        # compiled, the compiler recomputes checkpoints from its own graph: no frame to keep (a list written from
+        # inside a checkpoint's traced body is a side effect dynamo refuses; it then ran torch's checkpoint eagerly)
+        frame = formats.frame if not torch.compiler.is_compiling() else None
         with formats.regions[self.kind]():
             if frame is not None:  # a checkpoint called inside recomputes inside
                 frame.open.append(self.kind)
