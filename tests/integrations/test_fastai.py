@@ -141,6 +141,22 @@ def test_a_skipped_update_under_gradient_accumulation_takes_its_whole_window_bac
     assert learn.mixprec.carried["counters"]["skipped_steps"] == 1
 
 
+@pytest.mark.parametrize("policy", ["mixed_fp16", "o2_bf16"])
+def test_lr_find_leaves_the_learner_as_it_found_it(policy, tmp_path):
+    # lr_find restores from the .pth it saves, which learn.save under the callback writes elsewhere: the sweep's
+    # weights, optimizer state, scale and counters stayed, and the next fit started from them
+    learn = _learner(policy, tmp_path=tmp_path)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        learn.lr_find(num_it=12, show_plot=False)
+    assert _same_weights_list(before, list(learn.model.parameters())) and learn.mixprec.carried is None
+    _quiet_fit(learn, 1, 1e-2)
+    fresh = _learner(policy, tmp_path=tmp_path / "fresh")
+    _quiet_fit(fresh, 1, 1e-2)
+    assert _same_weights(learn.model, fresh.model)
+
+
 def _same_weights_list(a, b) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 

@@ -247,9 +247,19 @@ class StepsEveryTwoBatches(Regression):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
 
 
+class WarmsUpInOptimizerStep(Regression):
+    """Lightning's warm-up recipe: the learning rate set from trainer.global_step, which counts skipped updates."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.trainer.global_step + 1) / 8)
+
+
 @pytest.mark.parametrize(
     ("policy", "module", "message"),
     [
+        ("mixed_fp16", WarmsUpInOptimizerStep, r"overrides LightningModule\.optimizer_step\. .*allow_optimizer_step"),
         ("pure_bf16", PureBf16WithTorchAdamW, r"the AdamW that configure_optimizers returned: .*as mixprec\.AdamW"),
         ("mixed_bf16", Manual, r"manual optimization .* Use automatic optimization"),
         ("mixed_bf16", StepsEveryTwoBatches, r"steps every 2 batches .* Use frequency=1"),
@@ -260,6 +270,12 @@ class StepsEveryTwoBatches(Regression):
 def test_what_the_plugin_cannot_train_correctly_is_refused_with_the_fix(policy, module, message):
     with pytest.raises(ValueError, match=message):
         _trainer(MixprecPrecision(policy)).fit(module(), _data(1))
+
+
+def test_an_optimizer_step_override_trains_once_allowed():
+    module = WarmsUpInOptimizerStep()
+    _trainer(MixprecPrecision("mixed_bf16", allow_optimizer_step_override=True)).fit(module, _data(2))
+    assert module.trainer.global_step == 2
 
 
 class PureBf16Again(Regression):

@@ -30,6 +30,7 @@ applied (the schedule's gate); memory loads on the CPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ try:
     from fastai.basics import Callback, CancelBackwardException, CancelStepException, Learner, OptimWrapper, patch
     from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
     from fastai.callback.fp16 import NonNativeMixedPrecision
+    from fastai.callback.schedule import LRFinder
     from fastai.callback.training import GradientAccumulation, GradientClip
 except (ImportError, OSError) as error:  # a torchvision built for another torch fails with OSError or ImportError
     raise ImportError(
@@ -88,6 +90,7 @@ class MixprecCallback(Callback):
         self._window = 0  # training batches since the last mp.step(): GradientAccumulation cancels the others
         self._lag = 0.0  # pct_train taken back for skipped updates in this fit
         self._resumed_lag: float | None = None  # a loaded save's, for a fit resumed with start_epoch
+        self._before_lr_find: dict[str, Any] | None = None  # what lr_find's sweep must leave as it found it
 
     def __repr__(self) -> str:
         return f"MixprecCallback(policy={str(self.policy_spec)!r})"
@@ -105,6 +108,7 @@ class MixprecCallback(Callback):
                     "uses, FP32 masters' under o2. GradientClip's own before_step does not run.",
                     stacklevel=2,
                 )
+        self._snapshot_for_lr_find()
         resumed = any(type(cb).__name__ == "SkipToEpoch" for cb in self.learn.cbs)
         self._lag = self._resumed_lag if resumed and self._resumed_lag is not None else 0.0
         self._window = 0  # GradientAccumulation counts from 0 at each fit
@@ -152,9 +156,35 @@ class MixprecCallback(Callback):
     def after_fit(self) -> None:
         self._region.close()
         self._hand_back()
+        self._restore_after_lr_find()
 
     def after_cancel_fit(self) -> None:
         self._hand_back()
+        self._restore_after_lr_find()
+
+    def _snapshot_for_lr_find(self) -> None:
+        """lr_find restores the model and optimizer from the .pth file it saves, which learn.save under this
+        callback writes elsewhere (its check for the file fails, and the sweep's weights stayed): kept here instead,
+        with this callback's scale and counters, which the sweep's skipped steps would move."""
+        if not any(isinstance(cb, LRFinder) for cb in self.learn.cbs):
+            self._before_lr_find = None
+            return
+        opt = getattr(self.learn, "opt", None)
+        self._before_lr_find = {
+            "model": {k: v.detach().clone() for k, v in self.learn.model.state_dict().items()},
+            "opt": copy.deepcopy(opt.state_dict()) if opt is not None else None,
+            "carried": copy.deepcopy(self.carried),
+            "lag": self._lag,
+        }
+
+    def _restore_after_lr_find(self) -> None:
+        saved, self._before_lr_find = self._before_lr_find, None
+        if saved is None:
+            return
+        self.learn.model.load_state_dict(saved["model"])
+        if saved["opt"] is not None and getattr(self.learn, "opt", None) is not None:
+            self.learn.opt.load_state_dict(saved["opt"])
+        self.carried, self._lag = saved["carried"], saved["lag"]
 
     # -- state ------------------------------------------------------------------------------------
     def mixprec_state(self) -> dict[str, Any]:

@@ -73,9 +73,14 @@ class MixprecPrecision(Precision):
             masters' exact values (:meth:`mixprec.MixedPrecision.release`), so that evaluation, saving or another
             fit after it see a plain FP32 module; a second ``fit`` continues the scale and counters. False: the
             module stays in the policy's dtypes (o2: 16-bit, the masters in ``mixed_precision``).
+        allow_optimizer_step_override: train a LightningModule that overrides ``optimizer_step`` (refused by
+            default: a learning rate set there from ``trainer.global_step``, as Lightning's warm-up recipe does,
+            moves on skipped updates, which the plugin cannot hold). True where the override changes no
+            hyper-parameter (it must still call ``optimizer.step(closure=...)``).
 
     Raises (at ``trainer.fit``, with the fix in the message):
-        ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward``,
+        ValueError: several optimizers, manual optimization, an overridden ``LightningModule.backward`` (or
+            ``optimizer_step``, without ``allow_optimizer_step_override``),
             FSDPStrategy (FSDP1) or DeepSpeed, ModelParallelStrategy with tensor parallelism or an unsharded
             model,
             a per-step LR scheduler with ``frequency`` > 1, LBFGS, a model that is not FP32, or an
@@ -89,12 +94,14 @@ class MixprecPrecision(Precision):
         *,
         log_stats: bool = True,
         fp32_after_fit: bool = True,
+        allow_optimizer_step_override: bool = False,
     ) -> None:
         self._spec = policy
         # resolved now unless 'auto', which depends on the model's device: a bad policy fails here
         self.policy: mixprec.Policy | None = check_adapter_arguments("MixprecPrecision", policy, scaler)
         self.scaler = scaler
         self.log_stats, self.fp32_after_fit = log_stats, fp32_after_fit
+        self.allow_optimizer_step_override = allow_optimizer_step_override
         self._mp: mixprec.MixedPrecision | None = None
         self._carried: dict[str, Any] | None = None  # a released fit's state, without masters: the next one's start
         self._shown = contextlib.ExitStack()  # o2's gradients shown on the module's parameters, while hooks run
@@ -128,7 +135,7 @@ class MixprecPrecision(Precision):
             self.policy = mixprec.get_policy(self._spec, device=_device_of(module))
             self.precision = _lightning_precision(self.policy)
             return model, optimizers, lr_schedulers
-        _check_trainable(module, optimizers)
+        _check_trainable(module, optimizers, self.allow_optimizer_step_override)
         _check_model_parallel(module)
         for config in lr_schedulers:
             _check_gateable(config)
@@ -379,7 +386,9 @@ def _rewrap_ddp(old: nn.Module, module: pl.LightningModule) -> nn.Module:
     return strategy.model
 
 
-def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Optimizer]) -> None:
+def _check_trainable(
+    module: pl.LightningModule, optimizers: list[torch.optim.Optimizer], allow_optimizer_step_override: bool = False
+) -> None:
     """Refuse, with the fix, what the plugin cannot train correctly."""
     problem = None
     if len(optimizers) > 1:
@@ -397,6 +406,14 @@ def _check_trainable(module: pl.LightningModule, optimizers: list[torch.optim.Op
         problem = (
             f"{type(module).__name__} overrides LightningModule.backward; the plugin runs the backward pass "
             "itself (mp.backward: loss * scale, then backward), so the override would be skipped. Remove it."
+        )
+    elif type(module).optimizer_step is not pl.LightningModule.optimizer_step and not allow_optimizer_step_override:
+        problem = (
+            f"{type(module).__name__} overrides LightningModule.optimizer_step. A learning rate set there from "
+            "trainer.global_step (Lightning's warm-up recipe) moves on skipped updates, which global_step counts, "
+            "and the plugin cannot hold it. Put the schedule in configure_optimizers as a per-step LR scheduler "
+            "(held on a skipped update), or, where the override changes no hyper-parameter, pass "
+            "MixprecPrecision(..., allow_optimizer_step_override=True)."
         )
     elif isinstance(optimizers[0], torch.optim.LBFGS):
         problem = "LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot follow."
