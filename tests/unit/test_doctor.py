@@ -210,6 +210,20 @@ def test_a_nan_made_by_a_modules_own_code_in_backward_names_that_module_not_its_
     assert (event.module, event.tensor) == ("1", "input gradient")
 
 
+def test_the_tracer_holds_no_output_of_a_submodule_called_on_its_own():
+    # outputs were kept for the model's forward end, which a submodule called alone never reaches: held for ever
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with NonFiniteTracer(model) as tracer:
+        out = model[0](torch.randn(3, 4))
+        kept = weakref.ref(out)
+        del out
+        assert kept() is None
+        model(torch.randn(3, 4)).sum().backward()  # the whole model as before
+        assert tracer.check() is None
+
+
 def test_a_module_called_twice_starts_an_overflow_where_one_of_its_calls_does():
     # overflow_origins compared the largest input over all calls: a third call's overflowing input hid the second
     class Amplify(nn.Module):

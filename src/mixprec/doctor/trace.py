@@ -74,6 +74,7 @@ class NonFiniteTracer:
         self._records: list[tuple[str, str, str, torch.Tensor]] = []
         # this forward's module outputs, by tensor: the outermost module that returned each (see _model_outputs)
         self._outputs: dict[int, tuple[str, torch.Tensor]] = {}
+        self._in_forward = False  # between the model's own forward pre-hook and hook: only then are they kept
         self._handles: list[Any] = []
         self.steps = 0
         self.first: NonFiniteEvent | None = None
@@ -93,6 +94,8 @@ class NonFiniteTracer:
         return self
 
     def detach(self) -> None:
+        self._outputs.clear()
+        self._in_forward = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -106,15 +109,18 @@ class NonFiniteTracer:
     # -- hooks -------------------------------------------------------------------------------------
     def _model_inputs(self, module: nn.Module, args: tuple) -> None:
         self._outputs.clear()
+        self._in_forward = True
         map_floating(args, lambda t: self._record("input", "forward", "input", t) or t)
 
     def _model_outputs(self, module: nn.Module, args: tuple, output: Any) -> None:
-        outputs, self._outputs = self._outputs, {}
+        outputs, self._outputs, self._in_forward = self._outputs, {}, False
         if not torch.is_grad_enabled():
             return
         returned = set()
         hook = self._record_grad("loss", "output gradient")
         map_floating(output, lambda t: returned.add(id(t)) or (t.requires_grad and t.register_hook(hook)) or t)
+        if not returned:  # an output container the nest walk does not open: what the model returned is unknown
+            return
         # Each module's output gradient, hooked only now, after every module's input-gradient hook on the same
         # tensor: a hook on a tensor runs in the order it was registered, so a module that consumed the output
         # records it first. One no module consumed was used by the enclosing module's own code: non-finite on
@@ -132,7 +138,7 @@ class NonFiniteTracer:
                     args,
                     lambda t: (t.requires_grad and t.register_hook(self._record_grad(name, "input gradient"))) or t,
                 )
-                if module is not self.model:  # the outermost module returning a tensor, the last to see it
+                if module is not self.model and self._in_forward:  # the outermost module returning a tensor
                     map_floating(output, lambda t: self._outputs.__setitem__(id(t), (name, t)) or t)
 
         return hook

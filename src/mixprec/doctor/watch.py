@@ -169,11 +169,12 @@ class RangeWatch:
         """Per format, 1 where this call's output overflows it although every input fits (the call is where an
         overflow starts), else 0: on the device, judged call by call (a module called again with a larger input
         is an origin where one of its calls was)."""
-        overflow = torch.stack([c.counts[len(COUNT_FIELDS) + 2 :: 3] for c in counts]).sum(0) > 0
+        device = counts[0].counts.device  # inputs may sit elsewhere (a CPU scalar beside CUDA activations)
+        overflow = torch.stack([c.counts[len(COUNT_FIELDS) + 2 :: 3].to(device) for c in counts]).sum(0) > 0
         if not input_amaxes:
             return overflow.long()
-        largest = torch.stack(input_amaxes).amax()
-        return (overflow & (largest < self._thresholds.to(largest.device))).long()
+        largest = torch.stack([amax.to(device) for amax in input_amaxes]).amax()
+        return (overflow & (largest < self._thresholds.to(device))).long()
 
     def _counts(self, tensor: torch.Tensor) -> RangeCounts:
         """Counts of a forward output; a container returning its last child's tensor reuses them."""

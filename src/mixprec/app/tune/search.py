@@ -469,6 +469,7 @@ def _fastest_measured(
         loss_change=change, within_tolerance=True, within_base_spread=abs(means[name] - means["base"]) <= spread
     )
     verdict["replaced"] = policy
+    verdict.pop("fallback", None)  # the uniform policy written is this one
     return uniform[name]
 
 
