@@ -287,6 +287,9 @@ CLI_CASES = [
     ("doctor steps", ["doctor", "digits", "--steps", "0", "--out", "{tmp}/run"], ["steps", "0"]),
     ("compare empty", ["compare", "digits", "--policies", ",", "--out", "{tmp}/run"], ["--policies"]),
     ("bench suite", ["bench", "--suite", "nope", "--out", "{tmp}/run"], ["'nope'"]),
+    # a seed that is not a number said "invalid literal for int() with base 10", naming no argument
+    ("bench seeds", ["bench", "--seeds", "0,a", "--out", "{tmp}/run"], ["--seeds: received '0,a'"]),
+    ("bench no seeds", ["bench", "--seeds", ",", "--out", "{tmp}/run"], ["--seeds: received ','"]),
     (
         "train policy file names a bad policy",
         ["train", "digits", "--policy", "{misnamed_policy_file}", "--out", "{tmp}/run"],

@@ -71,6 +71,21 @@ def test_serve_bench_measures_a_model_with_tied_weights(tmp_path, mixprec_cli):
     results = {r["mode"]: r for r in json.loads((out / "serve_bench.json").read_text())["results"]}
     assert list(results) == MODES
     assert abs(results["mixprec bf16"]["size_bytes"] / results["mixprec fp32"]["size_bytes"] - 0.5) < 0.05
+    assert json.loads((out / "serve_bench.json").read_text())["seq"] == 16
+
+
+def test_serve_bench_times_token_models_at_a_length_they_take(tmp_path, mixprec_cli):
+    # the tiny charlm's context is 32 tokens: the former default --seq 128 ended in an IndexError traceback
+    out = tmp_path / "charlm"
+    done = mixprec_cli("train", "charlm", "--size", "tiny", "--steps", "2", "--quiet", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = mixprec_cli("serve-bench", out, "--batches", "1,2", "--repeats", "1", "--latency-samples", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "latency of one sequence of 32 tokens" in done.stdout
+    assert json.loads((out / "serve_bench.json").read_text())["seq"] == 32
+    done = mixprec_cli("serve-bench", out, "--seq", "33", "--batches", "1")
+    assert done.returncode == 2 and "--seq: received 33" in done.stderr and "--seq 32 or less" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -19,7 +19,7 @@ For each: the weights' size as safetensors, the task's metric and loss on its he
 (its validation split for tasks without one), latency of one input (p50 and p95 over ``latency_samples``
 forwards), and throughput at each larger batch (inputs per second, median of ``repeats`` passes): an input is a
 sequence for token tasks, a sample (an image) for the others. Token inputs are cut from that split's real
-tokens to exactly ``seq`` tokens; other inputs (images) are its rows.
+tokens to exactly ``seq`` tokens (by default as many as its longest row); other inputs (images) are its rows.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class ServeResult:
     latency_p95_ms: float = 0.0
     throughput: dict[int, float] = field(default_factory=dict)
     unit: str = "sequence"  # what one input is: "sequence" (token rows) or "sample" (an image, a feature row)
+    seq: int | None = None  # tokens per timed sequence (token inputs only)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,24 @@ def _stored_bytes(model: nn.Module) -> int:
     return len(safetensors_bytes(state))
 
 
+def _timing_seq(mode: _Mode, data, seq: int | None, device: torch.device) -> int:
+    """The tokens per timed sequence: ``seq``, else the held-out split's longest row (what the task feeds the
+    model). A length the model cannot take (past a GPT's position table) is refused here, naming ``--seq``,
+    by one forward at batch 1 rather than in a traceback after the evaluations."""
+    longest = max(inputs.shape[1] for inputs, _ in data)
+    if seq is None:
+        return longest
+    try:
+        _forward(mode, timing_batch(data, 1, seq).to(device), device)
+    except (IndexError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"--seq: received {seq}; the model refused a sequence of {seq} tokens ({reason}). Its held-out "
+            f"sequences have up to {longest} tokens: give --seq {longest} or less, or leave it out."
+        ) from error
+    return seq
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -158,14 +177,15 @@ def _percentile(values: list[float], q: float) -> float:
 def serve_bench(
     run_dir: str | Path,
     batches: tuple[int, ...] = (1, 8, 64),
-    seq: int | None = 128,
+    seq: int | None = None,
     repeats: int = 3,
     latency_samples: int = 30,
     progress: Callable[[str], None] = lambda message: None,
     cuda_graphs: bool = False,
 ) -> list[ServeResult]:
     """Measure the run's model in every mode of :data:`MODES`, and with ``cuda_graphs`` the mixprec modes
-    replayed from CUDA graphs (see the module docstring)."""
+    replayed from CUDA graphs (see the module docstring). Token inputs are ``seq`` tokens long; None: as
+    long as the held-out split's longest row."""
     run_dir = Path(run_dir)
     config = TrainConfig.load(run_dir).replace(parallel="ddp")
     trainer, parts, _ = build_trainer(config, None, progress=False)
@@ -178,15 +198,16 @@ def serve_bench(
     split, data = parts.held_out()
     modes = _modes(fp32_model, trainer.mp.policy, device, cuda_graphs)
     unit = "sequence" if _token_rows(next(iter(data))[0]) else "sample"
+    seq = _timing_seq(modes["plain fp32"], data, seq, device) if unit == "sequence" else None
     results = {}
     for name, mode in modes.items():
         if name.endswith(GRAPHED):  # the same weights and kernels as its eager twin, evaluated just before
             twin = results[name.removesuffix(GRAPHED)]
-            results[name] = ServeResult(name, twin.size_bytes, twin.evaluation, split, unit=unit)
+            results[name] = ServeResult(name, twin.size_bytes, twin.evaluation, split, unit=unit, seq=seq)
             continue
         progress(f"evaluating {name}")
         evaluation = evaluate(mode.model, data, parts.loss_fn, parts.metric, mode.region, device)
-        results[name] = ServeResult(name, _stored_bytes(mode.model), evaluation, split, unit=unit)
+        results[name] = ServeResult(name, _stored_bytes(mode.model), evaluation, split, unit=unit, seq=seq)
     for batch in batches:
         inputs = timing_batch(data, batch, seq).to(device)
         progress(f"timing batch {batch}")

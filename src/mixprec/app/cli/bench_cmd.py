@@ -37,6 +37,13 @@ def _list(text: str, name: str, valid: tuple[str, ...] | None = None) -> list[st
     return items
 
 
+def _seeds(text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() for t in items):
+        raise ValueError(f"--seeds: received {text!r}; give whole numbers from 0, separated by commas: 0,1,2.")
+    return [int(t) for t in items]
+
+
 KIND = "bench results"
 
 
@@ -49,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = _list(args.suite, "suite", SUITES)
     models = _list(args.models, "models", tuple(suites.MODELS))
     policies = [spec for spec, _ in parse_policy_list(args.policies)]
-    seeds = [int(s) for s in _list(args.seeds, "seeds")]
+    seeds = _seeds(args.seeds)
     repeats = 3 if args.quick else args.repeats
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1; received {repeats}.")

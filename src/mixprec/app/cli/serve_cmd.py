@@ -23,7 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", type=file_path, metavar="RUN", help="a run folder written by mixprec train")
     parser.add_argument("--batches", default="1,8,64", help="batch sizes; 1 measures latency (default 1,8,64)")
     parser.add_argument(
-        "--seq", type=whole_number(), default=128, help="tokens per sequence for token inputs (default 128)"
+        "--seq",
+        type=whole_number(),
+        default=None,
+        help="tokens per sequence for token inputs (default: as many as the task's longest held-out sequence)",
     )
     parser.add_argument("--repeats", type=whole_number(), default=3, help="timed passes per larger batch (default 3)")
     parser.add_argument(
@@ -57,7 +60,7 @@ EARLIER_KEYS = frozenset({"machine", "run", "seq", "results"})  # what serve-ben
 def run(args: argparse.Namespace) -> int:
     batches = _batches(args.batches)
     for name in ("seq", "repeats", "latency_samples"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}.")
     if args.cuda_graphs:  # refused before the run is loaded
         import torch
@@ -95,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
         row += [f"{r.throughput[b]:,.1f}" for b in larger]
         row += [f"{r.throughput[b] / base.throughput[b]:.2f}x" for b in larger]
         rows.append(row)
-    print(f"{metric or 'loss'} on the {base.split} split; latency of one {unit}, throughput in {unit}s/s")
+    tokens = f" of {base.seq} tokens" if base.seq else ""
+    print(f"{metric or 'loss'} on the {base.split} split; latency of one {unit}{tokens}, throughput in {unit}s/s")
     print(render_table(headers, rows))
     payload = stamped(
-        {"machine": machine_info(), "run": str(args.run_dir), "seq": args.seq, "results": as_records(results)}, KIND
+        {"machine": machine_info(), "run": str(args.run_dir), "seq": base.seq, "results": as_records(results)}, KIND
     )
     target.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(target, (json.dumps(payload, indent=1) + "\n").encode())
