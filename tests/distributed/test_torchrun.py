@@ -56,6 +56,19 @@ def test_torchrun_trains_data_parallel_and_resumes(tmp_path):
     # resuming under torchrun: test_sigterm_under_torchrun_stops_every_rank_after_the_same_update
 
 
+def test_a_batch_smaller_than_the_world_is_dropped_and_an_uneven_one_cut(tmp_path):
+    # digits' 1437 training images in batches of 718 leave a last batch of 1: rank 1's slice of it was empty,
+    # its mean loss NaN, and the run died at the epoch's end blaming the loss function
+    args = ["train", "digits", "--size", "tiny", "--batch-size", 718, "--epochs", 1, "--quiet"]
+    result = _torchrun(*args, "--out", tmp_path / "dropped")
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = re.findall(r"batch 3 of epoch 0 has 1 samples for 2 ranks: dropped", result.stderr)
+    assert len(said) == 1, result.stderr[-2000:]  # once, by rank 0
+    result = _torchrun(*args[:5], 719, "--steps", 1, "--quiet", "--out", tmp_path / "cut")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "batch 1 of epoch 0 has 719 samples for 2 ranks: 1 of them dropped" in result.stderr
+
+
 def test_torchrun_shards_with_fsdp2_under_an_o2_policy_and_resumes_on_any_number_of_ranks(tmp_path):
     args = ["train", "charlm", "--size", "tiny", "--policy", "o2_bf16", "--parallel", "fsdp", "--reduce-fp32"]
     result = _torchrun(*args, "--quiet", "--steps", 4, "--checkpoint-every", 2, "--out", tmp_path / "fsdp")

@@ -79,8 +79,16 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def shard(batch: Any, rank: int, size: int) -> Any:
-    """This rank's slice (along the first dimension) of every tensor in a batch: ranks get equal
-    shares when the batch size divides by the world size (then the mean loss over ranks, which DDP's
-    gradient averaging computes, is the global batch's)."""
-    return map_tensors(batch, lambda tensor: tensor.tensor_split(size)[rank])
+def shard(batch: Any, rank: int, size: int, samples: int) -> Any:
+    """This rank's slice (along the first dimension) of every tensor in a batch of ``samples``, cut first to
+    a multiple of the world size (:func:`even_samples`): the ranks then get equal shares, and the mean
+    loss over ranks, which DDP's gradient averaging computes, is the kept global batch's mean."""
+    kept = even_samples(samples, size)
+    return map_tensors(batch, lambda tensor: tensor[:kept].tensor_split(size)[rank])
+
+
+def even_samples(samples: int, size: int) -> int:
+    """The samples of a global batch that ``size`` ranks share equally: at most ``size - 1`` fewer. Uneven
+    shares (a last batch of 29 on 2 ranks: 15 and 14) would weigh the smaller share's samples more; a batch
+    smaller than the world size would leave a rank nothing (a mean over no samples: NaN)."""
+    return samples - samples % size

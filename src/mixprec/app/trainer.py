@@ -42,7 +42,7 @@ from mixprec.app.lifecycle import RunLifecycle, TrainingInterrupted
 from mixprec.app.metrics_log import LogInterval, MetricsLog
 from mixprec.app.progress import ProgressBar
 from mixprec.app.resume import restore_latest
-from mixprec.app.torchrun import shard
+from mixprec.app.torchrun import even_samples, shard
 from mixprec.app.trainer_options import BatchChecks, RunOptions, TrainData, UpdateOptions
 from mixprec.app.trainer_state import load_trainer_state, trainer_state, write_trainer_checkpoint
 from mixprec.checks import whole_number
@@ -145,6 +145,7 @@ class Trainer:
         self.updates_done = 0  # applied or skipped updates so far
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
+        self._told_uneven = False  # a batch cut to a multiple of the world size was said
         self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
         self._frozen_phase: bool | None = None  # whether update.frozen was last set frozen (None: not set yet)
         # stop signals (Ctrl-C, SIGTERM, SIGUSR1), the position committed after each update, checkpoints due
@@ -343,8 +344,24 @@ class Trainer:
                 continue
             samples = batch_size(targets)
             if self.world.distributed:
-                inputs, targets = shard((inputs, targets), self.world.rank, self.world.size)
+                if not (samples := self._shared_samples(samples)):
+                    continue
+                inputs, targets = shard((inputs, targets), self.world.rank, self.world.size, samples)
             yield inputs, targets, samples
+
+    def _shared_samples(self, samples: int) -> int:
+        """Under torchrun, the samples of a batch the ranks train on: a multiple of the world size, said once
+        per run where a batch (an epoch's last) loses some; 0 where it has fewer samples than ranks (dropped,
+        as every rank reads the same batch, all of them drop it)."""
+        kept = even_samples(samples, self.world.size)
+        if kept < samples and not self._told_uneven and self.world.rank == 0:
+            self._told_uneven = True
+            logger.warning(
+                "batch %d of epoch %d has %d samples for %d ranks: %s, so that every rank trains on an equal "
+                "share (said once per run)", self.batch_in_epoch, self.epoch, samples, self.world.size,
+                f"{samples - kept} of them dropped" if kept else "dropped",
+            )  # fmt: skip
+        return kept
 
     def _on_update(self, result: StepResult) -> None:
         """An update was made, applied or skipped: the tracer names where a skipped one's first inf/NaN appeared
