@@ -1,8 +1,10 @@
 """Two processes with the gloo backend on the loopback interface: DistributedDataParallel under
 MixedPrecision skips the same steps on every rank and matches single-process training."""
 
+import contextlib
 import gc
 import json
+import warnings
 
 import pytest
 import torch
@@ -59,6 +61,43 @@ def _scenarios(rank: int, out: str) -> None:
     _fp32_reduction(rank, out)
     _masters_of_each_rank(rank, out)
     _bucket_views(rank, out)
+    _fp32_accumulation_in_no_sync(rank, out)
+
+
+def _accumulated(rank: int, no_sync: bool) -> dict[str, torch.Tensor]:
+    """o2_bf16, accumulate_in_fp32, 2 micro-batches an update, with DDP's no_sync() on the first or not."""
+    model = _model()
+    engine = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "o2_bf16",
+                                    accumulation_steps=2, accumulate_in_fp32=True)  # fmt: skip
+    wrapped = DistributedDataParallel(model)
+    for index, (x, y) in enumerate(_batches()[:4]):
+        share = slice(rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD)
+        first = index % 2 == 0
+        with wrapped.no_sync() if no_sync and first else contextlib.nullcontext(), engine.autocast():
+            loss = nn.functional.cross_entropy(wrapped(x[share]), y[share])
+        with wrapped.no_sync() if no_sync and first else contextlib.nullcontext():
+            engine.backward(loss)
+        engine.step()
+    masters = engine.fp32_state_dict()
+    del wrapped
+    return {name: value.clone() for name, value in masters.items()}
+
+
+def _fp32_accumulation_in_no_sync(rank: int, out: str) -> None:
+    """The first micro-batch's gradients were moved into the FP32 masters before DDP's one all-reduce (inside
+    no_sync): never averaged, the ranks' weights drifted apart (4.9e-2 after 2 updates)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        in_no_sync = _accumulated(rank, no_sync=True)
+    told = sum("inside DistributedDataParallel's no_sync()" in str(w.message) for w in said)
+    every_reduced = _accumulated(rank, no_sync=False)
+    tensors = {
+        **{f"no_sync.{k}": v for k, v in in_no_sync.items()},
+        **{f"reduced.{k}": v for k, v in every_reduced.items()},
+    }
+    save_file(tensors, f"{out}/accumulated{rank}.safetensors")
+    with open(f"{out}/accumulated{rank}.json", "w") as f:
+        json.dump({"told": told}, f)
 
 
 def _bucket_views(rank: int, out: str) -> None:
@@ -196,3 +235,13 @@ def test_weights_ddp_replaced_after_the_masters_were_made_are_refused_on_every_r
 def test_ddps_bucket_views_are_not_taken_for_edited_gradients(ddp_run):
     for rank in range(WORLD):
         assert json.loads((ddp_run / f"buckets{rank}.json").read_text()) == [False, True, False, True]
+
+
+def test_fp32_accumulation_inside_no_sync_leaves_the_micro_batches_to_ddps_one_all_reduce(ddp_run):
+    zero, one = (load_file(ddp_run / f"accumulated{rank}.safetensors") for rank in range(WORLD))
+    for name in [k for k in zero if k.startswith("no_sync.")]:
+        assert torch.equal(zero[name], one[name]), name  # the ranks agree
+        # as every micro-batch reduced, up to the bf16 sum of two gradients against their FP32 sum
+        reduced = zero[name.replace("no_sync.", "reduced.")]
+        torch.testing.assert_close(zero[name], reduced, rtol=0, atol=1e-3)
+    assert [json.loads((ddp_run / f"accumulated{rank}.json").read_text())["told"] for rank in range(WORLD)] == [1, 1]

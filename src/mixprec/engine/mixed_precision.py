@@ -42,6 +42,7 @@ from torch import nn
 
 from mixprec.distributed.ranks import agree_max, local
 from mixprec.engine.call_order import CallOrder, check_loss, refuse_direct_steps
+from mixprec.engine.ddp_sync import ReducedBackwardProbe
 from mixprec.engine.grad_norm import total_norm
 from mixprec.engine.guards import GuardList, registered_guards
 from mixprec.engine.master_drift import MasterDriftGuard
@@ -150,6 +151,8 @@ class MixedPrecision:
         if self._region.fp8 is not None:
             warn_without_fp8_layers(self._region.fp8.selection)
         self.accumulate_in_fp32 = accumulate_in_fp32 and self.masters is not None
+        # inside DDP's no_sync the gradients must stay in .grad for the one all-reduce (engine/ddp_sync.py)
+        self._reduced = ReducedBackwardProbe(model) if self.accumulate_in_fp32 else None
         self._order = CallOrder(accumulation_steps)
         self._step_hook = refuse_direct_steps(optimizer, self._order)
         self._log = OverflowLog(self.scalers, history, self.device)  # what stats() and the log lines report
@@ -247,7 +250,7 @@ class MixedPrecision:
         # tf32: the backward's matmuls too, not only the region's forward (float32_matmul_precision is global)
         with tf32_matmuls(self.device.type) if self.policy.allow_tf32 else contextlib.nullcontext():
             self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
-        if self.accumulate_in_fp32:
+        if self.accumulate_in_fp32 and self._reduced.reduced:
             self.masters.grads_to_masters()
         self._grads_carry_scale = not isinstance(self.scalers[loss_id], NoOpLossScaler)
         self._guards.after_backward(self)
@@ -581,6 +584,8 @@ class MixedPrecision:
         state = self.state_dict(masters=False)
         self._order.released = True
         self._step_hook.remove()
+        if self._reduced is not None:
+            self._reduced.remove()
         self._region.close()
         if self.masters is not None:
             release_masters(self.masters, self.optimizer)
