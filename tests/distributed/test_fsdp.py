@@ -4,12 +4,14 @@ single-process training, skip together, clip by the global norm, and save and re
 
 import gc
 import json
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import mixprec
 import mixprec.app
@@ -163,8 +165,22 @@ def _scenarios(rank: int, out: str) -> None:
         mixprec.MixedPrecision(partly, torch.optim.AdamW(partly.parameters()), "mixed_bf16")
     except ValueError as exc:
         summary["partly_sharded"] = str(exc)
+    # HSDP: a 2-D mesh whose first dimension replicates; the norm was summed over the replicas too (sqrt 2 too big)
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    summary["hsdp_norm"] = _first_norm(mixprec.fully_shard(_net(), "mixed_bf16", mesh=mesh), rank, WORLD)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(summary, f)
+
+
+def _first_norm(model: nn.Module, rank: int, world: int) -> float:
+    """The gradient norm of the first batch, this rank's share of it, measured by clip_grad_norm_."""
+    engine = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=LR), "mixed_bf16")
+    x, y = _batches()[0]
+    share = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+    with engine.autocast():
+        loss = nn.functional.cross_entropy(model(x[share]), y[share])
+    engine.backward(loss)
+    return engine.clip_grad_norm_(math.inf).item()
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -241,3 +257,10 @@ def test_a_sharded_run_saves_once_resumes_and_continues_identically(fsdp_run):
         assert torch.equal(straight[name], resumed[name]), name
     checkpoints = sorted(p.name for p in (out / "resumed" / "checkpoints").iterdir())
     assert checkpoints == ["step-00000003.sharded", "step-00000006.sharded"]  # one folder per save, complete
+
+
+def test_the_norm_of_a_replicated_shard_counts_it_once(fsdp_run):
+    _, ranks = fsdp_run
+    single = _first_norm(_net(), rank=0, world=1)
+    for rank in ranks:  # bf16 GEMMs over half the batch round differently from one over the whole batch
+        assert rank["hsdp_norm"] == pytest.approx(single, rel=1e-3), (rank["hsdp_norm"], single)

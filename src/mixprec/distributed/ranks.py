@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree_max", "barrier", "copy_from_main", "local", "reduce_across_ranks", "world"]
+__all__ = ["World", "agree_max", "barrier", "copy_from_main", "local", "reduce_across_ranks", "shard_groups", "world"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,27 @@ def barrier() -> None:
         dist.barrier()
 
 
-def reduce_across_ranks(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``value`` summed over ranks (or, with ``op="max"``, their maximum), out of place."""
+def reduce_across_ranks(value: torch.Tensor, op: str = "sum", group: object = None) -> torch.Tensor:
+    """``value`` summed over ranks (or, with ``op="max"``, their maximum), out of place; over ``group``'s ranks
+    where given (a process group), else every rank's."""
     if not world().distributed:
         return value
     value = value.clone()
-    dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return value
+
+
+def shard_groups(tensor: torch.Tensor) -> tuple:
+    """The process groups over which a DTensor's parts add up to the whole: one per mesh dimension of more
+    than one rank that shards it (FSDP2: the one; HSDP's 2-D mesh: the shard dimension, not the replicas,
+    which hold equal copies); () for a DTensor replicated whole. A plain tensor: every rank's (``(None,)``, the
+    default group), as before placements were read: what a rank holds of it is unknown, and the ranks must agree."""
+    placements, mesh = getattr(tensor, "placements", None), getattr(tensor, "device_mesh", None)
+    if placements is None or mesh is None:
+        return (None,)
+    return tuple(
+        mesh.get_group(dim) for dim, placement in enumerate(placements) if placement.is_shard() and mesh.size(dim) > 1
+    )
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from mixprec.distributed.ranks import agree_max, local
+from mixprec.distributed.ranks import agree_max, local, shard_groups
 from mixprec.engine.call_order import CallOrder, check_loss, refuse_direct_steps
 from mixprec.engine.ddp_sync import ReducedBackwardProbe
 from mixprec.engine.grad_norm import total_norm
@@ -262,6 +262,10 @@ class MixedPrecision:
         """This rank's gradients of the optimizer's parameters (the local shards of sharded ones)."""
         return [local(p.grad) for p in self._optimizer_params() if p.grad is not None]
 
+    def _shard_groups(self) -> list[tuple]:
+        """For each of :meth:`_optimizer_grads`, the process groups its parts add up over (sharded models)."""
+        return [shard_groups(p.grad) for p in self._optimizer_params() if p.grad is not None]
+
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
         self._unscale_now("unscale_()")
@@ -365,7 +369,8 @@ class MixedPrecision:
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
-        total = total_norm(grads, norm_type, self.device, self.sharded)
+        groups = self._shard_groups() if self.sharded else None
+        total = total_norm(grads, norm_type, self.device, groups)
         if max_norm != float("inf"):  # measuring alone changes nothing: non-finite gradients skip anyway
             self._skip_if_not_finite(total, checks_gradients=by_norm)
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
