@@ -79,9 +79,13 @@ def _train(policy: str, rank: int, world: int, inject: bool = False) -> dict:
         share = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
         with engine.autocast():
             loss = nn.functional.cross_entropy(model(x[share]), y[share])
+        hook = None
+        if inject and step == INJECT_AT and rank == 1:  # this rank's shard alone, during backward (FSDP2 calls
+            # the hook after its reduce-scatter); after it, the edit of a scaled gradient is refused
+            hook = model.head.weight.register_post_accumulate_grad_hook(_nan_in_shard)
         engine.backward(loss)
-        if inject and step == INJECT_AT and rank == 1:  # this rank's shard alone
-            mixprec.distributed.local(model.head.weight.grad).view(-1)[0] = float("nan")
+        if hook is not None:
+            hook.remove()
         norms.append(engine.clip_grad_norm_(1.0).item())
         applied.append(bool(engine.step()))
         scales.append(engine.scalers[0].get_scale())
@@ -89,6 +93,10 @@ def _train(policy: str, rank: int, world: int, inject: bool = False) -> dict:
     stats = engine.stats()
     kinds = {"inf_steps": stats.inf_steps, "nan_steps": stats.nan_steps}
     return {"applied": applied, "scales": scales, "norms": norms, "params": params, "kinds": kinds}
+
+
+def _nan_in_shard(param: torch.Tensor) -> None:
+    mixprec.distributed.local(param.grad).view(-1)[0] = float("nan")
 
 
 def _trainer(policy: str, out: str) -> mixprec.app.Trainer:
@@ -168,8 +176,29 @@ def _scenarios(rank: int, out: str) -> None:
     # HSDP: a 2-D mesh whose first dimension replicates; the norm was summed over the replicas too (sqrt 2 too big)
     mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
     summary["hsdp_norm"] = _first_norm(mixprec.fully_shard(_net(), "mixed_bf16", mesh=mesh), rank, WORLD)
+    summary["scaled_clip"] = _clip_of_scaled_gradients(rank)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(summary, f)
+
+
+def _clip_of_scaled_gradients(rank: int) -> dict:
+    """torch's clip_grad_norm_ on FSDP2's DTensor gradients still carrying the loss scale: its foreach multiply
+    moves no version counter, and the update was applied about 55,000x too small, unrefused."""
+    model = mixprec.fully_shard(_net(), "mixed_fp16")
+    engine = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=LR), "mixed_fp16")
+    before = [mixprec.distributed.local(p).detach().clone() for p in model.parameters()]
+    x, y = _batches()[0]
+    share = slice(rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD)
+    with engine.autocast():
+        engine.backward(nn.functional.cross_entropy(model(x[share]), y[share]))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    try:
+        engine.step()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    after = [mixprec.distributed.local(p) for p in model.parameters()]
+    return {"message": message, "unchanged": all(map(torch.equal, before, after))}
 
 
 def _first_norm(model: nn.Module, rank: int, world: int) -> float:
@@ -264,3 +293,10 @@ def test_the_norm_of_a_replicated_shard_counts_it_once(fsdp_run):
     single = _first_norm(_net(), rank=0, world=1)
     for rank in ranks:  # bf16 GEMMs over half the batch round differently from one over the whole batch
         assert rank["hsdp_norm"] == pytest.approx(single, rel=1e-3), (rank["hsdp_norm"], single)
+
+
+def test_a_clip_of_sharded_gradients_still_carrying_the_loss_scale_is_refused(fsdp_run):
+    _, ranks = fsdp_run
+    for rank in ranks:
+        assert "while still multiplied by the loss scale" in (rank["scaled_clip"]["message"] or ""), rank
+        assert rank["scaled_clip"]["unchanged"]

@@ -15,12 +15,16 @@ gradients are the engine's, for one of two reasons:
   gradient on the model at all.
 
 Autograd bumps a tensor's version counter at every in-place change, so the counters recorded at the end of each
-backward tell whether anything wrote to the gradients since, or replaced them.
+backward tell whether anything wrote to the gradients since, or replaced them. FSDP2's gradients are DTensors,
+whose foreach ops (``clip_grad_norm_``'s ``_foreach_mul_``) move neither their counter nor their local shard's
+(torch 2.13): for them the guard also keeps each local shard's norm (:func:`_shard_norms`) and compares it.
 
 A guard (:mod:`mixprec.engine.guards`): it records after each backward, and refuses before anything else touches
 the gradients (the next backward, an unscale, a clip, the update) while they are pending. Cost: at each of those
 points, two loops over the parameters in C (map: the gradient each holds, and its version counter), about 0.2 us
 a parameter; no host sync, and device work only for a replaced gradient (compared with the one it replaced).
+DTensor (FSDP2) gradients pending: one foreach norm of the local shards after each backward and at each check (a
+read of the shards, as an unscale), and one host sync at each check, to compare them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from mixprec.distributed.ranks import local
 
 _GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
 
@@ -52,6 +58,8 @@ class PendingGradsGuard:
         self._params = params
         # as the last backward left them, column by column: the parameters with a gradient, it, its version
         self._seen: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
+        # the DTensor gradients among them (indices into _seen) and their local shards' norms then
+        self._sharded: tuple[list[int], torch.Tensor | None] = ([], None)
 
     def before_forward(self, mp: Any) -> None:
         if not grads_pending(mp):  # unscaled or dropped: hold no reference to them while the forward allocates
@@ -86,10 +94,13 @@ class PendingGradsGuard:
             params = [p for p, g in zip(params, grads, strict=True) if g is not None]
             grads = [g for g in grads if g is not None]
         self._seen = (params, grads, list(map(_VERSION, grads)))
+        sharded = [index for index, grad in enumerate(grads) if hasattr(grad, "placements")]
+        self._sharded = (sharded, _shard_norms([grads[i] for i in sharded]))
 
     def forget(self) -> None:
         """The gradients are unscaled now: changing them is the caller's business."""
         self._seen = ([], [], [])
+        self._sharded = ([], None)
 
     def changed(self) -> torch.Tensor | None:
         """The first parameter whose gradient was written to or replaced since :meth:`record` (a gradient set
@@ -99,7 +110,7 @@ class PendingGradsGuard:
         params, grads, versions = self._seen
         now = list(map(_GRAD, params))
         if all(map(operator.is_, now, grads)) and list(map(_VERSION, now)) == versions:
-            return None  # every gradient the one recorded, unchanged: two loops in C
+            return self._changed_shard()  # every gradient the one recorded, no counter moved: two loops in C
         for index, (param, grad, version, held) in enumerate(zip(params, grads, versions, now, strict=True)):
             if held is None or (held is grad and held._version == version):
                 continue
@@ -108,6 +119,25 @@ class PendingGradsGuard:
                 continue
             return param
         return None
+
+    def _changed_shard(self) -> torch.Tensor | None:
+        """The first parameter whose DTensor gradient's local shard no longer has the norm it had (host sync)."""
+        indices, norms = self._sharded
+        if norms is None:
+            return None
+        now = _shard_norms([self._seen[1][i] for i in indices])
+        same = (now == norms) | (now.isnan() & norms.isnan())  # an overflow's NaN stays a NaN: no edit
+        if bool(same.all()):
+            return None
+        return self._seen[0][indices[int((~same).nonzero()[0])]]
+
+
+def _shard_norms(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The norm of each DTensor gradient's local shard, in FP32 (no host sync); None without any."""
+    if not grads:
+        return None
+    shards = [local(grad) for grad in grads]
+    return torch.stack([norm.to(shards[0].device) for norm in torch._foreach_norm(shards, 2, dtype=torch.float32)])
 
 
 def changed_message(param: torch.Tensor, mp: Any) -> str:
