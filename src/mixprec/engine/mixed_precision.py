@@ -16,6 +16,9 @@ Host syncs, all of them:
     - the first update with FP32 masters (o2) reads one flag: whether the model's parameters still hold the
       masters' rounding (a DDP broadcast or a load_state_dict since MixedPrecision was made is refused).
     - ``mixprec.AdamW`` reads its step count (a CPU tensor) for FP32 parameters, as ``torch.optim.AdamW`` does.
+    - FSDP2-sharded gradients still pending (a loss scale): the pending-gradient guard compares their local
+      shards' norms with those after the backward, once at each check (next backward, unscale, step), as their
+      foreach edits move no version counter (:mod:`~mixprec.engine.pending_grads`).
     - pure_bf16 built on FP32 weights: ``mixprec.AdamW`` reads two integers per parameter (a fingerprint of its
       16-bit values) when MixedPrecision is made and again at the parameter's first update, to take the
       rounding residual only for weights not written since.
