@@ -37,3 +37,31 @@ def test_fabric_casting_the_model_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=refused), mp.autocast():
         fabric_model(torch.randn(2, 4))
     assert model[0].weight.dtype == torch.bfloat16  # Fabric's cast, refused before any update
+
+
+@pytest.mark.parametrize("policy", ["o2_bf16", "o2_fp16"])
+def test_fabric_clip_gradients_after_mp_unscale_clips_the_fp32_masters(policy):
+    # fabric.clip_gradients clips the optimizer's parameters, under o2 the FP32 masters, which get their
+    # gradients at the unscale: called before mp.unscale_() it finds none and clips nothing (docs/integrations.md)
+    import lightning as L
+    import torch
+
+    import mixprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    mp = mixprec.MixedPrecision(model, optimizer, policy)
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric_model, fabric_optimizer = fabric.setup(model, optimizer)
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in masters]
+    with mp.autocast():
+        loss = fabric_model(torch.randn(16, 8)).float().square().mean()
+    mp.backward(loss)
+    mp.unscale_()
+    norm = fabric.clip_gradients(fabric_model, fabric_optimizer, max_norm=1e-3)
+    assert float(norm) > 1e-3  # the true norm, measured on the masters' FP32 gradients
+    mp.step()
+    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(masters, before, strict=True)]).norm()
+    assert update.item() == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1: the clipped gradient itself
