@@ -144,3 +144,14 @@ def test_bench_cli_writes_json_with_the_machine(tmp_path):
     assert {r["dtype"] for r in data["records"]} >= {"fp32", "bf16"}
     bad = subprocess.run([MIXPREC, "bench", "--suite", "speed"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "--suite: received 'speed'; choose from step, memory, accuracy, gemm" in bad.stderr
+
+
+def test_a_quick_run_writes_beside_the_full_results_not_over_them(tmp_path):
+    # the default --out is benchmarks/results, where the full run's figures are kept
+    result = subprocess.run(
+        [MIXPREC, "bench", "--suite", "gemm", "--quick"], capture_output=True, text=True, timeout=300, check=False,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "benchmarks/results/quick/bench_gemm.json").read_text())["quick"] is True
+    assert not (tmp_path / "benchmarks/results/bench_gemm.json").exists()

@@ -25,7 +25,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", default="0,1,2", help="seeds for the accuracy suite (default 0,1,2)")
     parser.add_argument("--repeats", type=whole_number(), default=7, help="timed repeats per mode (default 7)")
     parser.add_argument("--quick", action="store_true", help="small models, one seed, 3 repeats, no RSS: a smoke run")
-    parser.add_argument("--out", type=file_path, default=Path("benchmarks/results"), help="folder for the JSON results")
+    parser.add_argument(
+        "--out",
+        type=file_path,
+        default=Path("benchmarks/results"),
+        help="folder for the JSON results (default benchmarks/results; with --quick, benchmarks/results/quick)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -62,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1; received {repeats}.")
     if args.quick:
         models, seeds = [m for m in models if m in ("mlp", "cnn")] or ["mlp"], seeds[:1]
+        if "out" not in getattr(args, "given", ()):  # a smoke run's figures never replace a full run's
+            args.out = args.out / "quick"
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out}: is a file; name a folder for the results.")
     for suite in chosen:  # before the first bench's minutes: a result file mixprec did not write is refused
