@@ -358,7 +358,7 @@ def test_fp8_with_bf16_weights_and_either_master(spec):
     assert (mp.masters is None) == (bf16_masters or "p=bf16" not in spec)
 
 
-@pytest.mark.parametrize("recipe", ["amax=recent", "history=1", "amax=max"])
+@pytest.mark.parametrize("recipe", ["scaling=delayed,amax=recent", "scaling=delayed,history=1", "scaling=delayed"])
 def test_an_overflowing_step_leaves_the_amax_history_as_it_was(recipe):
     # the step after an overflow scales with the amaxes before it: recorded as 0, an inf would have given
     # scale 1 there (amax=recent, history=1), and every e5m2 gradient of 1e-6 would have rounded to zero
@@ -415,3 +415,95 @@ def test_fp8_layers_train_on_pure_bf16_weights_at_ten_bytes_a_parameter():
     assert losses["pure_bf16"][-1] < 0.6 * losses["pure_bf16"][0]
     assert abs(losses["pure_bf16"][-1] - losses["mixed_bf16"][-1]) < 0.05 * losses["mixed_bf16"][-1]
     assert stats == {"mixed_bf16": pytest.approx(16, abs=0.01), "pure_bf16": pytest.approx(10, abs=0.01)}
+
+
+@pytest.mark.parametrize("recipe", ["scaling=delayed,amax=recent", "scaling=delayed,history=1"])
+@pytest.mark.parametrize("tensor", ["input", "gradient"])
+def test_a_zero_amax_leaves_the_delayed_history_as_it_was(recipe, tensor):
+    # a fully masked loss or a zero batch: recorded, the zero gave the next step scale 1, where every e5m2
+    # gradient of 1e-6 rounded to zero (Transformer Engine keeps the scale before)
+    state = Fp8LinearState(mixprec.get_policy(f"base=fp8,fp8=({recipe})").fp8)
+    torch.manual_seed(0)
+    x, weight = torch.randn(8, 4) * 1e-4, torch.randn(3, 4, requires_grad=True)  # at scale 1, e4m3 flushes x
+    largest = []
+    for step in range(4):
+        zero = step == 1
+        y = fp8_linear(x * 0 if zero and tensor == "input" else x, weight, None, state, torch.float32)
+        y.backward(torch.full_like(y, 0.0 if zero and tensor == "gradient" else 1e-6))
+        largest.append(weight.grad.abs().max().item())
+        weight.grad = None
+    assert largest[0] == largest[2] == largest[3] > 0, largest
+
+
+def _delayed_run(skip_at: int | None, drop: bool, evaluate: bool = False) -> tuple[dict, dict]:
+    """8 steps of a small regression under delayed FP8 scaling; at ``skip_at`` one corrupted target (1e37): a
+    finite output gradient whose weight gradient overflows, so the update is skipped (or, ``drop``, the batch is
+    left out); ``evaluate``: a forward without gradients after each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    mp = mixprec.MixedPrecision(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), "base=fp8,fp8=(scaling=delayed,keep=none)"
+    )
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 8, generator=generator)
+    y = x[:, :1] * 2 + 0.5
+    for step in range(8):
+        target = y.clone()
+        if step == skip_at:
+            if drop:
+                continue
+            target[0] = 1e37
+        with mp.autocast():
+            loss = ((model(x).float() - target) ** 2).mean()
+        mp.backward(loss)
+        assert bool(mp.step()) == (step != skip_at)
+        if evaluate:
+            with torch.no_grad(), mp.autocast():
+                model(torch.randn(64, 8, generator=generator) * 100)
+    return model.state_dict(), mp.state_dict()["fp8"]
+
+
+def _same(first: dict, second: dict) -> bool:
+    if isinstance(first, dict):
+        return first.keys() == second.keys() and all(_same(first[k], second[k]) for k in first)
+    if isinstance(first, (tuple, list)):
+        return len(first) == len(second) and all(map(_same, first, second))
+    return torch.equal(first, second) if isinstance(first, torch.Tensor) else first == second
+
+
+def test_a_skipped_update_takes_its_amaxes_back_out_of_the_delayed_histories():
+    # the skipped step's gradient amax (about 1e36, finite) stayed in the history: the next 16 steps' gradients
+    # were scaled by about 2^-104 and flushed to zero in e5m2, their updates "applied" with zero weight gradients
+    skipped, dropped = _delayed_run(2, drop=False), _delayed_run(2, drop=True)
+    assert _same(skipped[0], dropped[0]) and _same(skipped[1], dropped[1])
+
+
+def test_an_evaluation_without_gradients_records_no_amax():
+    # an evaluation between steps recorded its inputs' amaxes into the delayed histories and changed training
+    assert _same(_delayed_run(None, False, evaluate=True), _delayed_run(None, False))
+
+
+def test_a_skip_flagged_on_the_device_restores_the_histories_as_one_known_on_the_host():
+    # a fused optimizer on an accelerator skips on the device: the histories are masked with the device flag
+    results = {}
+    for skipped in (True, torch.ones(1), False, torch.zeros(1)):
+        model = _mlp()
+        state = mixprec.regions.fp8.fp8_state(model, mixprec.get_policy("base=fp8,fp8=(scaling=delayed)").fp8)
+        with fp8_region(model, state.recipe, torch.float32):
+            model(torch.randn(4, 16)).sum().backward()
+        state.end_window(skipped)
+        results[str(skipped)] = copy.deepcopy(state.state_dict())
+    assert _same(results["True"], results[str(torch.ones(1))])
+    assert _same(results["False"], results[str(torch.zeros(1))])
+    assert all(role["recorded"] == 0 for layer in results["True"].values() for role in layer.values())
+    assert any(role["recorded"] == 1 for layer in results["False"].values() for role in layer.values())
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise", "blockwise"])
+def test_an_fp8_layer_given_no_rows_returns_none(scaling):
+    # an MoE expert given no tokens: torch's inf-norm refused the empty tensor
+    state = Fp8LinearState(mixprec.get_policy(f"base=fp8,fp8=(scaling={scaling})").fp8)
+    x, weight = torch.randn(0, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    y = fp8_linear(x, weight, None, state, torch.float32)
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 32) and torch.equal(weight.grad, torch.zeros(16, 32))

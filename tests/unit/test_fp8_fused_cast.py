@@ -60,6 +60,21 @@ def test_compiled_cast_equals_eager(device: str, scaling: str, fmt: str) -> None
         assert int(eager.recorded) == 4  # the non-finite amaxes left out: 8 casts, 4 of them overflowing
 
 
+@pytest.mark.filterwarnings("error:.*compiling the FP8 cast failed:RuntimeWarning")
+@pytest.mark.parametrize("cast", ["eager", "compiled"])
+def test_a_cast_that_does_not_record_reads_the_delayed_history_and_leaves_it(device: str, cast: str) -> None:
+    # a forward without gradients (an evaluation) recorded its amaxes, changing the training's later scales
+    device = torch.device(device)
+    state = ScaleState("fp8_e4m3", Fp8Recipe(scaling="delayed", history=4, cast=cast), device)
+    first, second = (torch.randn(64, 32, generator=torch.Generator().manual_seed(s)).to(device) for s in (0, 1))
+    scaled_cast(first, state)  # recorded: the history the next scales read
+    history, recorded = state.history.clone(), state.recorded.clone()
+    _, scale = scaled_cast(second * 1000, state, record=False)
+    assert torch.equal(state.history, history) and torch.equal(state.recorded, recorded)
+    _, recorded_scale = scaled_cast(second * 1000, state)  # the same scale, from the same history, now recorded
+    assert torch.equal(scale, recorded_scale) and int(state.recorded) == 2
+
+
 def test_scaled_cast_is_scale_for_then_cast() -> None:
     """The eager path is the ScaleState's scale and cast_to_fp8_storage, as the FP8 Linear used them before."""
     from mixprec.regions.fp8.scaling import cast_to_fp8_storage

@@ -417,6 +417,8 @@ class MixedPrecision:
         found = self._found_inf()
         self._log.watch_underflow(self._optimizer_grads, self._last_loss)  # only after a scale collapse
         self._update_or_skip(found)
+        if self._region.fp8 is not None:  # a skipped update's amaxes leave the delayed histories
+            self._region.fp8.end_window(found.found)
         scales_before = self._log.scales()
         for scaler, flag in zip(self.scalers, found.per_loss, strict=True):
             scaler.update(flag)

@@ -70,13 +70,16 @@ _FAILED: dict[tuple, str] = {}  # why compiling failed, by key: that key's later
 _WARNED: set[tuple] = set()
 
 
-def scaled_cast(tensor: torch.Tensor, state: ScaleState, decode: bool = False) -> tuple[torch.Tensor, ...]:
+def scaled_cast(
+    tensor: torch.Tensor, state: ScaleState, decode: bool = False, record: bool = True
+) -> tuple[torch.Tensor, ...]:
     """``tensor`` cast to ``state``'s FP8 format with the scale its recipe gives (current or delayed; a delayed
     state records the amax), and that scale: :meth:`ScaleState.scale_for` then
     :func:`~mixprec.regions.fp8.scaling.own_scale_cast` (current scaling: the scale is the tensor's own) or
     :func:`~mixprec.regions.fp8.scaling.cast_to_fp8_storage` (delayed), the cast compiled where the recipe says
     ``cast=compiled``. ``decode``: also the scale's reciprocal (exact: a power of two), which PyTorch's FP8 GEMM
-    takes; the compiled pass computes it with the scale, not as a launch of its own."""
+    takes; the compiled pass computes it with the scale, not as a launch of its own. ``record=False`` (a forward
+    without gradients): a delayed state's amax history is read, not updated."""
     state.to(tensor.device)
     recipe = state.recipe
     amax, delayed = amax_of(tensor), recipe.scaling == "delayed"
@@ -91,13 +94,13 @@ def scaled_cast(tensor: torch.Tensor, state: ScaleState, decode: bool = False) -
         flat = _flat_alias(tensor)
         try:
             if delayed:
-                q, scale, inverse = _compiled(key, state)(flat, amax, state.history, state.recorded)
+                q, scale, inverse = _compiled(key, state)(flat, amax, *state.tensors(record))
             else:
                 q, scale, inverse = _compiled(key, state)(flat, amax)
             return (q.view(tensor.shape), scale, inverse) if decode else (q.view(tensor.shape), scale)
         except Exception as error:
             _fall_back(key, error)
-    scale = state.scale_from(amax)
+    scale = state.scale_from(amax, record)
     q = (cast_to_fp8_storage if delayed else own_scale_cast)(tensor, scale, state.format)  # the scale is its own
     return (q, scale, scale.reciprocal()) if decode else (q, scale)
 

@@ -56,22 +56,23 @@ class Fp8LinearState:
 
 
 def _cast(
-    tensor: torch.Tensor, role: ScaleState, kernel: bool
+    tensor: torch.Tensor, role: ScaleState, kernel: bool, record: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """An operand's FP8 storage, its scale, and, for the kernel, the scale's reciprocal (else None)."""
+    """An operand's FP8 storage, its scale, and, for the kernel, the scale's reciprocal (else None); ``record``:
+    whether a delayed scale records the operand's amax."""
     if kernel:
-        return scaled_cast(tensor, role, decode=True)
-    return (*scaled_cast(tensor, role), None)
+        return scaled_cast(tensor, role, decode=True, record=record)
+    return (*scaled_cast(tensor, role, record=record), None)
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype):
+    def forward(ctx: Any, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype, record: bool):
         with torch._C.DisableTorchFunction(), torch.autocast(x.device.type, enabled=False):
             kernel = uses_kernel(state.recipe.gemm, x.device)
             # the kernel takes the scales' reciprocals: taken once here, reused by the backward's products
-            xq, sx, x_decode = _cast(x.reshape(-1, x.shape[-1]), state.input, kernel)
-            wq, sw, w_decode = _cast(weight, state.weight, kernel)
+            xq, sx, x_decode = _cast(x.reshape(-1, x.shape[-1]), state.input, kernel, record)
+            wq, sw, w_decode = _cast(weight, state.weight, kernel, record)
             decode = (x_decode, w_decode) if kernel else None
             # rounded once, the bias (in the output's dtype) added in the GEMM's epilogue
             fast = state.recipe.fast_accumulation("output")
@@ -100,12 +101,17 @@ class _Fp8Linear(torch.autograd.Function):
                 grad_w = fp8_matmul(gq.t(), xq, sg, sx, kernel, w_dtype, decode, fast_accum=fast)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = _bias_grad(grad, b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _row_scales(tensor: torch.Tensor, fmt: Format, dim: int, margin: int) -> torch.Tensor:
     """A power-of-two scale per slice of ``tensor`` along ``dim`` (its amax over ``dim``), kept as a dimension: each
-    slice's own amax, so no guard (a zero or non-finite slice casts the same under any scale)."""
+    slice's own amax, so no guard (a zero or non-finite slice casts the same under any scale). Along an empty
+    ``dim`` (no rows: an MoE expert given no tokens) every scale is 1."""
+    if tensor.shape[dim] == 0:  # torch's inf-norm refuses to reduce an empty dimension
+        shape = list(tensor.shape)
+        shape[dim] = 1
+        return torch.ones(shape, dtype=torch.float32, device=tensor.device)
     amax = torch.linalg.vector_norm(tensor, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
     return power_of_two_scale(amax, fmt.max, margin, guard=False)
 
@@ -188,13 +194,16 @@ def fp8_linear(
     bias: torch.Tensor | None,
     state: Fp8LinearState,
     out_dtype: torch.dtype,
+    record: bool = True,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with FP8 inputs, weights and gradients (see the module docstring)."""
+    """``F.linear(x, weight, bias)`` with FP8 inputs, weights and gradients (see the module docstring).
+    ``record=False`` (a forward without gradients: an evaluation): delayed scales record no amax, so that
+    evaluating never changes the training's scales (as Transformer Engine updates them only with gradients)."""
     # a state on another device (loaded on the CPU, a model moved) moves here, where a compiled step may
     # reassign attributes; inside the autograd function only tensor contents change
     state.to(x.device)
     if state.recipe.scaling in ("current", "delayed"):  # one scale per tensor
-        return _Fp8Linear.apply(x, weight, bias, state, out_dtype)
+        return _Fp8Linear.apply(x, weight, bias, state, out_dtype, record)
     # scales along each product's reduction: each product casts its operands again
     from mixprec.regions.fp8.blockwise import BLOCKWISE, MXFP8  # they build on this module
     from mixprec.regions.fp8.fp4 import MXFP4, NVFP4

@@ -82,6 +82,7 @@ class Fp8State:
             self.selection.speeds = self.speeds.decided  # the plan reads the decisions as they are made
         self.out_dtype: torch.dtype | None = None  # set while a region computes in FP8
         self.refuse: Callable[[str], None] | None = None  # and the region's foreign-recompute refusal
+        self._boundary = self._delayed_copies()  # the delayed histories at the last update (end_window)
 
     def links(self, owner: int, seat: Seat) -> list[Link]:
         """The selected layers' forwards through this state for ``owner`` (a region's token; ``seat``, its model's),
@@ -110,6 +111,43 @@ class Fp8State:
         finally:
             self.out_dtype, self.refuse = previous
 
+    def _delayed(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The delayed scale states' histories and counts (none under other scalings)."""
+        if self.recipe.scaling != "delayed":
+            return [], []
+        roles = [role for layer in self.layers.values() for role in (layer.input, layer.weight, layer.grad)]
+        return [role.history for role in roles], [role.recorded for role in roles]
+
+    def _delayed_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        histories, counts = self._delayed()
+        # one foreach call each (a multiply by one: an exact copy); the lists are empty but under delayed scaling
+        return (torch._foreach_mul(histories, 1.0), torch._foreach_mul(counts, 1)) if histories else ([], [])
+
+    def end_window(self, skipped: bool | torch.Tensor) -> None:
+        """At an update (applied or skipped): a skipped update's amaxes, recorded by its window's forwards and
+        backwards as they ran, are taken back out of the delayed histories, which return to what they were at the
+        last update; then these are kept for the next. ``skipped``: known on the host, or a device flag (a fused
+        optimizer that skips on the device; no host sync: the histories are masked with it).
+
+        Why: an update skips because a gradient overflowed, and its finite amaxes (a gradient amax of 1e36 whose
+        weight gradient overflowed) would otherwise scale the next ``history`` steps' gradients to zero."""
+        histories, counts = self._delayed()
+        if not histories:
+            return
+        saved_histories, saved_counts = self._boundary
+        if len(saved_histories) == len(histories) and skipped is not False:
+            if skipped is True:
+                torch._foreach_copy_(histories, saved_histories)
+                torch._foreach_copy_(counts, saved_counts)
+            else:  # live * (1 - skipped) + saved * skipped: exact, every history value finite
+                for live, saved, flag in (
+                    (histories, saved_histories, skipped.reshape(()).float()),
+                    (counts, saved_counts, skipped.reshape(()).long()),
+                ):
+                    torch._foreach_mul_(live, 1 - flag)
+                    torch._foreach_add_(live, torch._foreach_mul(saved, flag))
+        self._boundary = self._delayed_copies()
+
     def state_dict(self) -> dict:
         return {name: layer.state_dict() for name, layer in self.layers.items()}
 
@@ -119,6 +157,7 @@ class Fp8State:
             raise ValueError(f"FP8 state for layers this model does not compute in FP8: {sorted(unknown)}")
         for name, layer_state in state.items():
             self.layers[name].load_state_dict(layer_state)
+        self._boundary = self._delayed_copies()  # a loaded state is an update's
 
 
 class _Fp8Forward(Link):
@@ -144,7 +183,7 @@ class _Fp8Forward(Link):
         speeds = self.state.speeds
         if speeds is not None and not speeds.pays(self.name, x, weight, bias, out_dtype):
             return self.__wrapped__(x)  # its shape measured slower in FP8: the compute dtype
-        return fp8_linear(x, weight, bias, self.layer, out_dtype)
+        return fp8_linear(x, weight, bias, self.layer, out_dtype, torch.is_grad_enabled())
 
 
 def fp8_state(model: nn.Module, recipe: Fp8Recipe, fp32: Collection[str] = (), bf16: Collection[str] = ()) -> Fp8State:

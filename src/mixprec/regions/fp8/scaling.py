@@ -3,7 +3,12 @@
 Everything stays on the device (no host sync). A scale is the largest power of two 2**k with
 ``amax * 2**k <= max`` of the format, less ``margin`` powers of two; found from the exponent bits of
 amax (``frexp``), so it is exact. An amax of zero, or a non-finite one, gives the scale 1; non-finite
-amaxes are left out of a delayed history, so one overflowing step does not poison it.
+amaxes are left out of a delayed history, so one overflowing step does not poison it, and so are zero amaxes
+(a fully masked loss, a gated-off branch): read back as the past, a zero gave the scale 1, which flushed the
+next steps' small gradients to zero, where the scale before it stays (as Transformer Engine keeps it).
+A forward without gradients (an evaluation) records nothing: it would change the training's scales. A skipped
+update takes its window's amaxes back out (:meth:`~mixprec.regions.fp8.region.Fp8State.end_window`): a finite
+gradient amax that overflowed the update would scale the next ``history`` steps' gradients to zero.
 
 The state a delayed scale reads and writes is tensors only: the amax history, allocated once and updated
 in place (``copy_``), and the count of recorded amaxes, a device scalar (``add_``). So recording inside
@@ -174,7 +179,10 @@ def _cast_keeps_infinities(device: torch.device, source: torch.dtype, target: to
 
 
 def amax_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude in ``tensor`` as an FP32 scalar on its device (NaN if it holds a NaN): one pass."""
+    """The largest magnitude in ``tensor`` as an FP32 scalar on its device (NaN if it holds a NaN): one pass. An empty
+    tensor's is 0 (an MoE expert given no tokens; torch's inf-norm refuses an empty tensor)."""
+    if tensor.numel() == 0:  # the shape: no host sync
+        return torch.zeros((), dtype=torch.float32, device=tensor.device)
     if torch.is_grad_enabled():  # inside the FP8 layer's autograd function it is not: no detach to dispatch
         tensor = tensor.detach()
     return torch.linalg.vector_norm(tensor, float("inf"), dtype=torch.float32)
@@ -188,14 +196,14 @@ def delayed_scale(
 
     The entries not recorded yet are zeros (the history starts so, recording shifts them along, loading zeroes
     them), so the largest is the largest of those recorded, with no mask by a device count (which would wait for
-    the host). A non-finite amax (an overflowing step, skipped) is left out, so the next scale comes from the
-    amaxes before it (no device-to-host read: both updates are masked)."""
+    the host). A non-finite amax (an overflowing step, skipped) and a zero one are left out, so the next scale
+    comes from the amaxes before them (no device-to-host read: both updates are masked)."""
     past = history.max() if amax_rule == "max" else history[0]
     scale = power_of_two_scale(torch.where(recorded > 0, past, current), fmt_max, margin)
-    finite = current < math.inf  # an amax is >= 0 or NaN
+    kept = (current > 0) & (current < math.inf)  # an amax is >= 0 or NaN
     shifted = torch.cat([current.reshape(1), history[:-1]])  # cat first: no overlapping copy
-    history.copy_(torch.where(finite, shifted, history))
-    recorded.add_(finite)
+    history.copy_(torch.where(kept, shifted, history))
+    recorded.add_(kept)
     return scale
 
 
@@ -223,16 +231,24 @@ class ScaleState:
             with torch.inference_mode(False):  # see __init__
                 self.history, self.recorded = self.history.to(device), self.recorded.to(device)
 
-    def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The scale to cast ``tensor`` with; records its amax for later (delayed) scales."""
+    def scale_for(self, tensor: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """The scale to cast ``tensor`` with; records its amax for later (delayed) scales, unless not ``record``."""
         self.to(tensor.device)
-        return self.scale_from(amax_of(tensor))
+        return self.scale_from(amax_of(tensor), record)
 
-    def scale_from(self, current: torch.Tensor) -> torch.Tensor:
-        """The scale for a tensor whose amax is ``current`` (on this state's device); a delayed state records it."""
+    def scale_from(self, current: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """The scale for a tensor whose amax is ``current`` (on this state's device); a delayed state records it,
+        unless not ``record`` (a forward without gradients)."""
         if self.recipe.scaling != "delayed":  # the tensor's own amax: no guard needed (power_of_two_scale)
             return power_of_two_scale(current, self.max, self.recipe.margin, guard=False)
-        return delayed_scale(current, self.history, self.recorded, self.max, self.recipe.margin, self.recipe.amax)
+        history, recorded = self.tensors(record)
+        return delayed_scale(current, history, recorded, self.max, self.recipe.margin, self.recipe.amax)
+
+    def tensors(self, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The history and count a delayed scale reads and updates: these, or (not ``record``) copies of them."""
+        if record:
+            return self.history, self.recorded
+        return self.history.clone(), self.recorded.clone()
 
     def state_dict(self) -> dict:
         """The history and the count as an int (reads one device scalar: a host sync, at checkpoints only)."""
