@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -121,3 +123,54 @@ def test_fp32_names_match_a_wrapped_model_with_or_without_the_wrappers_prefix():
         assert [name for name, _ in mixprec.fp32_modules(compiled, policy)] == ["_orig_mod.1"], names
     with pytest.raises(ValueError, match=r"'module.1' matches no module .* Its module names: _orig_mod, 0, 1"):
         mixprec.autocast("base=o2_bf16,names=module.1", compiled).__enter__()
+
+
+def test_a_weight_tied_across_an_fp32_module_and_a_lowered_one_is_refused():
+    # TinyGPT's embedding is its output head: under o2 the module cast last decided the tensor's dtype, so
+    # names=embed (and the docs' mods=norm+Embedding) was dropped silently, and names=lm_head made a master for
+    # an FP32 weight, the first step then refused with a misleading message
+    from mixprec.app.tasks.tiny_gpt import GPTConfig, TinyGPT
+
+    for spec in ("base=o2_bf16,names=embed", "base=o2_bf16,mods=norm+Embedding", "base=o2_bf16,names=lm_head"):
+        model = TinyGPT(GPTConfig(layers=1, width=32, heads=2, context=16))
+        with pytest.raises(ValueError, match=r"tied weights.*one tensor has one dtype"):
+            mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), spec)
+        assert model.embed.weight.dtype == torch.float32  # refused before anything was cast
+    for spec in ("base=o2_bf16,names=embed+lm_head", "base=mixed_bf16,names=embed"):  # both kept; nothing lowered
+        model = TinyGPT(GPTConfig(layers=1, width=32, heads=2, context=16))
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), spec)
+        assert model.embed.weight.dtype == torch.float32
+
+
+def test_a_module_registered_under_two_names_is_kept_by_either():
+    # named_modules() lists a shared module once: names=b was refused as matching no module ("Its module names: a, c")
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b = self.a
+
+        def forward(self, x):
+            return self.c(self.b(x))
+
+    model, seen = Shared(), {}
+    model.a.register_forward_hook(lambda module, inputs, output: seen.update(dtype=output.dtype))
+    with mixprec.autocast("base=mixed_bf16,names=b", model):
+        model(torch.randn(2, 8))
+    assert seen["dtype"] == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [("base=mixed_bf16,names=a", "names=a"), ("base=mixed_bf16,mods=norm+Embedding", "mods=Embedding"),
+     ("base=mixed_fp16,bf16_names=a", "bf16_names=a")],
+)  # fmt: skip
+def test_module_rules_without_the_model_are_refused(spec, said):
+    # without the model the named modules computed in the region's dtype, silently
+    with (
+        pytest.raises(ValueError, match=f"keeps modules by {re.escape(said)}, which needs the model"),
+        mixprec.autocast(spec),
+    ):
+        pass
+    with mixprec.autocast("mixed_bf16"):  # a preset's norm rule needs no model
+        pass

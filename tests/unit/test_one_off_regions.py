@@ -161,4 +161,5 @@ def test_an_fp8_state_first_made_in_inference_mode_trains_after():
             loss = model(x).float().square().mean()
         mp.backward(loss)
         assert mp.step()
-    assert all(layer["input"]["recorded"] == 3 for layer in mp.state_dict()["fp8"].values())
+    # the two training forwards; the one in inference mode records nothing (it would change training's scales)
+    assert all(layer["input"]["recorded"] == 2 for layer in mp.state_dict()["fp8"].values())

@@ -44,7 +44,7 @@ from torch import nn
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.emulation import active_emulation, emulations_suspended
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
-from mixprec.policy.policy import Policy
+from mixprec.policy.policy import NORM, Policy
 from mixprec.regions.casting import unwrapped
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.module_formats import (
@@ -150,6 +150,11 @@ class Region:
         if self.policy.fp8 is not None and model is None:
             raise ValueError(
                 f"policy {self.policy} computes GEMM layers in FP8, which needs the model: use autocast(policy, model)."
+            )
+        if model is None and (named := _module_rules(self.policy)):
+            raise ValueError(
+                f"policy {self.policy} keeps modules by {named}, which needs the model (without it they would "
+                "compute in the region's dtype, silently): use autocast(policy, model)."
             )
         self._casts_outputs = False  # whether this region counts among the users of the model's output cast
         self.fp8 = None  # the model's FP8 scale states; its layers routed through them once, as the output cast
@@ -395,3 +400,14 @@ def _cast_outputs(module: nn.Module, args: tuple, output: Any) -> None:
     """The output cast of earlier releases, a function reading an attribute of the model: whole models pickled
     with it (``torch.save(model)``) still load; it does nothing now (:class:`_OutputCast` casts)."""
     return None
+
+
+def _module_rules(policy: Policy) -> str:
+    """The policy's rules that name modules (``names=``, ``bf16_names=``, ``mods=`` classes), as a policy string
+    writes them; empty where it has none. ``norm`` aside: presets list it for any model, and normalization
+    layers compute in FP32 (or as the device's autocast has them) without the model too."""
+    rules = [f"names={'+'.join(policy.fp32_names)}" if policy.fp32_names else ""]
+    rules.append(f"bf16_names={'+'.join(policy.bf16_names)}" if policy.bf16_names else "")
+    classes = [cls for cls in policy.fp32_modules if cls != NORM]
+    rules.append(f"mods={'+'.join(classes)}" if classes else "")
+    return " and ".join(rule for rule in rules if rule)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from mixprec.policy.policy import NORM, Policy
+from mixprec.policy.policy import DTYPE_NAMES, NORM, Policy
 
 __all__ = [
     "MIXED_DTYPE_NORMS",
@@ -136,13 +136,16 @@ def bf16_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Mod
 def _outermost(
     model: nn.Module, matches: Callable[[str, nn.Module], bool], skipped: list[str] | None = None
 ) -> Iterator[tuple[str, nn.Module]]:
-    """The modules ``matches`` picks, outermost first, none inside one picked or inside one of ``skipped``."""
+    """The modules ``matches`` picks, outermost first, none inside one picked or inside one of ``skipped``. A module
+    registered under several names (``model.b = model.a``) is picked by any of them, and listed once."""
     taken = list(skipped or [])
-    for name, module in model.named_modules():
-        if enclosing(name, taken) is not None:
+    inside: set[int] = set()  # the modules within those picked, whatever their names
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in inside or enclosing(name, taken) is not None:
             continue
         if matches(name, module):
             taken.append(name)
+            inside.update(map(id, module.modules()))
             yield name, module
 
 
@@ -153,7 +156,8 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
     classes_named = [cls for cls in policy.fp32_modules if cls != NORM]
     if not (policy.fp32_names or policy.bf16_names or classes_named):  # the presets' norm alone: nothing to check
         return
-    named = [(name, module) for name, module in model.named_modules() if name]
+    _check_tied_across(model, policy)
+    named = [(name, module) for name, module in model.named_modules(remove_duplicate=False) if name]  # every alias
     wrappers = _wrapper_prefixes(model)
     for key in ("fp32_names", "bf16_names"):
         for glob in getattr(policy, key):
@@ -165,6 +169,29 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
     for cls in classes_named:
         if cls not in classes:
             raise ValueError(_unmatched(policy, "fp32_modules", cls, sorted(classes), "module classes", model))
+
+
+def _check_tied_across(model: nn.Module, policy: Policy) -> None:
+    """Raise ValueError for a parameter held both by a module the policy keeps in FP32 and by one whose parameters
+    it stores in 16 bits (tied weights: a GPT's embedding and output head): one tensor has one dtype, and the
+    module cast last decided it, silently (the FP32 rule dropped, or a master made for an FP32 weight)."""
+    if policy.param_dtype == torch.float32:  # every parameter stays FP32: nothing to disagree on
+        return
+    kept = {id(m) for _, root in fp32_modules(model, policy) for m in root.modules()}
+    holders: dict[int, tuple[list[str], list[str]]] = {}  # a parameter's holders: (lowered, kept)
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, param in module.named_parameters(recurse=False):
+            if param.is_floating_point():
+                holders.setdefault(id(param), ([], []))[id(module) in kept].append(f"{name}.{key}" if name else key)
+    for lowered, fp32 in holders.values():
+        if lowered and fp32:
+            owners = [name.rpartition(".")[0] or name for name in (fp32[0], lowered[0])]
+            raise ValueError(
+                f"policy {policy}: the parameter {fp32[0]!r} is also {lowered[0]!r} (one tensor: tied weights); "
+                f"{owners[0]!r} is kept in FP32 and {owners[1]!r} stores its parameters in "
+                f"{DTYPE_NAMES.get(policy.param_dtype, policy.param_dtype)}, and one tensor has one dtype. Keep both "
+                f"in FP32 (names={owners[0]}+{owners[1]}), or neither, or untie the weights."
+            )
 
 
 def _check_bf16_outside_fp32(
