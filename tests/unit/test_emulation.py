@@ -150,3 +150,23 @@ def test_attention_saves_16_bit_inputs_and_output_and_only_its_logsumexp_in_fp32
         saved = saved_activation_bytes(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), model)
     inputs_and_output, logsumexp = 4 * q.numel() * 2, 2 * 3 * 7 * 4
     assert saved == inputs_and_output + logsumexp
+
+
+@pytest.mark.parametrize("rnn", [nn.GRU, nn.LSTM, nn.RNN])
+@pytest.mark.parametrize("spec", ["base=mixed_fp16,kernels=emulated", "base=mixed_bf16,kernels=emulated"])
+def test_recurrent_layers_after_a_16_bit_layer_compute_in_the_emulated_format(rnn, spec):
+    # the Linear's 16-bit output met the RNN's FP32 weights in torch's own dtype check, which only autocast
+    # waives: "RNN input dtype (torch.float16) does not match weight dtype (torch.float32)"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), rnn(16, 16, batch_first=True))
+    x, seen = torch.randn(2, 5, 16), {}
+    model[1].register_forward_hook(lambda module, inputs, output: seen.update(out=output[0]))
+    reference = model(x)[0]
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), spec)
+    with mp.autocast():
+        output, _ = model(x)
+    mp.backward(output.float().square().mean())
+    assert mp.step()
+    low = mixprec.get_policy(spec).compute_dtype
+    assert seen["out"].dtype == low  # the recurrent op itself in 16 bits, as CUDA autocast runs it
+    torch.testing.assert_close(output.float(), reference, rtol=0, atol=0.05)

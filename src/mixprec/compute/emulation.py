@@ -83,6 +83,16 @@ LOWER_PRECISION_OPS = frozenset(
         "conv_transpose3d",
         "prelu",
         "scaled_dot_product_attention",
+        # recurrent layers (_VF's whole-sequence ops and torch's cells; CUDA autocast's _cudnn_rnn and cells):
+        # left out, an RNN after a 16-bit layer took 16-bit input with FP32 weights, which torch refuses
+        "lstm",
+        "gru",
+        "rnn_tanh",
+        "rnn_relu",
+        "lstm_cell",
+        "gru_cell",
+        "rnn_tanh_cell",
+        "rnn_relu_cell",
     }
 )
 FP32_OPS = frozenset(
@@ -361,6 +371,25 @@ def emulations_suspended() -> Iterator[None]:
     finally:
         for emulation in active:
             emulation._suspended -= 1
+
+
+def widen_rnn_inputs(model: torch.nn.Module) -> None:
+    """Give ``model``'s recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) their input in their weights' dtype
+    while an emulation is active: a 16-bit activation (a Linear's output before them) met their FP32 weights
+    in their own dtype check, which only torch's autocast waives, and failed. The emulation then rounds the
+    recurrent op's operands to 16 bits and returns 16-bit outputs (``LOWER_PRECISION_OPS``), as CUDA autocast
+    runs it. Installed once per layer and kept (a forward pre-hook, idle where no emulation is active)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.RNNBase) and _rnn_input_to_weights not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_rnn_input_to_weights)
+
+
+def _rnn_input_to_weights(module: torch.nn.Module, args: tuple) -> tuple | None:
+    weights = getattr(module, "_flat_weights", None)
+    if not _ACTIVE.emulations or not args or not weights or not isinstance(args[0], torch.Tensor):
+        return None
+    dtype = weights[0].dtype
+    return map_floating(args, lambda tensor: tensor.to(dtype))  # the input and the state (LSTM's (h, c) too)
 
 
 def active_emulation() -> EmulatedAutocast | None:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from mixprec.compute.attention import GemmAttention
-from mixprec.compute.emulation import active_emulation, emulations_suspended
+from mixprec.compute.emulation import active_emulation, emulations_suspended, widen_rnn_inputs
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
 from mixprec.policy.policy import NORM, Policy
 from mixprec.regions.casting import unwrapped
@@ -168,6 +168,8 @@ class Region:
         if model is not None:
             _use_output_cast(model, self._seat)
             self._casts_outputs = True
+            if self.plan.emulates:
+                widen_rnn_inputs(model)
             if self.policy.fp8 is not None:
                 # the GEMM layers of FP32 and bf16 modules compute in their module's format
                 fp32, bf16 = [name for name, _ in prepared.fp32_modules], [name for name, _ in prepared.bf16_modules]
