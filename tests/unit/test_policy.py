@@ -145,6 +145,10 @@ def test_lists_are_deduplicated_in_order():
         ("c=fp8_e4m3", r"compute_dtype.*'fp8_e4m3'.*use one of float32, float16, bfloat16"),
         ("p=fp64", r"param_dtype.*'fp64'"),
         ("p=f32,ops=sofmax", r"'sofmax' is not a function of torch"),
+        # attributes that are no functions matched no op, silently
+        ("p=f32,ops=nn", r"'nn' is not a function of torch"),
+        ("p=f32,ops=Tensor", r"'Tensor' is not a function of torch"),
+        ("p=f32,ops=float32", r"'float32' is not a function of torch"),
         ("p=f32,mods=layer-norm", r"'layer-norm' is not a class name"),
         ("p=f16,m=bf16", r"masters are either float32 or the parameters themselves"),
         ("p=bf16,c=bf16,o=tf32", r"output_dtype.*'tf32'"),

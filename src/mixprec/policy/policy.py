@@ -215,7 +215,9 @@ def _check_glob(value: str, argument: str) -> None:
 
 
 def _check_op(value: str, argument: str) -> None:
-    if not any(hasattr(namespace, value) for namespace in (torch, torch.Tensor, F)):
+    # a function, not any attribute: 'nn', 'Tensor', 'float32' or 'cuda' matched no op, silently
+    found = [getattr(namespace, value, None) for namespace in (torch, torch.Tensor, F)]
+    if not any(callable(attr) and not isinstance(attr, type) for attr in found):
         raise ValueError(
             f"Policy({argument}=...): {value!r} is not a function of torch, torch.Tensor or "
             "torch.nn.functional; use the op's name as PyTorch spells it, e.g. 'softmax', 'exp', 'matmul'."
