@@ -290,6 +290,11 @@ CLI_CASES = [
     # a seed that is not a number said "invalid literal for int() with base 10", naming no argument
     ("bench seeds", ["bench", "--seeds", "0,a", "--out", "{tmp}/run"], ["--seeds: received '0,a'"]),
     ("bench no seeds", ["bench", "--seeds", ",", "--out", "{tmp}/run"], ["--seeds: received ','"]),
+    (  # the policy command takes the file as its SPEC: the error named a --policy it has not
+        "policy file names a bad policy",
+        ["policy", "{misnamed_policy_file}"],
+        ["SPEC ", "policy.json: its 'policy' is not valid"],
+    ),
     (
         "train policy file names a bad policy",
         ["train", "digits", "--policy", "{misnamed_policy_file}", "--out", "{tmp}/run"],

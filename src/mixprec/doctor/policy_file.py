@@ -60,18 +60,19 @@ def check_policy_target(path: str | Path) -> Path:
     return check_overwrite(path, "--apply", KIND, earlier_keys=frozenset({"policy", "loss_scale", "reasons", "source"}))
 
 
-def policy_and_scale(spec: str) -> tuple[str, float | None]:
+def policy_and_scale(spec: str, argument: str = "--policy") -> tuple[str, float | None]:
     """A ``--policy`` as the commands take it: a policy file (``FILE.json``, written by the doctor or the tuner)
     read for its policy string and the loss scale it recommends; anything else is the policy itself, no scale.
 
     Raises:
         ValueError: a policy file :func:`read_policy_file` refuses.
     """
-    return read_policy_file(spec) if spec.endswith(".json") else (spec, None)
+    return read_policy_file(spec, argument) if spec.endswith(".json") else (spec, None)
 
 
-def read_policy_file(path: str | Path) -> tuple[str, float | None]:
-    """(policy string, loss scale or None) from a file :func:`write_policy_file` wrote.
+def read_policy_file(path: str | Path, argument: str = "--policy") -> tuple[str, float | None]:
+    """(policy string, loss scale or None) from a file :func:`write_policy_file` wrote; errors name ``argument``
+    (the command's argument that gave the file).
 
     Raises:
         ValueError: unreadable file, not JSON, missing or malformed keys, an invalid policy or scale.
@@ -80,20 +81,20 @@ def read_policy_file(path: str | Path) -> tuple[str, float | None]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, a key given twice
-        raise ValueError(f"--policy {path}: not a readable policy file ({exc}).") from None
+        raise ValueError(f"{argument} {path}: not a readable policy file ({exc}).") from None
     if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
         raise ValueError(
-            f"--policy {path}: expected a JSON object with a 'policy' string, as `mixprec doctor --apply` writes."
+            f"{argument} {path}: expected a JSON object with a 'policy' string, as `mixprec doctor --apply` writes."
         )
     unknown = set(data) - {"policy", "loss_scale", "reasons", "source", "kind", *WRITTEN_BY}
     if unknown:
         raise ValueError(
-            f"--policy {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source, "
+            f"{argument} {path}: unknown keys {sorted(unknown)}; known: policy, loss_scale, reasons, source, "
             "written_by, kind."
         )
     try:
         get_policy(data["policy"])
     except (TypeError, ValueError) as error:
-        raise ValueError(f"--policy {path}: its 'policy' is not valid: {error}") from None
+        raise ValueError(f"{argument} {path}: its 'policy' is not valid: {error}") from None
     scale = data.get("loss_scale")
-    return data["policy"], None if scale is None else positive_number(scale, f"--policy {path}: loss_scale")
+    return data["policy"], None if scale is None else positive_number(scale, f"{argument} {path}: loss_scale")

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from mixprec.doctor import policy_and_scale
 
-    args.spec, loss_scale = policy_and_scale(args.spec)  # a policy file: its policy and recommended loss scale
+    args.spec, loss_scale = policy_and_scale(args.spec, "SPEC")  # a policy file: its policy and recommended loss scale
     prepared = prepare(None, args.spec, device=device_type)  # parsed and checked once, with its compute plan
     policy, plan = prepared.policy, prepared.plan
     record = {
