@@ -51,7 +51,7 @@ def test_a_copy_of_an_fp8_model_carries_its_scale_states():
 
     policy = "base=fp8,fp8=(scaling=delayed)"  # scales from the amax history
     model = nn.Linear(16, 16)
-    with torch.no_grad(), mixprec.autocast(policy, model):
+    with mixprec.autocast(policy, model):  # a training forward (with gradients: an evaluation records nothing)
         model(torch.randn(8, 16) * 100)  # a large amax recorded: the next scale is smaller
     twin, fresh = copy.deepcopy(model), nn.Linear(16, 16)
     fresh.load_state_dict(model.state_dict())  # the same weights, no scale states
