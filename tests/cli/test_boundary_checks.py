@@ -121,6 +121,27 @@ def test_a_run_under_auto_resumes_under_the_policy_it_trained_with(mixprec_cli, 
     finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "4", "--quiet", cwd=tmp_path)
     assert finished.returncode == 0, finished.stderr
     assert json.loads((run / "config.json").read_text())["policy"] == trained
+    # the same command line with --resume added (a Slurm requeue): its --policy auto was refused against the
+    # policy auto had decided
+    again = mixprec_cli("train", "digits", "--policy", "auto", "--out", run, "--resume", "--steps", "5", "--quiet",
+                        cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert json.loads((run / "config.json").read_text())["policy"] == trained
+
+
+def test_a_run_from_a_policy_file_resumes_with_the_same_file(mixprec_cli, tmp_path):
+    advice = tmp_path / "policy.json"
+    advice.write_text(json.dumps({"policy": "mixed_fp16", "loss_scale": 1024.0}))
+    run = tmp_path / "run"
+    first = mixprec_cli("train", "digits", "--policy", advice, "--steps", "2", "--quiet", "--out", run, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = mixprec_cli("train", "digits", "--policy", advice, "--steps", "3", "--quiet", "--out", run, "--resume",
+                        cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr  # was: "received --policy '.../policy.json', but the run has ..."
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"policy": "mixed_bf16"}))
+    refused = mixprec_cli("train", "digits", "--policy", other, "--steps", "4", "--out", run, "--resume", cwd=tmp_path)
+    assert refused.returncode == 2 and "but the run has 'mixed_fp16'" in refused.stderr, refused.stderr
 
 
 @pytest.mark.parametrize(

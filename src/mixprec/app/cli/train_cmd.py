@@ -191,6 +191,8 @@ def resumed_config(saved: TrainConfig, args: argparse.Namespace) -> TrainConfig:
     given = {k: v for k, v in vars(args).items() if k in run_flags and k in args.given}
     if given.get("model"):
         given["task"] = given.pop("model")
+    if "policy" in given:
+        given["policy"] = _policy_as_saved(given["policy"], saved.policy)
     changes = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE}
     if "steps" in changes or "epochs" in changes:  # one or the other: the new length replaces the old
         changes = {"steps": None, "epochs": None, **changes}
@@ -206,6 +208,17 @@ def resumed_config(saved: TrainConfig, args: argparse.Namespace) -> TrainConfig:
             f"run in another --out (only {', '.join(flags[k] for k in RESUME_MAY_CHANGE)} may change)."
         )
     return saved.replace(**changes) if changes else saved
+
+
+def _policy_as_saved(spec: str, saved: str) -> str:
+    """A ``--policy`` given with --resume as the run's config.json keeps it: a policy file's policy string; a spec
+    with ``auto`` (decided by the machine when the run started, and saved as decided) the run's own: the same
+    command line with --resume added (a Slurm requeue) continues the run, as the run trained."""
+    if spec.endswith(".json"):
+        from mixprec.doctor import policy_and_scale
+
+        spec = policy_and_scale(spec)[0]
+    return saved if re.search(r"\bauto\b", spec) else spec
 
 
 def run_stamp() -> str:
