@@ -635,3 +635,19 @@ def test_under_torchrun_a_stop_signal_counts_from_the_ranks_next_agreement(tmp_p
         assert lifecycle.stop_requested == (ranks == 1)  # in one process: at once
         lifecycle.after_update()  # the next update's agreement (max over the ranks' signals)
         assert lifecycle.stop_requested
+
+
+def test_a_run_extended_on_resume_takes_the_new_plans_rate_from_its_first_update(tmp_path):
+    # the optimizer's saved rate (the old plan's last) drove the first update after a resume whose schedule was
+    # re-planned for a longer run
+    first = make_trainer(tmp_path, policy="fp32", checkpoint_every=4)
+    first.scheduler = torch.optim.lr_scheduler.LambdaLR(first.optimizer, lambda step: 1.0 - step / 4)  # 4 updates
+    first.fit(steps=4)
+    extended = make_trainer(tmp_path, policy="fp32", checkpoint_every=4)
+    extended.scheduler = torch.optim.lr_scheduler.LambdaLR(extended.optimizer, lambda step: 1.0 - step / 8)
+    taken = []
+    extended.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: taken.append(optimizer.param_groups[0]["lr"])
+    )
+    extended.fit(steps=6, resume=True)
+    assert taken == [3e-3 * (1.0 - 4 / 8), 3e-3 * (1.0 - 5 / 8)]  # the old plan gave 0.0 at its end

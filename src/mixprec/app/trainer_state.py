@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from mixprec.app.checkpoint import save_checkpoint, save_sharded_checkpoint
 from mixprec.app.optimizer import KERNEL_CHOICES
 from mixprec.app.resume import Resumable, run_identity
@@ -91,6 +93,7 @@ def load_trainer_state(trainer: TrainerParts, state: dict[str, Any]) -> None:
                 group.update(kept)  # this run's update kernel (fused), not the saved run's
         if trainer.scheduler is not None and state["scheduler"] is not None:
             trainer.scheduler.load_state_dict(state["scheduler"])
+            _lr_of_this_plan(trainer.scheduler, trainer.optimizer)
         set_rng_state(state["rng"])
         position = state["position"]
         if not all(type(position[k]) is int and position[k] >= 0 for k in POSITION):
@@ -99,6 +102,19 @@ def load_trainer_state(trainer: TrainerParts, state: dict[str, Any]) -> None:
         raise ValueError(f"the checkpoint does not fit this model and optimizer: {type(exc).__name__}: {exc}") from None
     trainer.updates_done, trainer.epoch = position["step"], position["epoch"]
     trainer.batch_in_epoch, trainer.skipped_batches = position["batch_in_epoch"], position["skipped_batches"]
+
+
+def _lr_of_this_plan(scheduler: Any, optimizer: Any) -> None:
+    """The learning rate the schedule gives at the step resumed, into the optimizer: its saved state holds the
+    saved run's, which a run extended on resume (its schedule re-planned for the new length) used for its first
+    update (0.0003, the old plan's last, where the new plan gave 0.00165). A LambdaLR's rate is a formula of the
+    step, so this is the value the saved run held when its plan is the same (the resume stays bit for bit)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        step = scheduler.last_epoch
+        lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
 
 
 def _load_sharded_model(trainer: TrainerParts, state: dict[str, Any]) -> None:
