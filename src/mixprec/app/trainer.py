@@ -127,7 +127,11 @@ class Trainer:
             )
         if self.world.distributed and not is_sharded(model):  # the masters from the weights DDP will broadcast
             copy_from_main([*model.parameters(), *model.buffers()])
-        self.mp = MixedPrecision(model, optimizer, policy, update.scaler, accumulation_steps=update.accumulation_steps)
+        # every skipped step between two train records is listed there (skipped_at): the engine keeps as many
+        self.mp = MixedPrecision(
+            model, optimizer, policy, update.scaler, accumulation_steps=update.accumulation_steps,
+            history=max(32, run.log_every),
+        )  # fmt: skip
         self._train_model: nn.Module = model
         if self.world.distributed and not self.mp.sharded:
             self._train_model = wrap_ddp(model, reduce_in_fp32=update.reduce_in_fp32)
