@@ -669,3 +669,36 @@ def test_every_skipped_step_between_two_records_is_listed():
     result = trainer.fit(steps=60)
     listed = [step for record in result.history if record["kind"] == "train" for step in record["skipped_at"]]
     assert result.stats.skipped_steps > 32 and len(listed) == result.stats.skipped_steps
+
+
+class _SlowEvaluation:
+    """Evaluation data that takes 0.3 s to start each pass."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        import time
+
+        time.sleep(0.3)
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_evaluations_are_not_counted_in_the_steps_time():
+    # an evaluation after each step landed in the next record's ms/step and samples/s (502 ms against 24)
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    train = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
+    model = torch.nn.Linear(8, 2)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainData(train, _SlowEvaluation(train[:1]), torch.nn.functional.cross_entropy), "fp32",
+        run=RunOptions(log_every=2, eval_every=1, progress=False),
+    )  # fmt: skip
+    result = trainer.fit(steps=6)
+    records = [record for record in result.history if record["kind"] == "train"]
+    assert all(record["ms_per_step"] < 150 for record in records), records  # a step of a Linear(8, 2): well below
+    assert records[-1]["time"] > 6 * 0.3  # the run's own clock counts them

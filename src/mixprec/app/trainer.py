@@ -319,7 +319,8 @@ class Trainer:
             interval.updates += 1
             self._log_and_evaluate(total, interval, bar)
             if checkpoint_due:
-                self.save_checkpoint()
+                with interval.paused():
+                    self.save_checkpoint()
             if self.updates_done >= total or self._lifecycle.stop_requested:
                 break
         else:
@@ -385,7 +386,8 @@ class Trainer:
             bar.update(self.updates_done, loss=record["loss"], scale=record["scale"])
         every = self.run_options.eval_every
         if every and self.updates_done % every == 0 and self.data.eval_data is not None:
-            self._evaluate_and_log()
+            with interval.paused():
+                self._evaluate_and_log()
 
     def _next_epoch(self) -> None:
         self.epoch += 1
