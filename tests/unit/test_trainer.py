@@ -701,4 +701,4 @@ def test_evaluations_are_not_counted_in_the_steps_time():
     result = trainer.fit(steps=6)
     records = [record for record in result.history if record["kind"] == "train"]
     assert all(record["ms_per_step"] < 150 for record in records), records  # a step of a Linear(8, 2): well below
-    assert records[-1]["time"] > 6 * 0.3  # the run's own clock counts them
+    assert records[-1]["time"] > 5 * 0.3 * 0.9  # the run's own clock counts them (5 evaluations before it)
