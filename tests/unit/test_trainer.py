@@ -702,3 +702,23 @@ def test_evaluations_are_not_counted_in_the_steps_time():
     records = [record for record in result.history if record["kind"] == "train"]
     assert all(record["ms_per_step"] < 150 for record in records), records  # a step of a Linear(8, 2): well below
     assert records[-1]["time"] > 5 * 0.3 * 0.9  # the run's own clock counts them (5 evaluations before it)
+
+
+def test_a_resumed_fits_speed_is_its_own(tmp_path):
+    # the summary's speed was the median over every record of the run, the first fit's (on slow data) included
+    torch.manual_seed(0)
+    x, y = torch.randn(160, 8), torch.randint(0, 2, (160,))
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 160, 8)]
+
+    def trainer(data) -> Trainer:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TrainData(data, None, torch.nn.functional.cross_entropy)
+        return Trainer(model, optimizer, data, "fp32", run=RunOptions(out_dir=tmp_path, log_every=5, progress=False))
+
+    slow = trainer(_SlowEvaluation(batches))  # 0.3 s to start each pass over the data: slow first records
+    slow.fit(steps=20)
+    resumed = trainer(batches).fit(steps=25, resume=True)
+    own = [r["ms_per_step"] for r in resumed.history if r["kind"] == "train" and r["step"] > 20]
+    assert resumed.ms_per_step == own[0] and resumed.timed_steps == 5

@@ -202,10 +202,12 @@ class Trainer:
         return self._result(seconds, evaluation, first, resume)
 
     def _result(self, seconds: float, evaluation: dict[str, float], first: int, resumed: bool) -> FitResult:
-        """What fit() returns (``first``: the update it started from): the medians of its train records, the
-        engine's statistics, the history."""
+        """What fit() returns (``first``: the update it started from): the medians of this fit's train records (a
+        resumed run's earlier ones are another process's, on what may be another machine), the engine's
+        statistics, the history."""
         train = [r for r in self.log.records if r["kind"] == "train"]
-        timed = [r["ms_per_step"] for r in train if r["ms_per_step"] > 0]
+        own = [r for r in train if r["step"] > first]
+        timed = [r["ms_per_step"] for r in own if r["ms_per_step"] > 0]
         return FitResult(
             steps=self.updates_done,
             epochs=self.epoch,
@@ -213,7 +215,7 @@ class Trainer:
             train_loss=train[-1]["loss"] if train else math.nan,
             eval=evaluation,
             ms_per_step=float(np.median(timed)) if timed else math.nan,
-            samples_per_s=float(np.median([r["samples_per_s"] for r in train])) if train else math.nan,
+            samples_per_s=float(np.median([r["samples_per_s"] for r in own])) if own else math.nan,
             stats=self.mp.stats(),
             history=list(self.log.records),
             run_dir=self.out_dir,
