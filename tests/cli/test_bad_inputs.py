@@ -286,6 +286,12 @@ CLI_CASES = [
     ("doctor task", ["doctor", "digitz", "--out", "{tmp}/run"], ["'digitz'"]),
     ("doctor steps", ["doctor", "digits", "--steps", "0", "--out", "{tmp}/run"], ["steps", "0"]),
     ("compare empty", ["compare", "digits", "--policies", ",", "--out", "{tmp}/run"], ["--policies"]),
+    # refused by fit() after config.json was written: the run folder stayed
+    (
+        "train window longer than an epoch",
+        ["train", "digits", "--size", "tiny", "--epochs", "1", "--accumulation-steps", "30", "--out", "{tmp}/run"],
+        ["fewer than accumulation_steps=30"],
+    ),
     ("bench suite", ["bench", "--suite", "nope", "--out", "{tmp}/run"], ["'nope'"]),
     # a seed that is not a number said "invalid literal for int() with base 10", naming no argument
     ("bench seeds", ["bench", "--seeds", "0,a", "--out", "{tmp}/run"], ["--seeds: received '0,a'"]),

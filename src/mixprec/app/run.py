@@ -219,6 +219,7 @@ def _train_in(  # long: the run's steps in order, each one or two lines
         resume = resume and not requeued
         if not resume:
             trainer.check_new_run()  # before config.json is written over an existing run
+            trainer.total_steps(**length)  # a length that cannot run (an epoch shorter than a window): no folder left
             _refuse_finished(run_dir)
             if requeued:
                 logger.warning("%s holds no checkpoint (its run ended before the first): starting the run over from "
