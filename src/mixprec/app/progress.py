@@ -13,16 +13,18 @@ LINE_EVERY_S = 5.0  # without a terminal: one line per this many seconds, and on
 
 
 class ProgressBar:
-    """``update(step, loss=..., scale=...)`` moves the bar and shows the latest values next to it."""
+    """``update(step, loss=..., scale=...)`` moves the bar and shows the latest values next to it. ``start``: the
+    count already done when the bar starts (a resumed run's updates), which this process's speed leaves out."""
 
-    def __init__(self, total: int, description: str, enabled: bool) -> None:
+    def __init__(self, total: int, description: str, enabled: bool, start: int = 0) -> None:
         self._progress = None
         self._lines = False
         if not enabled:
             return
-        self._total, self._description = total, description
+        self._total, self._description, self._first = total, description, start
         if not sys.stdout.isatty():
-            self._lines, self._start, self._last_line, self._completed, self._shown = True, time.monotonic(), 0.0, 0, ""
+            self._lines, self._start, self._last_line, self._shown = True, time.monotonic(), 0.0, ""
+            self._completed = start
             return
         from rich.progress import (
             BarColumn,
@@ -43,7 +45,7 @@ class ProgressBar:
             TextColumn("{task.fields[values]}"),
             transient=False,
         )
-        self._task = self._progress.add_task(description, total=total, values="")
+        self._task = self._progress.add_task(description, total=total, completed=start, values="")
         self._progress.start()
 
     def update(self, completed: int, **values: Any) -> None:
@@ -61,7 +63,8 @@ class ProgressBar:
         now = time.monotonic()
         elapsed = now - self._start
         done = self._completed / self._total if self._total else 1.0
-        eta = f", eta {elapsed * (1 - done) / done:.0f} s" if 0 < done < 1 else ""
+        here = self._completed - self._first  # done by this process: a resumed run's speed is its own
+        eta = f", eta {elapsed * (self._total - self._completed) / here:.0f} s" if here > 0 and done < 1 else ""
         print(
             f"{self._description} {self._completed}/{self._total} ({100 * done:.0f}%) {elapsed:.0f} s{eta}"
             + (f"  {self._shown}" if self._shown else ""),

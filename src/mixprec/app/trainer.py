@@ -185,7 +185,7 @@ class Trainer:
         total = self.total_steps(epochs, steps)
         self._start(total, resume, "steps" if steps is not None else "epochs")
         first = self.updates_done
-        bar = ProgressBar(total, "training", self.run_options.progress and self.world.is_main)
+        bar = ProgressBar(total, "training", self.run_options.progress and self.world.is_main, start=first)
         interval = LogInterval(self.log.records if resume else ())  # a resumed run's "time" goes on
         start = time.perf_counter()
         with self._lifecycle.running(total, bar):  # a stop signal ends fit with a checkpoint (TrainingInterrupted)
