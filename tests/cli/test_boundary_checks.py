@@ -179,4 +179,3 @@ def test_hand_edited_files_are_named_with_the_key(mixprec_cli, tmp_path):
         log.write('{"kind": "eval", "step": 3, "loss": null, "accuracy": [1]}\n')
     finished = mixprec_cli("train", "--out", run, "--resume", "--steps", "3", "--quiet", cwd=tmp_path)
     _one_line_error(finished, "metrics.jsonl: line", "'loss' is None, not a number")
-
