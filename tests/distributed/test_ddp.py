@@ -75,6 +75,9 @@ def _accumulated(rank: int, no_sync: bool) -> dict[str, torch.Tensor]:
         first = index % 2 == 0
         with wrapped.no_sync() if no_sync and first else contextlib.nullcontext(), engine.autocast():
             loss = nn.functional.cross_entropy(wrapped(x[share]), y[share])
+            with torch.no_grad():  # a metric pass after it, and one past the wrapper: neither is the backward's
+                wrapped(x[share])
+            model(x[share])
         with wrapped.no_sync() if no_sync and first else contextlib.nullcontext():
             engine.backward(loss)
         engine.step()

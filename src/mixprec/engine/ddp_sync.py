@@ -39,8 +39,10 @@ def _ddp_of(module: nn.Module) -> Any:
 
 
 class ReducedBackwardProbe:
-    """A forward hook on the model: ``reduced`` tells whether the last forward's backward is all-reduced by DDP
-    (True outside DDP)."""
+    """A forward hook on the model: :meth:`take` tells whether the backward about to run is all-reduced by DDP
+    (True outside DDP). Any forward with gradients through a DDP that does not reduce, since the last backward,
+    makes it False: a later forward without gradients (a metric pass) or one past the wrapper (``ddp.module``)
+    does not set it back, whichever ran last."""
 
     def __init__(self, model: nn.Module) -> None:
         self.reduced = True
@@ -48,8 +50,11 @@ class ReducedBackwardProbe:
         self._handle = model.register_forward_hook(self._after_forward)
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled():  # no backward follows it
+            return
         ddp = _ddp_of(module)
-        self.reduced = ddp is None or not torch.is_grad_enabled() or ddp.require_backward_grad_sync
+        if ddp is not None and not ddp.require_backward_grad_sync:
+            self.reduced = False
         if not self.reduced and not self._told:
             self._told = True
             warnings.warn(
@@ -59,6 +64,11 @@ class ReducedBackwardProbe:
                 "ranks). To sum every micro-batch in FP32, reduce each one (no no_sync()).",
                 stacklevel=2,
             )
+
+    def take(self) -> bool:
+        """Whether the backward now running is reduced; the next one is judged by the forwards after it."""
+        reduced, self.reduced = self.reduced, True
+        return reduced
 
     def remove(self) -> None:
         self._handle.remove()

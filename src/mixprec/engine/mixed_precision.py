@@ -253,7 +253,7 @@ class MixedPrecision:
         # tf32: the backward's matmuls too, not only the region's forward (float32_matmul_precision is global)
         with tf32_matmuls(self.device.type) if self.policy.allow_tf32 else contextlib.nullcontext():
             self.scalers[loss_id].scale(loss).backward(retain_graph=retain_graph)
-        if self.accumulate_in_fp32 and self._reduced.reduced:
+        if self.accumulate_in_fp32 and self._reduced.take():
             self.masters.grads_to_masters()
         self._grads_carry_scale = not isinstance(self.scalers[loss_id], NoOpLossScaler)
         self._guards.after_backward(self)
