@@ -39,6 +39,13 @@ def check_device(spec: str, where: str) -> None:
         )
 
 
+def decided_by_the_machine(policy: str) -> bool:
+    """Whether a policy spec holds ``auto``, which the machine and its kernel probe decide when the run starts: the
+    run's config.json keeps the policy as decided, and a resume goes on with it, not with what ``auto`` would pick
+    there and then."""
+    return re.search(r"\bauto\b", policy) is not None
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that defines a training run (None: the task's default)."""

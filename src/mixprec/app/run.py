@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from mixprec.app.checkpoint import newest_step
-from mixprec.app.config import TrainConfig, check_device
+from mixprec.app.config import TrainConfig, check_device, decided_by_the_machine
 from mixprec.app.machine import machine_info
 from mixprec.app.optimizer import adamw_for
 from mixprec.app.report import plot_run, write_run_report
@@ -235,10 +234,9 @@ def _train_in(  # long: the run's steps in order, each one or two lines
         raise
     main = trainer.world.is_main
     if main:  # on resume too: a length or checkpoint setting given with --resume holds for later resumes
-        # the policy as resolved here ('auto' is decided by this machine and its kernel probe): a resume goes on
-        # with the policy the run trained under, not with what 'auto' would pick there and then
-        decided_here = re.search(r"\bauto\b", config.policy) is not None
-        (config.replace(policy=str(trainer.mp.policy)) if decided_here else config).save(run_dir)
+        # the policy as resolved here: a resume goes on with the policy the run trained under
+        decided = decided_by_the_machine(config.policy)
+        (config.replace(policy=str(trainer.mp.policy)) if decided else config).save(run_dir)
     result = trainer.fit(**length, resume=resume)
     with held(trainer.run_options.stop_signals, "writing the run's report"):  # the run is complete: the report follows
         return _report(run_dir, config, trainer, parts, settings, result)

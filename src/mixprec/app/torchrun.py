@@ -79,11 +79,10 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def shard(batch: Any, rank: int, size: int, samples: int) -> Any:
-    """This rank's slice (along the first dimension) of every tensor in a batch of ``samples``, cut first to
-    a multiple of the world size (:func:`even_samples`): the ranks then get equal shares, and the mean
-    loss over ranks, which DDP's gradient averaging computes, is the kept global batch's mean."""
-    kept = even_samples(samples, size)
+def shard(batch: Any, rank: int, size: int, kept: int) -> Any:
+    """This rank's slice (along the first dimension) of every tensor in a batch, of its first ``kept`` samples (a
+    multiple of the world size: :func:`even_samples`): the ranks get equal shares, and the mean loss over ranks,
+    which DDP's gradient averaging computes, is the kept global batch's mean."""
     return map_tensors(batch, lambda tensor: tensor[:kept].tensor_split(size)[rank])
 
 

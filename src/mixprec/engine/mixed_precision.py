@@ -87,6 +87,8 @@ class OptimizerView(NamedTuple):
     with_gradients: tuple[torch.Tensor, ...]  # the model's parameters and the optimizer's, each once
     kind: tuple[torch.device, torch.dtype] | None  # their one device and dtype, if they share one
     outside: tuple[torch.Tensor, ...]  # the model's parameters no optimizer holds (o2's 16-bit ones, frozen ones)
+    # sharded models: per optimizer parameter, the process groups its shards add up over (clip_grad_norm_'s norm)
+    shard_groups: tuple[tuple, ...] | None = None
 
 
 class MixedPrecision:
@@ -195,6 +197,7 @@ class MixedPrecision:
                 tuple(dict.fromkeys([*self._parameters, *optimized])),
                 kinds.pop() if len(kinds) == 1 else None,
                 tuple(p for p in self._parameters if id(p) not in held),
+                tuple(map(shard_groups, optimized)) if self.sharded else None,  # placements: fixed with the parameter
             )
         return self._optimizer_view
 
@@ -266,8 +269,11 @@ class MixedPrecision:
         return [local(p.grad) for p in self._optimizer_params() if p.grad is not None]
 
     def _shard_groups(self) -> list[tuple]:
-        """For each of :meth:`_optimizer_grads`, the process groups its parts add up over (sharded models)."""
-        return [shard_groups(p.grad) for p in self._optimizer_params() if p.grad is not None]
+        """For each of :meth:`_optimizer_grads`, the process groups its parts add up over (sharded models; read
+        from the parameters' placements once, not at every clip)."""
+        optimized = self._optimizer_params()
+        groups = self._view(optimized).shard_groups
+        return [group for param, group in zip(optimized, groups, strict=True) if param.grad is not None]
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""

@@ -44,8 +44,8 @@ from torch import nn
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.emulation import active_emulation, emulations_suspended, widen_rnn_inputs
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
-from mixprec.policy.policy import NORM, Policy
-from mixprec.regions.casting import unwrapped
+from mixprec.policy.policy import Policy
+from mixprec.regions.casting import classes_named, unwrapped
 from mixprec.regions.fp8.region import fp8_state
 from mixprec.regions.module_formats import (
     ModuleFormats,
@@ -410,6 +410,6 @@ def _module_rules(policy: Policy) -> str:
     layers compute in FP32 (or as the device's autocast has them) without the model too."""
     rules = [f"names={'+'.join(policy.fp32_names)}" if policy.fp32_names else ""]
     rules.append(f"bf16_names={'+'.join(policy.bf16_names)}" if policy.bf16_names else "")
-    classes = [cls for cls in policy.fp32_modules if cls != NORM]
+    classes = classes_named(policy)
     rules.append(f"mods={'+'.join(classes)}" if classes else "")
     return " and ".join(rule for rule in rules if rule)

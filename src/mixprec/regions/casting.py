@@ -149,12 +149,17 @@ def _outermost(
             yield name, module
 
 
+def classes_named(policy: Policy) -> list[str]:
+    """The module classes the policy keeps in FP32 by name, ``norm`` aside: presets list it for any model."""
+    return [cls for cls in policy.fp32_modules if cls != NORM]
+
+
 def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
     """Raise ValueError for an entry of the policy's ``fp32_names``, ``bf16_names`` or ``fp32_modules`` (``norm``
     aside, which presets list for any model) that matches no module of ``model``: a typo would keep nothing in
     FP32, silently (a name of the doctor's advice mistyped: every fp16 step then overflowed and was skipped)."""
-    classes_named = [cls for cls in policy.fp32_modules if cls != NORM]
-    if not (policy.fp32_names or policy.bf16_names or classes_named):  # the presets' norm alone: nothing to check
+    named_classes = classes_named(policy)
+    if not (policy.fp32_names or policy.bf16_names or named_classes):  # the presets' norm alone: nothing to check
         return
     _check_tied_across(model, policy)
     named = [(name, module) for name, module in model.named_modules(remove_duplicate=False) if name]  # every alias
@@ -166,7 +171,7 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
                 raise ValueError(_unmatched(policy, key, glob, names, "module names", model))
     _check_bf16_outside_fp32(model, policy, named, wrappers)
     classes = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
-    for cls in classes_named:
+    for cls in named_classes:
         if cls not in classes:
             raise ValueError(_unmatched(policy, "fp32_modules", cls, sorted(classes), "module classes", model))
 

@@ -214,11 +214,13 @@ def _policy_as_saved(spec: str, saved: str) -> str:
     """A ``--policy`` given with --resume as the run's config.json keeps it: a policy file's policy string; a spec
     with ``auto`` (decided by the machine when the run started, and saved as decided) the run's own: the same
     command line with --resume added (a Slurm requeue) continues the run, as the run trained."""
+    from mixprec.app.config import decided_by_the_machine
+
     if spec.endswith(".json"):
         from mixprec.doctor import policy_and_scale
 
         spec = policy_and_scale(spec)[0]
-    return saved if re.search(r"\bauto\b", spec) else spec
+    return saved if decided_by_the_machine(spec) else spec
 
 
 def run_stamp() -> str:
