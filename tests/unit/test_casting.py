@@ -53,6 +53,27 @@ def test_o2_keeps_every_norm_fp32():
     assert got["embed.weight"] == got["lm_head.weight"] == torch.bfloat16
 
 
+class PreNorm(nn.Module):  # a block named like a norm that holds layers: not a norm, the norm inside it is
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fn = nn.Linear(8, 8)
+
+
+class ResNetNoNorm(nn.Module):  # a root model named like a norm
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = PreNorm()
+        self.head = nn.Linear(8, 2)
+
+
+def test_a_model_or_block_named_like_a_norm_is_not_kept_whole():
+    model = mixprec.cast_module(ResNetNoNorm(), mixprec.get_policy("o2_bf16"))
+    fp32 = {k for k, v in dtypes(model).items() if v == torch.float32}
+    assert fp32 == {"body.norm.weight", "body.norm.bias"}
+    assert [name for name, _ in mixprec.fp32_modules(model, mixprec.get_policy("o2_bf16"))] == ["body.norm"]
+
+
 def test_name_globs_and_classes():
     policy = mixprec.get_policy("p=f16,c=f16,names=*.lm_head,mods=Embedding")
     got = dtypes(mixprec.cast_module(Model(), policy))

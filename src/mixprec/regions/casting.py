@@ -52,9 +52,18 @@ _NORM_NAME = re.compile(r"(Norm|Normalization)(\d+d)?$")
 
 
 def _is_kept_class(module: nn.Module, classes: tuple[str, ...]) -> bool:
-    if NORM in classes and (isinstance(module, _TORCH_NORMS) or _NORM_NAME.search(type(module).__name__)):
+    if NORM in classes and (isinstance(module, _TORCH_NORMS) or _named_like_a_norm(module)):
         return True
     return any(cls.__name__ in classes for cls in type(module).__mro__)
+
+
+def _named_like_a_norm(module: nn.Module) -> bool:
+    """A norm defined outside torch, by its class name, holding its parameters itself: a model or block whose name
+    ends in ``Norm`` but holds layers (``PreNorm(dim, attention)``, a root ``ResNetNoNorm``) is not one, or the whole
+    of it would stay FP32 under every preset, silently."""
+    if not _NORM_NAME.search(type(module).__name__):
+        return False
+    return not any(True for child in module.children() for _ in child.parameters())
 
 
 def _is_kept_name(name: str, globs: tuple[str, ...], wrappers: tuple[str, ...] = ()) -> bool:
