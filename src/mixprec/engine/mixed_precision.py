@@ -423,15 +423,27 @@ class MixedPrecision:
         found = self._found_inf()
         self._log.watch_underflow(self._optimizer_grads, self._last_loss)  # only after a scale collapse
         self._update_or_skip(found)
-        if self._region.fp8 is not None:  # a skipped update's amaxes leave the delayed histories
-            self._region.fp8.end_window(found.found)
         scales_before = self._log.scales()
         for scaler, flag in zip(self.scalers, found.per_loss, strict=True):
             scaler.update(flag)
+        if self._region.fp8 is not None:  # a skipped update's amaxes leave the delayed histories
+            self._region.fp8.end_window(found.found, self._loss_scale_change(scales_before))
         self._zero_grad()
         self._log.record(found, scales_before)
         self._last = StepResult(True, found.found)
         return self._last
+
+    def _loss_scale_change(self, scales_before: list[torch.Tensor | float]) -> torch.Tensor | float | None:
+        """The loss scale now over ``scales_before`` (on the device: no host sync), for the FP8 gradient histories;
+        None where no history keeps gradient amaxes, the scale cannot change, or several losses' scales meet in the
+        same gradients."""
+        fp8 = self._region.fp8
+        if fp8 is None or fp8.recipe.scaling != "delayed" or len(self.scalers) != 1:
+            return None
+        scaler = self.scalers[0]
+        if scaler.fixed_scale is not None or scaler.scale_tensor is None:
+            return None
+        return (scaler.scale_tensor / scales_before[0]).reshape(())
 
     def _found_inf(self) -> FoundInf:
         """Every loss's found-inf flag, the maximum over ranks, read on the host once (not at all where a

@@ -123,14 +123,19 @@ class Fp8State:
         # one foreach call each (a multiply by one: an exact copy); the lists are empty but under delayed scaling
         return (torch._foreach_mul(histories, 1.0), torch._foreach_mul(counts, 1)) if histories else ([], [])
 
-    def end_window(self, skipped: bool | torch.Tensor) -> None:
+    def end_window(self, skipped: bool | torch.Tensor, loss_scale_change: torch.Tensor | float | None = None) -> None:
         """At an update (applied or skipped): a skipped update's amaxes, recorded by its window's forwards and
         backwards as they ran, are taken back out of the delayed histories, which return to what they were at the
         last update; then these are kept for the next. ``skipped``: known on the host, or a device flag (a fused
         optimizer that skips on the device; no host sync: the histories are masked with it).
+        ``loss_scale_change``: the new loss scale over the one the window's gradients carried (on the device or
+        the host); the gradient histories are multiplied by it.
 
         Why: an update skips because a gradient overflowed, and its finite amaxes (a gradient amax of 1e36 whose
-        weight gradient overflowed) would otherwise scale the next ``history`` steps' gradients to zero."""
+        weight gradient overflowed) would otherwise scale the next ``history`` steps' gradients to zero. And the
+        gradients' amaxes carry the loss scale: kept as they were, after the scale doubled the next step's largest
+        gradients saturated at the format's largest value (up to 2x), and after it halved they used half the
+        range for ``history`` steps."""
         histories, counts = self._delayed()
         if not histories:
             return
@@ -146,6 +151,8 @@ class Fp8State:
                 ):
                     torch._foreach_mul_(live, 1 - flag)
                     torch._foreach_add_(live, torch._foreach_mul(saved, flag))
+        if loss_scale_change is not None:  # a power of two (growth 2, backoff 0.5): exact
+            torch._foreach_mul_([layer.grad.history for layer in self.layers.values()], loss_scale_change)
         self._boundary = self._delayed_copies()
 
     def state_dict(self) -> dict:
