@@ -90,14 +90,14 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_matches(tmp_path):
     assert_bit_identical(parameters(straight), parameters(resumed))
 
 
-def test_a_stop_in_a_window_that_spans_two_epochs_finishes_the_window_first(tmp_path):
-    # 23 batches an epoch, 2 per update: the epoch ends in the middle of update 12's window. A stop asked for
-    # there used to save mid-window (the window's gradients lost) and the resumed run differed
+def test_a_stop_in_a_window_at_an_epoch_start_finishes_the_window_first(tmp_path):
+    # 23 batches an epoch, 2 per update: the epoch's last batch is left out, the next epoch starts update 12's
+    # window. A stop asked for there used to save mid-window (the window's gradients lost), the resume differed
     calls = {"n": 0}
 
     def stopping_loss(outputs, targets):
         calls["n"] += 1
-        if calls["n"] == 23:  # the epoch's last batch, the window's first micro-batch
+        if calls["n"] == 23:  # the next epoch's first batch, the window's first micro-batch
             os.kill(os.getpid(), signal.SIGTERM)
         return torch.nn.functional.cross_entropy(outputs, targets)
 
@@ -109,6 +109,18 @@ def test_a_stop_in_a_window_that_spans_two_epochs_finishes_the_window_first(tmp_
     resumed = make_trainer(tmp_path / "split", accumulation_steps=2)
     resumed.fit(steps=16, resume=True)
     assert_bit_identical(parameters(straight), parameters(resumed))
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_epochs_with_a_window_that_does_not_divide_them_run_whole_epochs(tmp_path, epochs):
+    # 23 batches an epoch, 2 per update: a window carried into the next epoch, so --epochs 2 ran 22 updates over
+    # 44 batches and reported 1 epoch (--epochs 1: 0 epochs); now each epoch's odd batch is left out
+    trainer = make_trainer(tmp_path, accumulation_steps=2)
+    result = trainer.fit(epochs=epochs)
+    assert (result.steps, result.epochs) == (11 * epochs, epochs)
+    assert trainer.batch_in_epoch == 0
+    resumed = make_trainer(tmp_path, accumulation_steps=2).fit(epochs=epochs + 1, resume=True)
+    assert (resumed.steps, resumed.epochs) == (11 * (epochs + 1), epochs + 1)
 
 
 def _sigterm() -> None:

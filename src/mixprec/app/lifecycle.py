@@ -189,10 +189,10 @@ class RunLifecycle:
         every = self._options.checkpoint_every
         return due or bool(every and self._loop.updates_done % every == 0)
 
-    def epoch_ended(self, length: int | None) -> None:
-        """The loop moved on to a new epoch: a position committed on the last of the ``length`` batches of the
-        one before is this epoch's start."""
-        if self._committed[1] == length:
+    def epoch_ended(self, ended_at: int) -> None:
+        """The loop moved on to a new epoch: a position committed on the batch the one before ended at (its last,
+        or the last its windows read) is this epoch's start."""
+        if self._committed[1] == ended_at:
             self._committed = (self._loop.epoch, 0)
 
     def updates_ended(self) -> None:

@@ -328,8 +328,15 @@ class Trainer:
         else:
             self._next_epoch()
             return
-        if self.batch_in_epoch == _length(self.data.train_data):  # stopped on the epoch's last batch: it is complete
+        if self._epoch_read():  # stopped on the epoch's last batch (or window): it is complete
             self._next_epoch()
+
+    def _epoch_read(self) -> bool:
+        """Whether the epoch's batches are all read, at an update: what is left is fewer than a window."""
+        length = _length(self.data.train_data)
+        return (
+            length is not None and self.mp.micro_step == 0 and length - self.batch_in_epoch < self.mp.accumulation_steps
+        )
 
     def _freeze(self, frozen: bool) -> None:
         """The frozen phase's parameters without gradients (so without an update: under o2 their masters get no
@@ -343,8 +350,15 @@ class Trainer:
 
     def _ready(self, batches: Iterator) -> Iterator[tuple[Any, Any, int]]:
         """Each batch on the device with its sample count, counted in ``batch_in_epoch``: with non-finite inputs
-        refused or dropped (:meth:`_inputs_ok`), under torchrun this rank's slice of it."""
-        for inputs, targets in batches:
+        refused or dropped (:meth:`_inputs_ok`), under torchrun this rank's slice of it. An epoch's last batches,
+        fewer than an accumulation window at an update, are left out (read by no window): so an epoch makes
+        ``batches // accumulation_steps`` updates, as ``fit(epochs=...)`` counts them; a window carried into the next
+        epoch made ``--epochs 2`` end one batch short of its second epoch."""
+        while not self._epoch_read():
+            try:
+                inputs, targets = next(batches)
+            except StopIteration:
+                return
             self.batch_in_epoch += 1
             inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
             if self.checks.check_inputs and not self._inputs_ok(inputs):
@@ -392,9 +406,10 @@ class Trainer:
                 self._evaluate_and_log()
 
     def _next_epoch(self) -> None:
+        ended_at = self.batch_in_epoch
         self.epoch += 1
         self.batch_in_epoch = 0
-        self._lifecycle.epoch_ended(_length(self.data.train_data))
+        self._lifecycle.epoch_ended(ended_at)
 
     def _inputs_ok(self, inputs: Any) -> bool:
         tensor = inputs if isinstance(inputs, torch.Tensor) else None
