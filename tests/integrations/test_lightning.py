@@ -87,7 +87,7 @@ class Record(L.Callback):
                 "optimizer_steps": int(state["step"]) if "step" in state else 0,
                 "scheduler_steps": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
                 "lr": optimizer.param_groups[0]["lr"],
-                "loss": float(outputs["loss"]),
+                "loss": float(outputs["loss"]) if outputs else None,  # None: a training_step that returned None
                 "scale": self.plugin.stats().scale if self.plugin is not None else None,
             }
         )
@@ -111,6 +111,20 @@ def test_an_overflowing_step_is_skipped_with_its_optimizer_and_scheduler_steps()
     assert trainer.callback_metrics["mixprec/loss_scale"].item() == 512.0
     assert trainer.callback_metrics["mixprec/skipped_steps"].item() == 1.0
     assert plugin.stats().skipped_steps == 1 and plugin.stats().applied_steps == BATCHES - 1
+
+
+class SkipsBatchOne(Regression):
+    def training_step(self, batch, batch_idx):  # None: Lightning's "skip this batch", no update
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_returning_none_moves_no_schedule():
+    # the gate kept the previous update's verdict: after an applied update the scheduler stepped with no update
+    plugin = MixprecPrecision("mixed_fp16", mixprec.DynamicLossScaler(init_scale=1024.0))
+    record = Record(plugin)
+    _trainer(plugin, epochs=2, callbacks=[record]).fit(SkipsBatchOne(), _data())
+    steps = [(row["optimizer_steps"], row["scheduler_steps"]) for row in record.rows]
+    assert steps == [(1, 1), (1, 1), (2, 2), (3, 3), (4, 4), (4, 4), (5, 5), (6, 6)]
 
 
 def test_o2_bf16_tracks_the_fp32_loss_curve():

@@ -229,6 +229,7 @@ class MixprecPrecision(Precision):
         closure_result = closure()
         if not self._backward_pending:  # training_step returned None: no gradients, nothing to update
             self._after_closure(model, optimizer)
+            self._last_applied = False  # nor a schedule step (the gate kept the last update's verdict)
             return closure_result
         mp.unscale_()
         # o2 keeps the gradients on the FP32 masters: hooks that read p.grad see them on the module's parameters
