@@ -267,6 +267,54 @@ def test_the_example_fine_tunes_the_pretrained_network_under_o2():
     assert "on 360 held-out images" in done.stdout and "weights torch.float32" in done.stdout
 
 
+class Interrupt(Callback):
+    order = 50
+
+    def after_pred(self) -> None:
+        if self.training and self.learn.train_iter == 3:
+            raise KeyboardInterrupt  # a Ctrl-C in a notebook: fastai calls no after_fit
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
+def test_a_fit_interrupted_by_an_exception_leaves_fp32_behind(policy):
+    # the region stayed open: plain torch code went on computing in bf16, and an o2 model stayed bf16
+    learn = _learner(policy, cbs=[Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        _quiet_fit(learn, 1, 1e-2)
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    assert (torch.randn(4, 4) @ torch.randn(4, 4)).dtype == torch.float32
+    learn.remove_cb(Interrupt)
+    _quiet_fit(learn, 1, 1e-2)  # and the Learner trains again
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+
+def _exportable(policy: str, tmp_path) -> Learner:
+    learn = _learner(policy, tmp_path=tmp_path)
+    x, y = _data()
+    # fastai's export empties the data (Datasets.new_empty): a Datasets, not a list
+    datasets = Datasets(range(TRAIN), [[x.__getitem__], [y.__getitem__]], splits=[list(range(80)), list(range(80, 96))])
+    learn.dls = datasets.dataloaders(bs=BS, device="cpu", shuffle=False)
+    return learn
+
+
+@pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
+def test_an_export_between_fits_changes_nothing_of_the_training(policy, tmp_path):
+    # fastai's export reloaded the optimizer state into the 16-bit model: the moments became bf16, and the next
+    # fit crashed (mixed_bf16) or trained on them (o2_bf16, 1.35e-4 off)
+    learners = []
+    for export in (False, True):
+        learn = _exportable(policy, tmp_path)
+        _quiet_fit(learn, 1, 1e-2)
+        if export:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                learn.export("export.pkl")
+        assert {v.dtype for s in learn.opt.opt.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+        _quiet_fit(learn, 1, 1e-2)
+        learners.append(learn)
+    assert _same_weights(*(learn.model for learn in learners))
+
+
 def test_export_writes_the_model_at_the_policys_export_precision(tmp_path):
     learn = _learner("mixed_bf16", tmp_path=tmp_path)
     x, y = _data()

@@ -162,6 +162,13 @@ class MixprecCallback(Callback):
         self._hand_back()
         self._restore_after_lr_find()
 
+    def abandon(self) -> None:
+        """After a fit, however it ended: the region left, the model handed back, an lr_find sweep's weights
+        undone (nothing left to do after after_fit)."""
+        self._region.close()
+        self._hand_back()
+        self._restore_after_lr_find()
+
     def _snapshot_for_lr_find(self) -> None:
         """lr_find restores the model and optimizer from the .pth file it saves, which learn.save under this
         callback writes elsewhere (its check for the file fails, and the sweep's weights stayed): kept here instead,
@@ -285,6 +292,22 @@ def to_mixprec(self: Learner, policy: mixprec.Policy | str = "auto", scaler: mix
     return self.add_cb(MixprecCallback(policy, scaler))
 
 
+_fastai_fit = Learner.fit
+
+
+@patch
+def fit(self: Learner, *args, **kwargs):
+    """fastai's fit; under MixprecCallback, a fit ended by an exception other than fastai's Cancel ones (a Ctrl-C
+    in a notebook, an error in a callback: fastai then calls no after_fit) still leaves the region and hands the
+    model back in FP32. Before, the process went on computing in bf16 (a plain ``a @ b`` returned bf16) and an o2
+    model stayed bf16."""
+    try:
+        return _fastai_fit(self, *args, **kwargs)
+    finally:
+        if (cb := _attached(self)) is not None:
+            cb.abandon()
+
+
 _fastai_save, _fastai_load = Learner.save, Learner.load
 
 
@@ -356,6 +379,11 @@ def export(self: Learner, fname="export.pkl", **kwargs):
         raise RuntimeError("learn.export during a fit under MixprecCallback: export after fit, from the FP32 model.")
     exported = export_policy(policy, dtype)
     weights = {name: value.clone() for name, value in self.model.state_dict().items()}
+    # fastai's export makes a new optimizer and loads this state into it while the model is 16-bit, which casts
+    # the moments to 16 bits (the next fit crashed, or under o2 trained on rounded moments): kept to load back.
+    # The tensors themselves, no copy: the loading casts copies of them
+    opt = getattr(self, "opt", None)
+    opt_state = opt.state_dict() if opt is not None else None
     spec = cb.policy_spec
     cast_module(self.model, exported)
     cb.policy_spec = exported
@@ -365,6 +393,8 @@ def export(self: Learner, fname="export.pkl", **kwargs):
         cb.policy_spec = spec
         cast_module(self.model, mixprec.get_policy("fp32"))
         self.model.load_state_dict(weights)  # the exact FP32 values, not their 16-bit rounding
+        if opt_state is not None and self.opt is not None:
+            self.opt.load_state_dict(opt_state)
 
 
 def _state_path(learn: Learner, file: Any) -> Path:
