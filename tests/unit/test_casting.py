@@ -74,6 +74,30 @@ def test_a_model_or_block_named_like_a_norm_is_not_kept_whole():
     assert [name for name, _ in mixprec.fp32_modules(model, mixprec.get_policy("o2_bf16"))] == ["body.norm"]
 
 
+class Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x)[0])
+
+
+@pytest.mark.parametrize("spec", ["base=mixed_bf16,names=attn.out_proj", "base=mixed_bf16,mods=Linear"])
+def test_an_fp32_rule_on_a_layer_whose_forward_is_bypassed_is_warned_about(spec):
+    # MultiheadAttention reads out_proj.weight itself: the rule kept the weight FP32, the compute stayed bf16
+    model = Attending()
+    with pytest.warns(UserWarning, match=r"\['attn.out_proj'\].*Keep the attention instead: names=attn"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), spec)
+
+
+def test_an_fp32_rule_on_the_attention_itself_is_not_warned_about(recwarn):
+    model = Attending()
+    mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "base=mixed_bf16,names=attn")
+    assert not [w for w in recwarn if "MultiheadAttention" in str(w.message)]
+
+
 def test_name_globs_and_classes():
     policy = mixprec.get_policy("p=f16,c=f16,names=*.lm_head,mods=Embedding")
     got = dtypes(mixprec.cast_module(Model(), policy))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -158,6 +159,31 @@ def _outermost(
             yield name, module
 
 
+def attention_projections(model: nn.Module) -> set[str]:
+    """The Linear layers inside nn.MultiheadAttention, whose own forward the attention never calls (it reads
+    their weights in ``F.multi_head_attention_forward``)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            names |= {f"{prefix}.{name}" if prefix else name for name, _ in module.named_modules() if name}
+    return names
+
+
+def _warn_bypassed(model: nn.Module, policy: Policy) -> None:
+    """Warn of modules kept in FP32 whose forward is never called (a MultiheadAttention's ``out_proj``): their
+    weights stay FP32, but they compute in the region's dtype."""
+    bypassed = attention_projections(model)
+    kept = [name for name, _ in fp32_modules(model, policy) if name in bypassed]
+    if kept:
+        parents = sorted({name.rsplit(".", 1)[0] for name in kept if "." in name})
+        warnings.warn(
+            f"{kept}: kept in FP32 by the policy, but nn.MultiheadAttention computes with their weights itself, not "
+            "through their forward, so they compute in the region's dtype (their weights stay FP32). Keep the "
+            f"attention instead: names={'+'.join(parents) or '<the attention module>'}.",
+            stacklevel=3,
+        )
+
+
 def classes_named(policy: Policy) -> list[str]:
     """The module classes the policy keeps in FP32 by name, ``norm`` aside: presets list it for any model."""
     return [cls for cls in policy.fp32_modules if cls != NORM]
@@ -183,6 +209,7 @@ def check_fp32_entries(model: nn.Module, policy: Policy) -> None:
     for cls in named_classes:
         if cls not in classes:
             raise ValueError(_unmatched(policy, "fp32_modules", cls, sorted(classes), "module classes", model))
+    _warn_bypassed(model, policy)
 
 
 def _check_tied_across(model: nn.Module, policy: Policy) -> None:

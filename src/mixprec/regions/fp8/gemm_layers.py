@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.regions.casting import enclosing
+from mixprec.regions.casting import attention_projections, enclosing
 
 __all__ = ["GemmSelection", "KeptLayer", "gemm_operands", "register_gemm_layer", "select_gemm_layers"]
 
@@ -151,15 +151,6 @@ def _aligned(module: nn.Module, operands: Operands) -> tuple[bool, str]:
     return ok, f"{in_features} -> {out_features}"
 
 
-def _attention_projections(model: nn.Module) -> set[str]:
-    """The Linear layers inside nn.MultiheadAttention, whose own forward the attention never calls."""
-    names = set()
-    for prefix, module in model.named_modules():
-        if isinstance(module, nn.MultiheadAttention):
-            names |= {f"{prefix}.{name}" if prefix else name for name, _ in module.named_modules() if name}
-    return names
-
-
 def select_gemm_layers(
     model: nn.Module,
     keep: Collection[str],
@@ -173,7 +164,7 @@ def select_gemm_layers(
     whether the FP8 GEMM kernel runs (then shapes it refuses are kept); ``only``: name globs, the layers
     that match none are kept (empty: every layer may run FP8); ``bf16``: an fp16 policy's bf16 modules by name."""
     selection = GemmSelection()
-    in_mha = _attention_projections(model)
+    in_mha = attention_projections(model)
     gemms: list[tuple[str, nn.Module, Operands]] = []
     for name, module in model.named_modules():
         operands = gemm_operands(module)
