@@ -157,6 +157,15 @@ def test_compare_prints_one_table_and_a_report(tmp_path, run):
     assert "| mixed_bf16 |" in (tmp_path / "report.md").read_text()
 
 
+def test_compare_refuses_a_policy_the_model_cannot_take_before_anything_trains(tmp_path, mixprec_cli):
+    # found after fp32 had trained, whose folder then refused the corrected command
+    out = tmp_path / "cmp"
+    policies = "fp32;base=mixed_bf16,names=nonexistent"
+    result = mixprec_cli("compare", "digits", "--size", "tiny", "--steps", "2", "--policies", policies, "--out", out)
+    assert result.returncode == 2 and "--policies 'base=mixed_bf16,names=nonexistent'" in result.stderr
+    assert "matches no module" in result.stderr and not out.exists()
+
+
 def test_compare_takes_fp32_by_any_of_its_names_as_the_reference(tmp_path, run):
     # the reference was found by the literal name "fp32": with float32 every ratio was against the first run
     result = run("compare", "digits", "--size", "tiny", "--steps", "2", "--policies", "mixed_bf16,float32",

@@ -34,12 +34,12 @@ from mixprec.engine import saved_activation_bytes
 from mixprec.parallel import fully_shard
 from mixprec.persist import RUN, claim_folder
 from mixprec.policy import Policy, get_policy
-from mixprec.regions import ComputePlan
+from mixprec.regions import ComputePlan, prepare
 from mixprec.scaling import DynamicLossScaler
 
 logger = logging.getLogger("mixprec")
 
-__all__ = ["RunOutcome", "build_trainer", "resolve_device", "run_training"]
+__all__ = ["RunOutcome", "build_trainer", "check_policies_fit", "resolve_device", "run_training"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,19 @@ def build_trainer(
         ),
     )
     return trainer, parts, settings
+
+
+def check_policies_fit(config: TrainConfig, policies: list[tuple[str, Policy]]) -> None:
+    """Refuse a policy the task's model cannot take (an FP32 name matching no module, tied weights split between
+    FP32 and 16 bits) before any run trains: ``compare`` trains its policies one after the other, and found a bad
+    last one after training the others. ``policies``: (as given, parsed). Builds the task once."""
+    device = resolve_device(config.device)
+    model = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size)).model
+    for spec, policy in policies:
+        try:
+            prepare(model, policy)  # the checks alone: nothing is cast
+        except ValueError as error:
+            raise ValueError(f"--policies {spec!r}: {error}") from None
 
 
 def _settings(config: TrainConfig, defaults: dict) -> dict:

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mixprec.app.machine import machine_info
     from mixprec.app.report import plot_compare, write_compare_report  # the 'train' extra
-    from mixprec.app.run import run_training
+    from mixprec.app.run import check_policies_fit, run_training
     from mixprec.persist import COMPARISON, claim_folder
     from mixprec.policy import parse_policy_list
 
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         if first != spec:
             raise ValueError(f"--policies: {first!r} and {spec!r} are the same policy ({policy}); name it once.")
     base = config_from(args, policies[0][0])
+    check_policies_fit(base, policies)  # each on the task's model, before the first run trains
     out = args.out or Path("runs") / slug(f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     claim_folder(out, COMPARISON, "--out")  # refused: a folder of files mixprec did not write
     if (out / "report.md").exists():  # a finished comparison: its table and plots would be written over
