@@ -8,8 +8,11 @@ import pytest
 def test_doctor_reports_advises_and_applies(tmp_path, mixprec_cli):
     run = mixprec_cli
     advice = tmp_path / "advice.json"
-    result = run("doctor", "digits", "--size", "tiny", "--steps", "3", "--out", tmp_path / "doc", "--apply", advice)
+    result = run("doctor", "digits", "--size", "tiny", "--steps", "3", "--batch-size", "32", "--out", tmp_path / "doc",
+                 "--apply", advice)  # fmt: skip
     assert result.returncode == 0, result.stderr
+    # the command it suggests trains what was diagnosed: the scale found at a batch size is the scale for it
+    assert f"train with mixprec train digits --size tiny --batch-size 32 --policy {advice}" in result.stdout
     lines = result.stdout.splitlines()
     assert lines[0].split()[:2] == ["format", "grads"]
     assert [line.split()[0] for line in lines[2:6]] == ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
@@ -19,6 +22,7 @@ def test_doctor_reports_advises_and_applies(tmp_path, mixprec_cli):
     assert report["report"]["steps"] == 3
     assert (tmp_path / "doc" / "histograms.png").read_bytes()[:4] == b"\x89PNG"
     written = json.loads(advice.read_text())
+    assert written["source"] == "mixprec doctor digits --steps 3 --size tiny --batch-size 32"
     assert written["policy"] == report["policy"] and written["loss_scale"] == report["loss_scale"]
 
     trained = run("train", "digits", "--size", "tiny", "--steps", "3", "--policy", advice, "--out", tmp_path / "run")

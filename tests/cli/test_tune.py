@@ -303,14 +303,17 @@ def test_a_profile_saved_here_predicts_a_later_tune(tmp_path, mixprec_cli):
     assert "cost_model" in measured["verification"]  # predicted against measured steps, measured here
     # measured here, a uniform policy whose verified step was 5% faster than the per-layer one's replaces it
     v = measured["verification"]
+    per_layer = v.get("replaced", v["chosen"])  # the verified per-layer policy's runs
     faster = {
-        name: v[name]["ms_per_step"] < 0.95 * v["chosen"]["ms_per_step"]
+        name: v[name]["ms_per_step"] < 0.95 * per_layer["ms_per_step"]
         and (v[name]["mean"] - v["base"]["mean"]) / v["base"]["mean"] <= measured["tolerance"]
         for name in ("base", "fp32")
     }
     if "replaced" in v["verdict"]:
         picked = {"mixed_bf16": "base", "fp32": "fp32"}[measured["chosen"]["policy"]]
         assert faster[picked] and "chosen instead" in finished.stderr
+        assert v["chosen"] == v[picked]  # the figures of the policy written, not of the one it replaced
+        assert "replaced" in v["cost_model"]["measured_ms"] and "chosen" not in v["cost_model"]["measured_ms"]
     else:
         assert not faster["fp32"] and not (faster["base"] and measured["chosen"]["assignment"])
     profile = DeviceProfile.load(saved)

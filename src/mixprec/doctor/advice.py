@@ -341,11 +341,14 @@ def _names(scope: frozenset[tuple[str, str]] | None, phase: str) -> set[str] | N
     return None if scope is None else {name for name, p in scope if p == phase}
 
 
-def _pct(x: float) -> str:
-    """A share in percent, with enough digits that only an exact 100% reads "100%" (0.99998: "99.998%")."""
-    text = f"{100 * x:.3g}"
+def _pct(x: float, apart_from: float | None = None) -> str:
+    """A share in percent, with enough digits that only an exact 100% reads "100%" (0.99998: "99.998%"), and that
+    it reads differently from ``apart_from`` where they differ (99.897% kept against a 99.9% target, not 99.9%)."""
     digits = 3
-    while text == "100" and x < 1 and digits < 12:
+    text = f"{100 * x:.{digits}g}"
+    while digits < 12 and (
+        (text == "100" and x < 1) or (apart_from not in (None, x) and text == f"{100 * apart_from:.{digits}g}")
+    ):
         digits += 1
         text = f"{100 * x:.{digits}g}"
     return f"{text}%"
@@ -388,13 +391,14 @@ def _recommend_policy(
         )
     if fp16.reaches_keep:
         reasons.append(
-            f"loss scale {scale_text} keeps {_pct(fp16.kept_with_scale)} of them (target {_pct(keep)}) while the "
+            f"loss scale {scale_text} keeps {_pct(fp16.kept_with_scale, apart_from=keep)} of them (target "
+            f"{_pct(keep)}) while the "
             f"largest gradient, {fp16.gradient_amax:.3g}, times the scale stays below {limit:g}"
         )
         return "mixed_fp16", fp16.recommended_scale, tuple(reasons)
     reasons.append(
         f"no loss scale keeps {_pct(keep)}: at {scale_text}, the largest without overflow, "
-        f"{_pct(fp16.kept_with_scale)} are kept"
+        f"{_pct(fp16.kept_with_scale, apart_from=keep)} are kept"
     )
     if bf16_supported:
         reasons.append("bf16 keeps FP32's exponent range: use mixed_bf16")

@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "report.json").write_text(diagnosis.to_json(), encoding="utf-8")
     plot = plot_histograms(diagnosis.report, out / "histograms.png")
     print(_table(diagnosis))
+    if diagnosis.report.steps < args.steps:
+        print(f"analysed {diagnosis.report.steps} batches, all the training data holds (--steps {args.steps})")
     print()
     for name, advice in diagnosis.formats.items():
         if advice.activations_overflow:
@@ -106,10 +108,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixprec doctor: {spec} makes inf or NaN in FP32; no policy written", file=sys.stderr)
         return 1
     if args.apply is not None:
-        source = " ".join(["mixprec doctor", spec, "--steps", str(args.steps)])
+        same = _same_run_flags(args)  # the scale found at a batch size and seed is the scale for those
+        source = " ".join(["mixprec doctor", spec, "--steps", str(args.steps), *same])
         path = write_policy_file(diagnosis, args.apply, source=source)
-        print(f"wrote {path}: train with mixprec train {spec} --policy {path}")
+        print(f"wrote {path}: train with mixprec train {' '.join([spec, *same])} --policy {path}")
     return 0
+
+
+def _same_run_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of the diagnosed run that a training run should share: size, batch size and seed where given."""
+    flags = ["--size", args.size] if args.size != "default" else []
+    flags += ["--batch-size", str(args.batch_size)] if args.batch_size is not None else []
+    return flags + (["--seed", str(args.seed)] if args.seed else [])
 
 
 def _table(diagnosis) -> str:

@@ -204,11 +204,13 @@ def search(
     accepted += _greedy(state, accepted[-1], reference)
     if state.not_tried:
         slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
+        budget = sum(why == OUT_OF_BUDGET for why in state.not_tried.values())
         other = sum(choice.shape.kind != "GEMM" for choice in choices.values())
+        doctor = len(state.not_tried) - slower - budget - other
         progress(
             f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
-            f"slower than their current format by the cost model, {other} convolutions or attention; the others "
-            "ruled out by the doctor)"
+            f"slower than their current format by the cost model, {budget} past the time budget, {other} "
+            f"convolutions or attention, {doctor} ruled out by the doctor)"
         )
     policy, assignment, verification = _verify(state, accepted)
     policy, assignment = _fastest_measured(state, policy, assignment, verification)
@@ -314,11 +316,14 @@ def _first_moves(state: SearchState, reference: float) -> list[dict[str, str]]:
     return moves
 
 
+OUT_OF_BUDGET = "the time budget (--budget-minutes) ran out before its trial"
+
+
 def _greedy(state: SearchState, assignment: dict[str, str], reference: float) -> list[dict[str, str]]:
     """FP8 for each layer the cost model finds faster there, least sensitive first, while the loss holds; the
     accepted assignments in order, each one layer more than the one before."""
     order = sorted(state.choices.values(), key=lambda c: (c.fp8_error, c.name))
-    accepted, tried = [], 0
+    accepted, tried, out_of_budget = [], 0, False
     for choice in order:
         if "fp8" not in choice.formats:
             state.not_tried[choice.name] = choice.reasons["fp8"]
@@ -329,9 +334,12 @@ def _greedy(state: SearchState, assignment: dict[str, str], reference: float) ->
             shown = {"16": state.options.base.removeprefix("mixed_"), "fp32": "FP32", BF16: "bf16"}[current]
             state.not_tried[choice.name] = f"FP8 predicted slower: {fp8:.3f} ms against {now:.3f} in {shown}"
             continue
-        if state.out_of_budget(trials=1, verifications=3 * state.options.seeds):
-            state.progress(f"tune: budget reached after {tried} FP8 trials; verifying what was accepted")
-            break
+        if out_of_budget or state.out_of_budget(trials=1, verifications=3 * state.options.seeds):
+            if not out_of_budget:
+                state.progress(f"tune: budget reached after {tried} FP8 trials; verifying what was accepted")
+            out_of_budget = True
+            state.not_tried[choice.name] = OUT_OF_BUDGET
+            continue
         tried += 1
         trying = {**assignment, choice.name: "fp8"}
         if _record(state, trying, reference, note=f"+ {choice.name} in FP8").accepted:
@@ -470,7 +478,22 @@ def _fastest_measured(
     )
     verdict["replaced"] = policy
     verdict.pop("fallback", None)  # the uniform policy written is this one
+    _replace_chosen(verification, name)
     return uniform[name]
+
+
+def _replace_chosen(verification: dict[str, Any], name: str) -> None:
+    """The verification's figures under "chosen" become the uniform ``name``'s, and the per-layer policy's are
+    kept as "replaced", in the cost model's check too (which still ranks the per-layer policy: why it lost)."""
+    verification["replaced"], verification["chosen"] = verification["chosen"], dict(verification[name])
+    check = verification.get("cost_model")
+    if check is None:
+        return
+    for key, value in check.items():
+        if isinstance(value, dict) and "chosen" in value:
+            check[key] = {("replaced" if n == "chosen" else n): v for n, v in value.items()}
+        elif isinstance(value, list):
+            check[key] = ["replaced" if n == "chosen" else n for n in value]
 
 
 def _seeded(state: SearchState, name: str, policy: str) -> list[tuple[float, float]]:
