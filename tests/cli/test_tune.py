@@ -224,6 +224,10 @@ def test_the_budget_stops_the_trials_and_the_verification_still_runs(tmp_path, m
     assert time.monotonic() - start < 60
     assert "tune: budget reached after 0 FP8 trials" in finished.stderr
     assert not [c for c in result["candidates"] if c["note"].endswith("in FP8")]
+    # the layers the budget left out are listed as such (they were missing, read as ruled out by the doctor)
+    past = [name for name, why in result["fp8_not_tried"].items() if "budget" in why]
+    fp8_faster = [layer["name"] for layer in result["layers"] if "fp8" in layer["formats"]]
+    assert past and set(past) <= set(fp8_faster) and f"{len(past)} past the time budget" in finished.stderr
     assert result["chosen"]["policy"] == "base=mixed_bf16" and result["verification"]["verdict"]["within_tolerance"]
 
 
