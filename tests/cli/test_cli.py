@@ -136,6 +136,12 @@ def test_formats_values(mixprec_cli):
     assert outcome[(70000.0, "fp32")] == "exact"
     assert outcome[(65510.0, "fp16")].startswith("rounded (rel. error")  # below the overflow threshold 65520
     assert outcome[(-1e-40, "bf16")].startswith("rounded to a subnormal")
+    # below the overflow threshold a format without inf rounds down to max: rounded, not an overflow
+    near = json.loads(run("formats", "--value", "449", "-f", "fp8_e4m3", "--json").stdout)
+    assert near[0]["stored"] == 448.0 and near[0]["outcome"].startswith("rounded")
+    # strict JSON: inf as a string, not the bare Infinity that JSON parsers refuse
+    infinite = run("formats", "--value", "inf", "-f", "fp16", "--json").stdout
+    assert "Infinity" not in infinite and json.loads(infinite)[0]["stored"] == "inf"
     table = run("formats", "--value", "0.1").stdout
     assert "value 0.1" in table and "0.0999755859" in table  # fp16's 0.1
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec.numerics import BlockFormat, quantize_blocks
 
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # code i has mantissa bit i % 2: ties go to the even code
 ELEMENTS = {"mxfp8_e4m3": ("e4m3", 448.0, 8), "mxfp8_e5m2": ("e5m2", 57344.0, 15), "mxfp4": ("e2m1", 6.0, 2)}
@@ -128,6 +129,26 @@ def test_negative_zeros_keep_their_sign_and_empty_tensors_pass(name):
     assert torch.equal(torch.signbit(y), torch.signbit(x)) and not y.abs().sum() - 1.0
     for shape in ((2, 0), (0,), (0, 16)):
         assert mixprec.quantize(torch.empty(shape), name).shape == shape
+
+
+def test_nvfp4_of_values_near_fp32s_smallest_is_finite():
+    # the tensor scale amax / 2688 underflowed to 0: every block became NaN (0 / 0) from finite values
+    tiny = mixprec.quantize(torch.tensor([[2.0**-149] * 3 + [0.0] * 29]), "nvfp4")
+    assert torch.isfinite(tiny).all()
+    small = mixprec.quantize(torch.tensor([[1e-42] + [0.0] * 31]), "nvfp4")
+    assert torch.isfinite(small).all() and torch.equal(small[0, 16:], torch.zeros(16))
+    assert small[0, 0].item() == pytest.approx(1e-42, rel=0.01)
+
+
+def test_a_block_format_is_checked_when_made():
+    e4m3 = mixprec.get_format("fp8_e4m3")
+    with pytest.raises(ValueError, match=r"BlockFormat\(scale=...\): received 'E8M0'; use one of e8m0, e4m3"):
+        BlockFormat("mx", e4m3, 32, "E8M0")  # was taken as NVFP4's two-level scale
+    for block in (0, -32, 2.5):
+        with pytest.raises(ValueError, match=r"BlockFormat\(block=...\): received"):
+            BlockFormat("mx", e4m3, block, "e8m0")
+    with pytest.raises(TypeError, match=r"quantize_blocks\(x=...\) needs a floating-point tensor.*int64"):
+        quantize_blocks(torch.tensor([7, 100]), "mxfp4")  # returned integers
 
 
 def test_bad_block_format_arguments_say_what_to_do():

@@ -42,6 +42,20 @@ def test_saturate_clamps_overflow_and_inf():
     assert q([INF, -INF], "fp16") == [INF, -INF]
 
 
+def test_saturate_on_formats_wider_than_the_input():
+    # a format as wide as the input ignored saturate; one whose max is past FP32's raised in torch.where
+    assert q([INF, -INF], "fp32", saturate=True) == [3.4028234663852886e38, -3.4028234663852886e38]
+    wide = mixprec.quantize(torch.tensor([INF, -INF], dtype=torch.float64), "fp64", saturate=True)
+    assert wide.tolist() == [1.7976931348623157e308, -1.7976931348623157e308]
+    # e9m3's max is past FP32's range: rounded into FP32 it is inf, as every result held in FP32 is rounded
+    assert q([1.0, INF], "e9m3", saturate=True) == [1.0, INF]
+    assert mixprec.quantize(torch.tensor([INF], dtype=torch.float64), "e9m3", saturate=True).item() == (
+        mixprec.get_format("e9m3").max
+    )
+    no_inf = mixprec.Format("e9m3fn", 9, 3, has_inf=False)
+    assert q([1.0, -INF], no_inf) == [1.0, -INF]
+
+
 def test_fp8_e4m3_has_no_inf():
     assert q([INF, -INF, 1e6], "fp8_e4m3") == [448.0, -448.0, 448.0]
 

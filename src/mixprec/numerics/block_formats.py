@@ -23,7 +23,8 @@ same block scales, which are always computed from the amax as above: what FP4 tr
 gradients.
 
 NVFP4, in FP32 arithmetic in this order (NVIDIA's two-level recipe, as torchao's per-tensor-scaled NVFP4):
-    s_t = amax(|x|) / (448 * 6)                     the tensor's scale, from its finite values (1 if all 0)
+    s_t = amax(|x|) / (448 * 6)                     the tensor's scale, from its finite values (1 if all 0;
+                                                    FP32's smallest, 2**-149, where it underflows)
     s_b = e4m3(amax_block / 6 / s_t)                each block's scale, rounded to nearest even, saturating
     q   = e2m1(x / (s_b * s_t))                     the elements (0 where s_b is 0)
     out = q * (s_b * s_t)
@@ -47,6 +48,8 @@ __all__ = ["BLOCK_FORMATS", "SCALE_RULES", "BlockFormat", "quantize_blocks"]
 
 SCALE_RULES = ("ocp", "ceil")
 _E8M0_EXPONENTS = (-127, 127)
+_SCALES = ("e8m0", "e4m3")  # a power of two per block (MX); an fp8_e4m3 one times the tensor's FP32 one (NVFP4)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,16 @@ class BlockFormat:
     element: Format
     block: int
     scale: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.element, Format):
+            raise TypeError(
+                f"BlockFormat(element=...): needs a mixprec.Format; received {type(self.element).__name__}."
+            )
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"BlockFormat(block=...): received {self.block!r}; use a positive number of values.")
+        if self.scale not in _SCALES:
+            raise ValueError(f"BlockFormat(scale=...): received {self.scale!r}; use one of {', '.join(_SCALES)}.")
 
     @property
     def bits_per_value(self) -> float:
@@ -88,6 +101,12 @@ def quantize_blocks(
     with ``generator``) applies to the elements."""
     from mixprec.numerics.quantize import quantize as quantize_elements  # the element rounding (imports this module)
 
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+        received = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else f"an object of type {type(x).__name__}"
+        raise TypeError(
+            f"quantize_blocks(x=...) needs a floating-point tensor (float16, bfloat16, float32 or float64); received "
+            f"{received}. Convert first, e.g. x.float()."
+        )
     if isinstance(fmt, str):
         if fmt.strip().lower() not in BLOCK_FORMATS:
             raise ValueError(f"fmt={fmt!r} is not a block format; use one of {', '.join(BLOCK_FORMATS)}.")
@@ -129,7 +148,8 @@ def _nvfp4(blocks: torch.Tensor, element: Format, quantize) -> torch.Tensor:
     e4m3 = get_format("fp8_e4m3")
     magnitudes = blocks.abs()
     tensor_amax = torch.where(torch.isfinite(magnitudes), magnitudes, 0.0).amax()  # of the finite values
-    tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (e4m3.max * element.max), 1.0)
+    # an amax below 2688 * 2**-149 underflows to a scale of 0, which made every block NaN (0 / 0): the smallest
+    tensor_scale = torch.where(tensor_amax > 0, (tensor_amax / (e4m3.max * element.max)).clamp(min=2**-149), 1.0)
     block_amax = magnitudes.amax(dim=-1, keepdim=True)
     block_scale = quantize(block_amax / element.max / tensor_scale, e4m3, saturate=True, rounding="nearest")
     block_scale = torch.where(torch.isfinite(block_amax), block_scale, math.nan)  # inf or NaN: the block NaN

@@ -63,7 +63,8 @@ def quantize(
             applies to its elements (the block scales round to nearest).
         rounding: ``"nearest"`` (round half to even, as hardware casts do) or ``"stochastic"``
             (unbiased: the expected result equals ``x`` inside the representable range).
-        saturate: clamp overflowing values (and infinities) to ``±max`` instead of ``±inf``.
+        saturate: clamp overflowing values (and infinities) to ``±max`` instead of ``±inf`` (``max`` rounded into
+            ``x``'s dtype, as every result is: inf where it is past the dtype's range, e9m3's in FP32).
             Formats without inf (fp8_e4m3) always saturate, as ``torch`` does.
         generator: random source for stochastic rounding (ignored for nearest).
         scale_rule: the MX formats' block scale: ``"ocp"`` (the OCP MX v1.0 rule) or ``"ceil"`` (NVIDIA's
@@ -97,7 +98,10 @@ def quantize(
     working = _WORKING[x.dtype]
     mantissa_bits, min_exponent, max_exponent, _, _ = _LAYOUT[working]
     if fmt.mantissa_bits >= mantissa_bits and fmt.min_exponent <= min_exponent and fmt.max_exponent >= max_exponent:
-        return x.clone()  # every value of the working dtype is representable in fmt
+        # every value of the working dtype is representable in fmt; infinities saturate where asked (or where fmt
+        # has none) to its max, rounded into the dtype (inf where that is past the dtype's range)
+        limit = _round_to(fmt.max, x.dtype)
+        return x.clamp(-limit, limit) if (saturate or not fmt.has_inf) else x.clone()
     y = _quantize(x.to(working), fmt, rounding, saturate, generator)
     return y.to(x.dtype)
 
@@ -131,7 +135,8 @@ def _quantize(
         overflow = magnitude >= _ceil_to(fmt.overflow_threshold, x.dtype)
     else:
         overflow = (result > _ceil_to(fmt.max, x.dtype)) | torch.isinf(magnitude)
-    limit = fmt.max if (saturate or not fmt.has_inf) else float("inf")
+    # a format's max past the working dtype's range (e9m3 in FP32) rounds to inf there, as the dtype holds results
+    limit = _round_to(fmt.max, x.dtype) if (saturate or not fmt.has_inf) else float("inf")
     result = torch.where(overflow, limit, result)  # no host sync: quantize runs inside training steps
     return torch.copysign(result, x)  # restores the sign, -0.0 included; NaN propagates
 
@@ -150,6 +155,11 @@ def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     _, _, max_exponent, int_dtype, shift = _LAYOUT[dtype]
     biased = exponent.to(int_dtype) + max_exponent
     return torch.bitwise_left_shift(biased, shift).view(dtype)
+
+
+def _round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to nearest into ``dtype`` (inf past its range)."""
+    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
 
 
 def _ceil_to(value: float, dtype: torch.dtype) -> float:

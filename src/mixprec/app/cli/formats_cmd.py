@@ -47,10 +47,18 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.value:
         records = [{"value": v, **represent(v, fmt)} for v in args.value for fmt in formats]
-        print(json.dumps(records, indent=2) if args.json else values_table(args.value, formats, records))
+        print(json.dumps(_strict(records), indent=2) if args.json else values_table(args.value, formats, records))
     else:
         print(json.dumps([format_record(f) for f in formats], indent=2) if args.json else formats_table(formats))
     return 0
+
+
+def _strict(records: list[dict]) -> list[dict]:
+    """inf and NaN as the strings "inf", "-inf", "nan": strict JSON has no Infinity or NaN."""
+    return [
+        {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        for record in records
+    ]
 
 
 def format_record(fmt: Format) -> dict:
@@ -126,7 +134,7 @@ def represent(value: float, fmt: Format) -> dict:
         outcome = "underflow to 0"
     elif math.isinf(stored):
         outcome = "overflow to inf"
-    elif abs(stored) == fmt.max and abs(value) > fmt.max and not fmt.has_inf:
+    elif abs(stored) == fmt.max and abs(value) >= fmt.overflow_threshold and not fmt.has_inf:
         outcome = "overflow, saturates to max"  # a format with inf rounds up to inf past its threshold instead
     else:
         relative = abs(stored - value) / abs(value)
