@@ -100,3 +100,10 @@ def test_wrong_types(bad):
 def test_non_float_dtype():
     with pytest.raises(ValueError, match=r"torch\.int32"):
         mixprec.get_format(torch.int32)
+
+
+@pytest.mark.parametrize("bits", [(3.5, 2), (4, 2.0), (True, 3)])
+def test_a_format_takes_whole_numbers_of_bits(bits):
+    # Format("x", 3.5, 2) was made, and computed with a fractional bias
+    with pytest.raises(ValueError, match=r"use a whole number of bits"):
+        mixprec.Format("x", *bits)

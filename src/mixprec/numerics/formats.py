@@ -58,6 +58,10 @@ class Format:
     finite: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("exponent_bits", "mantissa_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Format({name}=...): received {value!r}; use a whole number of bits.")
         if not _MIN_EXPONENT_BITS <= self.exponent_bits <= _MAX_EXPONENT_BITS:
             raise ValueError(
                 f"Format(exponent_bits=...): received {self.exponent_bits!r}; "

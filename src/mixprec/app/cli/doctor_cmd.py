@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.app.run import resolve_device
     from mixprec.app.task import TaskConfig, build_task
     from mixprec.compute import device_caps, device_type_of
-    from mixprec.doctor import check_policy_target, diagnose, write_policy_file
+    from mixprec.doctor import check_policy_target, diagnose
     from mixprec.persist import DOCTOR_REPORT, check_folder, claim_folder
 
     device = resolve_device(args.device)
@@ -108,11 +108,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixprec doctor: {spec} makes inf or NaN in FP32; no policy written", file=sys.stderr)
         return 1
     if args.apply is not None:
-        same = _same_run_flags(args)  # the scale found at a batch size and seed is the scale for those
-        source = " ".join(["mixprec doctor", spec, "--steps", str(args.steps), *same])
-        path = write_policy_file(diagnosis, args.apply, source=source)
-        print(f"wrote {path}: train with mixprec train {' '.join([spec, *same])} --policy {path}")
+        _apply(diagnosis, spec, args)
     return 0
+
+
+def _apply(diagnosis, spec: str, args: argparse.Namespace) -> None:
+    """The advice written to ``--apply``'s file, and the command that trains with it."""
+    from mixprec.doctor import write_policy_file
+
+    same = _same_run_flags(args)  # the scale found at a batch size and seed is the scale for those
+    source = " ".join(["mixprec doctor", spec, "--steps", str(args.steps), *same])
+    path = write_policy_file(diagnosis, args.apply, source=source)
+    print(f"wrote {path}: train with mixprec train {' '.join([spec, *same])} --policy {path}")
 
 
 def _same_run_flags(args: argparse.Namespace) -> list[str]:

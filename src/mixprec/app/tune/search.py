@@ -203,15 +203,7 @@ def search(
     accepted = _first_moves(state, reference)
     accepted += _greedy(state, accepted[-1], reference)
     if state.not_tried:
-        slower = sum(why.startswith("FP8 predicted slower") for why in state.not_tried.values())
-        budget = sum(why == OUT_OF_BUDGET for why in state.not_tried.values())
-        other = sum(choice.shape.kind != "GEMM" for choice in choices.values())
-        doctor = len(state.not_tried) - slower - budget - other
-        progress(
-            f"tune: FP8 not tried on {len(state.not_tried)} of {len(choices)} layers ({slower} predicted "
-            f"slower than their current format by the cost model, {budget} past the time budget, {other} "
-            f"convolutions or attention, {doctor} ruled out by the doctor)"
-        )
+        _say_not_tried(state)
     policy, assignment, verification = _verify(state, accepted)
     policy, assignment = _fastest_measured(state, policy, assignment, verification)
     return {
@@ -317,6 +309,19 @@ def _first_moves(state: SearchState, reference: float) -> list[dict[str, str]]:
 
 
 OUT_OF_BUDGET = "the time budget (--budget-minutes) ran out before its trial"
+
+
+def _say_not_tried(state: SearchState) -> None:
+    """One progress line: on how many layers FP8 was not tried, by reason."""
+    why = list(state.not_tried.values())
+    slower = sum(reason.startswith("FP8 predicted slower") for reason in why)
+    budget = why.count(OUT_OF_BUDGET)
+    other = sum(choice.shape.kind != "GEMM" for choice in state.choices.values())
+    state.progress(
+        f"tune: FP8 not tried on {len(why)} of {len(state.choices)} layers ({slower} predicted slower than their "
+        f"current format by the cost model, {budget} past the time budget, {other} convolutions or attention, "
+        f"{len(why) - slower - budget - other} ruled out by the doctor)"
+    )
 
 
 def _greedy(state: SearchState, assignment: dict[str, str], reference: float) -> list[dict[str, str]]:
