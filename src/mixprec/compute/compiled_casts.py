@@ -98,9 +98,10 @@ def dropped_roundings_note(
         )
     if loss_in_model and _inline_loss_escapes(device):
         notes.append(
-            f"torch.compile in torch {torch.__version__} computes a torch.nn.CrossEntropyLoss() made inside the "
-            "compiled forward (as transformers' models make their loss) in the input's 16-bit dtype, where "
-            "eager and GPU autocast compute it in FP32: the loss and its gradient are rounded to 16 bits (a first "
+            "A torch.nn.CrossEntropyLoss() made inside the compiled forward (transformers' BERT-style "
+            "classification heads make one; its causal LMs call torch.nn.functional.cross_entropy, which is not "
+            f"affected) is computed by torch.compile in torch {torch.__version__} in the input's 16-bit dtype, "
+            "where eager and GPU autocast compute it in FP32, if the model makes one: the loss and its gradient are rounded to 16 bits (a first "
             "step may overflow and be skipped). Compute the loss outside the compiled model, or with "
             "torch.nn.functional.cross_entropy or a loss module made in __init__ (both kept in FP32), or train eager."
         )
