@@ -101,8 +101,9 @@ def dropped_roundings_note(
             "A torch.nn.CrossEntropyLoss() made inside the compiled forward (transformers' BERT-style "
             "classification heads make one; its causal LMs call torch.nn.functional.cross_entropy, which is not "
             f"affected) is computed by torch.compile in torch {torch.__version__} in the input's 16-bit dtype, "
-            "where eager and GPU autocast compute it in FP32, if the model makes one: the loss and its gradient are rounded to 16 bits (a first "
-            "step may overflow and be skipped). Compute the loss outside the compiled model, or with "
-            "torch.nn.functional.cross_entropy or a loss module made in __init__ (both kept in FP32), or train eager."
+            "where eager and GPU autocast compute it in FP32, if the model makes one: the loss and its gradient "
+            "are rounded to 16 bits (a first step may overflow and be skipped). Compute the loss outside the "
+            "compiled model, or with torch.nn.functional.cross_entropy or a loss module made in __init__ (both kept "
+            "in FP32), or train eager."
         )
     return " ".join(notes) or None
