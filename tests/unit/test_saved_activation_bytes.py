@@ -43,3 +43,11 @@ def test_the_measured_graph_refuses_a_backward():
     saved_activation_bytes(lambda: outputs.append(model(x)), model)
     with pytest.raises(RuntimeError, match="measures a forward pass"):
         outputs[0].sum().backward()
+
+
+def test_measuring_leaves_batch_norm_statistics_as_they_were():
+    # a train-mode forward moved the running statistics after the run's final checkpoint
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)).train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    assert saved_activation_bytes(lambda: model(torch.randn(16, 4) * 5), model) > 0
+    assert all(torch.equal(before[name], b) for name, b in model.named_buffers())

@@ -27,7 +27,8 @@ __all__ = ["saved_activation_bytes"]
 
 
 def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module) -> int:
-    """Bytes saved for backward while ``forward()`` runs (its result is discarded, no backward is run).
+    """Bytes saved for backward while ``forward()`` runs (its result is discarded, no backward is run); the
+    model's buffers are put back as they were.
 
     Inside an emulated 16-bit region the region's own packing applies first, so what is counted is
     what a training step would really keep.
@@ -46,8 +47,12 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], model: nn.Module
     def unpack(packed: None) -> torch.Tensor:
         raise RuntimeError("saved_activation_bytes measures a forward pass; its graph cannot be backpropagated.")
 
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         forward()
+    with torch.no_grad():  # a measurement changes nothing: a train-mode forward moved BatchNorm's running statistics
+        for buffer, before in buffers:
+            buffer.copy_(before)
     for packed, is_parameter in kept:  # counted once the forward is done: the emulation settles what it keeps
         storage = (emulation.stored(packed) if emulation is not None else packed).untyped_storage()
         if storage.data_ptr() not in parameters and not is_parameter:

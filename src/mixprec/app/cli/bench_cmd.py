@@ -138,10 +138,14 @@ def memory_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+# what the accuracy suite measures per task: a positive "vs fp32" is better on one, worse on the other
+_ACCURACY_METRIC = {"digits": "accuracy (higher is better)", "charlm": "val loss (lower is better)"}
+
+
 def accuracy_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["task", "policy", "mean", "seed spread", "seeds", "vs fp32", "vs fp32 %"]
+    headers = ["task", "metric", "policy", "mean", "seed spread", "seeds", "vs fp32", "vs fp32 %"]
     rows = [
-        [r["task"], r["policy"], f"{r['mean']:.4f}", f"{r['spread']:.4f}", str(r["seeds"]),
+        [r["task"], _ACCURACY_METRIC.get(r["task"], "eval metric"), r["policy"], f"{r['mean']:.4f}", f"{r['spread']:.4f}", str(r["seeds"]),
          f"{r.get('vs_fp32', float('nan')):+.4f}", f"{100 * r.get('vs_fp32_relative', float('nan')):+.2f}%"]
         for r in records
     ]  # fmt: skip
@@ -166,7 +170,7 @@ def _memory_table(records: list[dict]) -> str:
 
 
 def _accuracy_table(records: list[dict]) -> str:
-    return render_table(*accuracy_rows(records), "llrrrrr")
+    return render_table(*accuracy_rows(records), "lllrrrrr")
 
 
 def _gemm_table(records: list[dict]) -> str:
