@@ -145,7 +145,8 @@ _ACCURACY_METRIC = {"digits": "accuracy (higher is better)", "charlm": "val loss
 def accuracy_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["task", "metric", "policy", "mean", "seed spread", "seeds", "vs fp32", "vs fp32 %"]
     rows = [
-        [r["task"], _ACCURACY_METRIC.get(r["task"], "eval metric"), r["policy"], f"{r['mean']:.4f}", f"{r['spread']:.4f}", str(r["seeds"]),
+        [r["task"], _ACCURACY_METRIC.get(r["task"], "eval metric"), r["policy"], f"{r['mean']:.4f}",
+         f"{r['spread']:.4f}", str(r["seeds"]),
          f"{r.get('vs_fp32', float('nan')):+.4f}", f"{100 * r.get('vs_fp32_relative', float('nan')):+.2f}%"]
         for r in records
     ]  # fmt: skip
