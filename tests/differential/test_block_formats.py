@@ -147,6 +147,7 @@ def test_a_block_format_is_checked_when_made():
     for block in (0, -32, 2.5):
         with pytest.raises(ValueError, match=r"BlockFormat\(block=...\): received"):
             BlockFormat("mx", e4m3, block, "e8m0")
+    assert BlockFormat("mx", e4m3, np.int64(32), "e8m0").block == 32  # any integer type
     with pytest.raises(TypeError, match=r"quantize_blocks\(x=...\) needs a floating-point tensor.*int64"):
         quantize_blocks(torch.tensor([7, 100]), "mxfp4")  # returned integers
 

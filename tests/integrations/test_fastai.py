@@ -288,6 +288,15 @@ def test_a_fit_interrupted_by_an_exception_leaves_fp32_behind(policy):
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 
 
+def test_a_callback_given_to_one_fit_is_cleaned_up_after_an_error_too():
+    # fastai removes a fit's own callbacks before the cleanup ran: the o2 model stayed bf16
+    learn = _learner()
+    with pytest.raises(KeyboardInterrupt):
+        _quiet_fit(learn, 1, 1e-2, cbs=[MixprecCallback("o2_bf16"), Interrupt()])
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    assert (torch.randn(4, 4) @ torch.randn(4, 4)).dtype == torch.float32
+
+
 def _exportable(policy: str, tmp_path) -> Learner:
     learn = _learner(policy, tmp_path=tmp_path)
     x, y = _data()

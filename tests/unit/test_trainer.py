@@ -123,6 +123,22 @@ def test_epochs_with_a_window_that_does_not_divide_them_run_whole_epochs(tmp_pat
     assert (resumed.steps, resumed.epochs) == (11 * (epochs + 1), epochs + 1)
 
 
+def test_an_epoch_shorter_than_a_window_carries_its_windows_on(tmp_path):
+    # 3 batches an epoch, 4 per update: every batch was left out as an epoch's tail, and fit(steps=2) spun forever
+    x, y = torch.randn(48, 8), torch.randint(0, 3, (48,))
+    model = torch.nn.Linear(8, 3)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainData(DataLoader(TensorDataset(x, y), batch_size=16), None, torch.nn.functional.cross_entropy),
+        "fp32",
+        update=UpdateOptions(accumulation_steps=4),
+        run=RunOptions(out_dir=tmp_path, progress=False, stop_signals=()),
+    )
+    result = trainer.fit(steps=2)
+    assert (result.steps, result.epochs, trainer.batch_in_epoch) == (2, 2, 2)  # 8 batches: 2 epochs and 2 batches
+
+
 def _sigterm() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 

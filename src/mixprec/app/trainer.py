@@ -332,11 +332,14 @@ class Trainer:
             self._next_epoch()
 
     def _epoch_read(self) -> bool:
-        """Whether the epoch's batches are all read, at an update: what is left is fewer than a window."""
-        length = _length(self.data.train_data)
-        return (
-            length is not None and self.mp.micro_step == 0 and length - self.batch_in_epoch < self.mp.accumulation_steps
-        )
+        """Whether the epoch's batches are all read, at an update: what is left is fewer than a window. An epoch
+        shorter than one window (``fit(steps=...)`` only) leaves nothing out: its windows go on into the next."""
+        length, window = _length(self.data.train_data), self.mp.accumulation_steps
+        if length is None:
+            return False
+        if length < window:
+            return self.batch_in_epoch >= length
+        return self.mp.micro_step == 0 and length - self.batch_in_epoch < window
 
     def _freeze(self, frozen: bool) -> None:
         """The frozen phase's parameters without gradients (so without an update: under o2 their masters get no

@@ -97,6 +97,7 @@ class MixprecCallback(Callback):
 
     # -- a fit ------------------------------------------------------------------------------------
     def before_fit(self) -> None:
+        vars(self.learn)[_FITTING] = self  # found by Learner.fit's cleanup after an error, even if removed by then
         self._check_callbacks()
         self.clip = None
         for cb in self.learn.cbs:
@@ -293,6 +294,7 @@ def to_mixprec(self: Learner, policy: mixprec.Policy | str = "auto", scaler: mix
 
 
 _fastai_fit = Learner.fit
+_FITTING = "_mixprec_fitting"  # the Learner's attribute holding the callback of the fit under way
 
 
 @patch
@@ -304,8 +306,12 @@ def fit(self: Learner, *args, **kwargs):
     try:
         return _fastai_fit(self, *args, **kwargs)
     finally:
-        if (cb := _attached(self)) is not None:
+        # a callback given to this fit alone (fit(..., cbs=[MixprecCallback()])) is removed before this runs
+        cb = vars(self).pop(_FITTING, None) or _attached(self)
+        if cb is not None:
+            learn, cb.learn = cb.learn, self
             cb.abandon()
+            cb.learn = learn
 
 
 _fastai_save, _fastai_load = Learner.save, Learner.load

@@ -35,6 +35,7 @@ with zeros, which change no block's amax.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -68,7 +69,7 @@ class BlockFormat:
             raise TypeError(
                 f"BlockFormat(element=...): needs a mixprec.Format; received {type(self.element).__name__}."
             )
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+        if isinstance(self.block, bool) or not isinstance(self.block, numbers.Integral) or self.block < 1:
             raise ValueError(f"BlockFormat(block=...): received {self.block!r}; use a positive number of values.")
         if self.scale not in _SCALES:
             raise ValueError(f"BlockFormat(scale=...): received {self.scale!r}; use one of {', '.join(_SCALES)}.")
