@@ -426,8 +426,8 @@ class MixedPrecision:
         scales_before = self._log.scales()
         for scaler, flag in zip(self.scalers, found.per_loss, strict=True):
             scaler.update(flag)
-        if self._region.fp8 is not None:  # a skipped update's amaxes leave the delayed histories
-            self._region.fp8.end_window(found.found, self._loss_scale_change(scales_before))
+        if (fp8 := self._region.fp8) is not None:  # a skipped update's amaxes leave the delayed histories
+            fp8.end_window(found.found, self._loss_scale_change(scales_before) if fp8.keeps_histories else None)
         self._zero_grad()
         self._log.record(found, scales_before)
         self._last = StepResult(True, found.found)
@@ -435,10 +435,8 @@ class MixedPrecision:
 
     def _loss_scale_change(self, scales_before: list[torch.Tensor | float]) -> torch.Tensor | float | None:
         """The loss scale now over ``scales_before`` (on the device: no host sync), for the FP8 gradient histories;
-        None where no history keeps gradient amaxes, the scale cannot change, or several losses' scales meet in the
-        same gradients."""
-        fp8 = self._region.fp8
-        if fp8 is None or fp8.recipe.scaling != "delayed" or len(self.scalers) != 1:
+        None where the scale cannot change, or where several losses' scales meet in the same gradients."""
+        if len(self.scalers) != 1:
             return None
         scaler = self.scalers[0]
         if scaler.fixed_scale is not None or scaler.scale_tensor is None:

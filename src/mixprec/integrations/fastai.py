@@ -306,8 +306,9 @@ def fit(self: Learner, *args, **kwargs):
     try:
         return _fastai_fit(self, *args, **kwargs)
     finally:
-        # a callback given to this fit alone (fit(..., cbs=[MixprecCallback()])) is removed before this runs
-        cb = vars(self).pop(_FITTING, None) or _attached(self)
+        # the callback this fit's before_fit saw: one given to this fit alone (fit(..., cbs=[MixprecCallback()]))
+        # is removed before this runs; none where the fit ended before it (nothing entered, nothing to undo)
+        cb = vars(self).pop(_FITTING, None)
         if cb is not None:
             learn, cb.learn = cb.learn, self
             cb.abandon()

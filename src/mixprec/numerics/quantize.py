@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -157,8 +159,10 @@ def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.bitwise_left_shift(biased, shift).view(dtype)
 
 
+@functools.lru_cache(maxsize=256)
 def _round_to(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to nearest into ``dtype`` (inf past its range)."""
+    """``value`` rounded to nearest into ``dtype`` (inf past its range); once per value and dtype (quantize runs
+    inside training steps)."""
     return torch.tensor(value, dtype=torch.float64).to(dtype).item()
 
 

@@ -111,9 +111,14 @@ class Fp8State:
         finally:
             self.out_dtype, self.refuse = previous
 
+    @property
+    def keeps_histories(self) -> bool:
+        """Whether the scales come from amax histories (delayed scaling), which end_window maintains."""
+        return self.recipe.scaling == "delayed"
+
     def _delayed(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The delayed scale states' histories and counts (none under other scalings)."""
-        if self.recipe.scaling != "delayed":
+        if not self.keeps_histories:
             return [], []
         roles = [role for layer in self.layers.values() for role in (layer.input, layer.weight, layer.grad)]
         return [role.history for role in roles], [role.recorded for role in roles]
