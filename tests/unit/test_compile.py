@@ -438,3 +438,36 @@ def test_a_checkpoint_in_an_emulated_region_entered_in_compiled_code_is_an_error
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):  # the checkpoint's graph break, inside the region
         torch.compile(step, backend="aot_eager")(_inputs())
+
+
+def _eager_frame(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Runs eagerly in a compiled call, its ops saving tensors of two shapes for backward."""
+    return torch.tanh(x) @ weight
+
+
+class EagerMiddle(nn.Module):
+    """A compiled layer, a frame the compiler skips (as it skips one it cannot trace), a compiled layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.weight, self.out = nn.Linear(16, 32), nn.Parameter(torch.randn(32, 8)), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.compiler.disable(_eager_frame, recursive=False)(self.fc(x), self.weight))
+
+
+@pytest.mark.parametrize("policy", ["base=mixed_fp16,kernels=emulated", "base=mixed_bf16,kernels=native,ops=tanh"])
+def test_a_regions_callbacks_are_not_compiled_where_a_compiled_call_runs_a_frame_eagerly(policy):
+    # A frame the compiler skips runs eagerly under its frame hook: the region's TorchFunctionModes and the
+    # emulation's saved-tensor hook were compiled per op and per saved tensor's metadata until dynamo's recompile
+    # limit (an HF GPT-2 with torch_compile and gradient checkpointing: 8 recompiles, then a warning)
+    torch.manual_seed(0)
+    model = EagerMiddle()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True), mp.autocast():
+        loss = torch.compile(model, backend="aot_eager")(_inputs()).float().pow(2).mean()
+    loss.backward()
+    with mp.autocast():
+        expected = model(_inputs()).float().pow(2).mean()
+    torch.testing.assert_close(loss, expected, atol=0, rtol=0)

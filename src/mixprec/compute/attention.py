@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mixprec.compute.eager_frames import run_eagerly_when_called_back
+
 __all__ = ["GemmAttention", "gemm_attention"]
 
 
@@ -139,6 +141,7 @@ class GemmAttention(TorchFunctionMode):
         self._refuse = refuse
         self.attention_calls = 0  # the attention calls seen: a region whose forward makes none stops watching
 
+    @run_eagerly_when_called_back
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Compiled, the compiler picks its own attention kernel (the probe timed eager kernels).

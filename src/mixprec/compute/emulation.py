@@ -40,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from mixprec.compute.eager_frames import run_eagerly_when_called_back
 from mixprec.compute.foreign_recompute import checkpoint_holds_saved
 from mixprec.compute.nest import map_floating
 
@@ -221,6 +222,7 @@ class EmulatedAutocast(TorchFunctionMode):
         _ACTIVE.emulations.append(self)
         return self
 
+    @run_eagerly_when_called_back
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved for backward: an FP32 copy of 16-bit values (or a view of one) is kept as its 16-bit source."""
         entry = self._low_of.get(tensor.untyped_storage().data_ptr())
@@ -232,6 +234,7 @@ class EmulatedAutocast(TorchFunctionMode):
             return tensor
         return (_PACKED, entry[1], tensor.size(), tensor.stride(), tensor.storage_offset())
 
+    @run_eagerly_when_called_back
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple) and packed[0] == _PACKED:
             _, low, size, stride, offset = packed
@@ -255,6 +258,7 @@ class EmulatedAutocast(TorchFunctionMode):
         self._low_of.clear()
         return super().__exit__(*exc)
 
+    @run_eagerly_when_called_back
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs.get("out") is not None:

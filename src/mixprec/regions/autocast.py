@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from mixprec.compute.attention import GemmAttention
+from mixprec.compute.eager_frames import keep_out_of_compiled_frames
 from mixprec.compute.emulation import active_emulation, emulations_suspended, widen_rnn_inputs
 from mixprec.compute.foreign_recompute import closing_failed_checkpoints, refuse_foreign_recompute
 from mixprec.policy.policy import Policy
@@ -211,7 +212,9 @@ class Region:
         null = contextlib.nullcontext()
         module_regions = self._module_regions.get((recomputing, refuse))
         frame = None
-        if not traced:  # compiled, the compiler recomputes checkpoints from its graph
+        if not traced:
+            keep_out_of_compiled_frames()  # the region's callbacks from eager code inside a compiled call
+            # compiled, the compiler recomputes checkpoints from its graph
             wire_checkpointing(self._checkpointing_modules())  # checkpointing enabled after this region was prepared
             frame = Frame(self, self._module_regions.get((True, refuse), {}))
         fp32_ops = bool(policy.fp32_ops) and plan.mode != "emulated"

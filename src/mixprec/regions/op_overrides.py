@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixprec.compute.eager_frames import run_eagerly_when_called_back
 from mixprec.compute.nest import map_floating
 
 __all__ = ["FP32Ops"]
@@ -54,6 +55,7 @@ class FP32Ops(TorchFunctionMode):
         self._names = _names(ops)
         self._device_type = device_type
 
+    @run_eagerly_when_called_back
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs.get("out") is None and getattr(func, "__name__", None) in self._names:  # out=: see emulation.py
