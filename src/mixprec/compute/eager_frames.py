@@ -36,11 +36,13 @@ def keep_out_of_compiled_frames() -> None:
     if _marked[0] or "torch._dynamo" not in sys.modules:
         return
     _marked[0] = True
-    try:
+    try:  # private: another torch version may name or shape it otherwise
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
-        return
-    for function in _CALLED_BACK:
+
         # SKIP for the frame and what it calls: the op it runs is the eager code's own
-        set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for function in _CALLED_BACK:
+            set_code_exec_strategy(function.__code__, skip)
+    except (ImportError, AttributeError, TypeError):
+        return
