@@ -179,7 +179,7 @@ def test_demo_trains_under_each_policy(mixprec_cli):
         first, last = float(row[1]), float(row[3])  # "1.485 -> 0.408"
         assert last < first
     assert rows[2][8] == "65536"  # o2_fp16 has a dynamic loss scale (the loss column spans three tokens)
-    assert [row[-1] for row in rows] == ["16.0", "16.0", "16.0", "10.0"]  # bytes of model state per parameter
+    assert [row[-1] for row in rows] == ["16.0", "16.0", "16.0", "12.0"]  # bytes of model state per parameter
     assert "fp8_e5m2" in result.stdout  # the formats table follows
 
 

@@ -391,9 +391,9 @@ def test_the_policys_fp32_modules_stay_out_of_fp8(policy, fp8):
     assert sorted(mp.state_dict()["fp8"]) == fp8
 
 
-def test_fp8_layers_train_on_pure_bf16_weights_at_ten_bytes_a_parameter():
+def test_fp8_layers_train_on_pure_bf16_weights_at_twelve_bytes_a_parameter():
     """FP8 GEMM layers on bf16 weights with the compensated AdamW: the memory-lean base under FP8, the loss going
-    down as under FP8 on FP32 masters, 10 bytes a parameter against 16."""
+    down as under FP8 on FP32 masters, 12 bytes a parameter against 16."""
     losses, stats = {}, {}
     for base in ("mixed_bf16", "pure_bf16"):
         torch.manual_seed(0)
@@ -414,7 +414,7 @@ def test_fp8_layers_train_on_pure_bf16_weights_at_ten_bytes_a_parameter():
         assert all(p.dtype == (torch.bfloat16 if base == "pure_bf16" else torch.float32) for p in model.parameters())
     assert losses["pure_bf16"][-1] < 0.6 * losses["pure_bf16"][0]
     assert abs(losses["pure_bf16"][-1] - losses["mixed_bf16"][-1]) < 0.05 * losses["mixed_bf16"][-1]
-    assert stats == {"mixed_bf16": pytest.approx(16, abs=0.01), "pure_bf16": pytest.approx(10, abs=0.01)}
+    assert stats == {"mixed_bf16": pytest.approx(16, abs=0.01), "pure_bf16": pytest.approx(12, abs=0.01)}
 
 
 @pytest.mark.parametrize("recipe", ["scaling=delayed,amax=recent", "scaling=delayed,history=1"])

@@ -1,8 +1,9 @@
 """AdamW for low-precision parameters without an FP32 master copy: compensated updates.
 
 A bf16 weight near 1.0 moves in steps of 2**-8; an update of 1e-4 is rounded away entirely. Storing an
-FP32 master copy fixes that at 4 extra bytes per parameter. This optimizer keeps parameters and both
-moments in the parameters' dtype and computes each step in FP32, then writes the new weight back with:
+FP32 master copy fixes that at 4 extra bytes per parameter. This optimizer keeps parameters and the first
+moment in the parameters' dtype, the second moment in FP32, and computes each step in FP32, then writes the new
+weight back with:
 
     kahan       (default) a bf16 compensation buffer carries what rounding lost into the next step:
                     w = p + c (in FP32);  w = adamw(w);  p' = round(w);  c = w - p'
@@ -16,8 +17,15 @@ Skipping on the device: like torch's fused optimizers, the optimizer takes ``fou
 compensation and step counts as they were when ``found_inf`` is nonzero, with no host sync. FP32
 parameters and the CPU single-pass kernel read the flag on the host instead (free on the CPU).
 
-Model state with bf16 parameters: 2 (param) + 2 (grad) + 4 (moments) + 2 (kahan) = 10 bytes/param,
-against 16 for FP32 AdamW. For FP32 parameters every mode is plain AdamW and follows
+The second moment is FP32 because in bf16 it cannot decay: with beta2 = 0.999 an update changes it by 0.1%,
+under half a bf16 unit (0.39%), so it rounds back to itself; it only grows, on a large gradient, and the step size
+shrinks for good (measured before 2026-11-28: after 100 steps of gradient 1 and 4,900 of 0.01, the second moment
+held 0.098 against FP32's 0.0008 and the weight had moved a third as far; on steady N(0, 1) gradients it crept to
+1.72 instead of 1.00 over 6,000 steps). ``nearest`` keeps it in the parameters' dtype, as a bf16 torch optimizer
+does. The first moment (beta1 = 0.9: 10% a step) decays in bf16.
+
+Model state with bf16 parameters: 2 (param) + 2 (grad) + 2 (first moment) + 4 (second) + 2 (kahan) = 12
+bytes/param, against 16 for FP32 AdamW. For FP32 parameters every mode is plain AdamW and follows
 ``torch.optim.AdamW``'s arithmetic op for op.
 
 Example:
@@ -109,23 +117,31 @@ class AdamW(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         single_pass: bool | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"AdamW(lr=...) must be >= 0; received {lr!r}.")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"AdamW(betas=...) must lie in [0, 1); received {betas!r}.")
-        if not eps >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"AdamW(eps=..., weight_decay=...) must be >= 0; received {eps!r}, {weight_decay!r}.")
-        if update not in UPDATE_MODES:
-            raise ValueError(
-                f"AdamW(update=...): received {update!r}; use one of {', '.join(map(repr, UPDATE_MODES))}."
-            )
+        # each group's values, these defaults included, are checked as the group is added (add_param_group)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "update": update})
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"AdamW(generator=...) takes a torch.Generator or None; received {generator!r}.")
         if single_pass not in (None, True, False):
             raise TypeError(f"AdamW(single_pass=...) takes True, False or None; received {single_pass!r}.")
         self._generator = generator
         self._single_pass = single_pass
         # start_from's residuals, by id(param): (residual, the parameter's fingerprint when it was given)
         self._starts: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, keeping the FP32 second moment of a 16-bit parameter FP32 (torch casts every state tensor to
+        its parameter's dtype; one saved in bf16 by an earlier release is widened, exactly)."""
+        super().load_state_dict(state_dict)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for param, saved_id in zip(group["params"], saved["params"], strict=True):  # torch pairs them so
+                value = state_dict["state"].get(saved_id, {}).get("exp_avg_sq")
+                if value is not None and param.dtype.itemsize < 4 and group["update"] != "nearest":
+                    self.state[param]["exp_avg_sq"] = value.to(device=param.device, dtype=torch.float32, copy=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, after checking the group's hyper-parameters (its own, else the defaults)."""
+        _check_hyperparameters({**self.defaults, **param_group})
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def start_from(self, residuals: dict[torch.Tensor, torch.Tensor]) -> int:
@@ -167,16 +183,17 @@ class AdamW(torch.optim.Optimizer):
 
     def _update(self, params: list[torch.Tensor], group: dict[str, Any], scaling: _AmpScaling) -> None:
         """One AdamW step for parameters of one dtype."""
-        lowp = params[0].dtype != torch.float32
+        lowp = params[0].dtype.itemsize < 4  # 16 bits; FP32 and float64 step as torch.optim.AdamW does
         kahan = lowp and group["update"] == "kahan"
         on_device = lowp and not (kahan and self._single_pass_runs(params))  # the fused kernel takes the flag
         if not on_device and scaling.skip_on_host():
             return
         for param in params:
             state = self.state[param]
+            # a residual is for a parameter's first step; one whose state was loaded (a resume) never uses it
+            residual, taken = self._starts.pop(id(param), (None, None)) if self._starts else (None, None)
             if not state:
-                state.update(_first_state(param, lowp, kahan))
-                residual, taken = self._starts.pop(id(param), (None, None))
+                state.update(_first_state(param, lowp, kahan, wide_second_moment=lowp and group["update"] != "nearest"))
                 if kahan and residual is not None and taken == fingerprint(param):  # not loaded over since
                     state["kahan_comp"] = residual
             elif lowp and state["step"].device != param.device:
@@ -192,6 +209,13 @@ class AdamW(torch.optim.Optimizer):
             if run_kahan_adamw_group(kahan_adamw_kernel("cuda"), tensors, steps, group, grad_scale, found_inf):
                 return
             self._kernel_available("cuda")  # failed to compile, single_pass=True: refused, naming why
+        if kahan and on_device:
+            # The eager Kahan path re-rounds p + c, which on a skipped step could move a weight whose compensation
+            # is exactly half a unit (871 of 2**20 by one unit, measured): the flag is read on the host here
+            # (a sync, on this fallback path only: a group with a strided tensor, or no Triton).
+            if scaling.skip_on_host():
+                return
+            scaling = _AmpScaling(scaling.grad_scale, None)  # the fused kernel below still unscales
         torch._foreach_add_(steps, 1.0)  # one launch, not one per parameter
         if not on_device:  # found_inf was read above; unscale here, the kernels below do not
             scaling.unscale([local(p.grad) for p in params])
@@ -258,7 +282,8 @@ class AdamW(torch.optim.Optimizer):
             torch._foreach_add_(weights, compensations)
         torch._fused_adamw_(weights, wide_grads, wide_avgs, wide_avg_sqs, [], steps, **hyper)
         torch._foreach_copy_(exp_avgs, wide_avgs)
-        torch._foreach_copy_(exp_avg_sqs, wide_avg_sqs)
+        if exp_avg_sqs[0].dtype != torch.float32:  # else widened in place
+            torch._foreach_copy_(exp_avg_sqs, wide_avg_sqs)
         if update == "kahan":
             torch._foreach_copy_(params, weights)  # rounded to the parameters' dtype
             torch._foreach_sub_(weights, params)  # what the rounding lost, carried to the next step
@@ -298,6 +323,27 @@ class AdamW(torch.optim.Optimizer):
         return run_kahan_adamw(kahan_adamw_kernel(), tensors, steps, group)
 
 
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    """A clear error for a value AdamW cannot use, given to the constructor or in a param group (a typo in a
+    group's ``update`` was taken as stochastic rounding before 2026-11-28)."""
+    where = "(the constructor's argument, or a param group's key)"
+    for key in ("lr", "eps", "weight_decay"):
+        value = group[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()  # a tensor learning rate, as torch's optimizers take
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+            raise ValueError(f"AdamW: {key} must be a number >= 0; received {group[key]!r} {where}.")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, (int, float)) for b in betas)):
+        raise ValueError(f"AdamW: betas must be two numbers (beta1, beta2); received {betas!r} {where}.")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"AdamW: betas must lie in [0, 1); received {betas!r} {where}.")
+    if group["update"] not in UPDATE_MODES:
+        raise ValueError(
+            f"AdamW: update must be one of {', '.join(map(repr, UPDATE_MODES))}; received {group['update']!r} {where}."
+        )
+
+
 class _AmpScaling:
     """``grad_scale`` and ``found_inf`` as GradScaler's protocol hands them to an optimizer (either None)."""
 
@@ -327,11 +373,14 @@ def fingerprint(param: torch.Tensor) -> tuple[int, int]:
     return int(bits.sum()), int((bits * bits).sum())
 
 
-def _first_state(param: torch.Tensor, lowp: bool, kahan: bool) -> dict[str, torch.Tensor]:
-    """A parameter's state before its first step: step 0, zero moments (and compensation, for kahan)."""
-    zeros = [torch.zeros_like(param, memory_format=torch.preserve_format) for _ in range(3 if kahan else 2)]
+def _first_state(param: torch.Tensor, lowp: bool, kahan: bool, wide_second_moment: bool) -> dict[str, torch.Tensor]:
+    """A parameter's state before its first step: step 0, zero moments (and compensation, for kahan); the second
+    moment in FP32 where ``wide_second_moment`` (see the module docstring)."""
     state = {"step": torch.zeros((), dtype=torch.float32, device=param.device if lowp else "cpu")}
-    return {**state, **dict(zip(("exp_avg", "exp_avg_sq", "kahan_comp"), zeros, strict=False))}
+    for name in ("exp_avg", "exp_avg_sq", "kahan_comp")[: 3 if kahan else 2]:
+        dtype = torch.float32 if name == "exp_avg_sq" and wide_second_moment else None
+        state[name] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    return state
 
 
 def _shards(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[list[torch.Tensor], ...]:
