@@ -19,7 +19,7 @@ from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision  # noqa:
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401  (patches fit_one_cycle, fine_tune)
 from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.data.load import DataLoader
-from fastai.optimizer import Adam
+from fastai.optimizer import SGD
 
 import mixprec
 from mixprec.integrations.fastai import MixprecCallback
@@ -223,11 +223,65 @@ def test_save_and_load_resume_bit_for_bit(policy, tmp_path):
         _learner(policy, tmp_path=tmp_path).load("stage")
 
 
-def test_fastais_own_optimizer_is_refused_naming_optimwrapper():
+def test_another_fastai_optimizer_is_refused_naming_optimwrapper():
     learn = _learner("mixed_bf16")
-    learn.opt_func = Adam  # fastai's default: its own Optimizer class
+    learn.opt_func = SGD  # a fastai Optimizer other than its default Adam
     with pytest.raises(ValueError, match=r"opt_func=partial\(OptimWrapper"):
         _quiet_fit(learn, 1, 1e-2)
+
+
+def _fastai_default_learner(bn: bool = False) -> Learner:
+    """A Learner as fastai's docs make one: no opt_func (fastai's own Adam), a norm and biases (no weight decay)."""
+    x, y = _data()
+    pairs = list(zip(x, y, strict=True))
+    dls = DataLoaders(DataLoader(pairs[:TRAIN], bs=BS, shuffle=False), DataLoader(pairs[TRAIN:], bs=32), device="cpu")
+    model = _model()
+    if bn:
+        model.insert(2, nn.BatchNorm1d(32))
+    return Learner(
+        dls,
+        model,
+        loss_func=nn.CrossEntropyLoss(),
+        splitter=lambda m: [list(m[:-1].parameters()), list(m[-1].parameters())],
+    )
+
+
+@pytest.mark.parametrize("bn", [False, True])
+def test_one_line_on_fastais_default_learner_trains_as_fastais_adam_bit_for_bit(bn):
+    # fastai's default optimizer is its own Adam class, which MixedPrecision cannot drive: it was refused at fit
+    # (a second change, opt_func=..., was needed) before 2026-11-28; to_mixprec now swaps it for the same Adam
+    fastai = _fastai_default_learner(bn)
+    _quiet_fit(fastai, 2, 1e-2, one_cycle=True, wd=0.1)  # one-cycle moves lr and mom; norms and biases not decayed
+    ours = _fastai_default_learner(bn).to_mixprec("fp32")
+    _quiet_fit(ours, 2, 1e-2, one_cycle=True, wd=0.1)
+    assert _same_weights(ours.model, fastai.model)
+    decayed = _fastai_default_learner(bn).to_mixprec("fp32")
+    decayed.wd_bn_bias = True  # fastai's switch to decay them too: the flags are read from fastai at each fit
+    _quiet_fit(decayed, 2, 1e-2, one_cycle=True, wd=0.1)
+    assert not _same_weights(decayed.model, fastai.model)
+
+
+def test_one_line_on_fastais_default_learner_trains_under_o2_with_freezing_and_discriminative_rates():
+    learn = _fastai_default_learner()
+    body = [p.detach().clone() for p in learn.model[0].parameters()]
+    with learn.no_bar(), learn.no_logging():
+        learn.freeze()  # builds fastai's Adam before to_mixprec: rebuilt as the torch one, still frozen
+        learn.to_mixprec("o2_bf16")
+        learn.fit_one_cycle(1, 1e-2)
+        assert _same_weights_list(body, list(learn.model[0].parameters()))
+        learn.unfreeze()
+        learn.fit_one_cycle(1, slice(1e-4, 1e-2))
+    assert not _same_weights_list(body, list(learn.model[0].parameters()))
+    assert learn.validate()[0] < 0.69  # learned something: ln 2 is chance on two classes
+
+
+def test_fastais_adam_after_it_stepped_is_refused_and_pure_bf16_needs_mixprecs_adamw():
+    learn = _fastai_default_learner()
+    _quiet_fit(learn, 1, 1e-2)  # fastai's Adam holds state now
+    with pytest.raises(ValueError, match="before that optimizer's first step"):
+        _quiet_fit(learn.to_mixprec("mixed_bf16"), 1, 1e-2)
+    with pytest.raises(ValueError, match=r"mixprec\.AdamW"):
+        _quiet_fit(_fastai_default_learner().to_mixprec("pure_bf16"), 1, 1e-2)
 
 
 def test_two_precision_systems_are_refused():

@@ -1,12 +1,15 @@
 """MixprecCallback: a fastai callback that trains a Learner through :class:`mixprec.MixedPrecision`.
 
-    learn = Learner(dls, model, loss_func=..., opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
+    learn = Learner(dls, model, loss_func=...)
     learn.to_mixprec("mixed_bf16")             # the one line, beside fastai's to_fp16()
     learn.fine_tune(3)
 
+fastai's default optimizer (its own ``Adam``) is swapped for the same Adam as a torch optimizer
+(:mod:`mixprec.integrations.fastai_adam`); any ``OptimWrapper`` around a torch optimizer is used as it is.
+
 fastai's events, mapped onto MixedPrecision (order 10, fastai's ``MixedPrecision``'s):
 
-    before_fit        refusals (another precision callback, fastai's own Optimizer, a callback whose
+    before_fit        refusals (another precision callback, a fastai Optimizer other than Adam, a callback whose
                       before_step would never run); GradientClip and GradientAccumulation noted
     before_train      (first of a fit) mp = MixedPrecision(learn.model, learn.opt.opt, policy): casts the
                       model, FP32 masters (o2), the scaler, carried on from the fit before
@@ -52,6 +55,7 @@ except (ImportError, OSError) as error:  # a torchvision built for another torch
 
 import mixprec
 from mixprec.integrations.adapter_arguments import check_adapter_arguments
+from mixprec.integrations.fastai_adam import FastaiAdam, adopt_fastais_adam
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
 from mixprec.policy import export_policy
 from mixprec.regions import cast_module
@@ -225,6 +229,8 @@ class MixprecCallback(Callback):
 
     def _build(self) -> mixprec.MixedPrecision:
         optimizer = _torch_optimizer(self.learn.opt)
+        if isinstance(optimizer, FastaiAdam):  # fastai's do_wd flags, while the groups hold the model's parameters
+            optimizer.skip_weight_decay_where(self.learn.opt.state)
         accumulates = any(isinstance(cb, GradientAccumulation) for cb in self.learn.cbs)
         mp = mixprec.MixedPrecision(
             self.learn.model, optimizer, self.policy_spec, self.scaler, accumulate_in_fp32=accumulates
@@ -262,14 +268,17 @@ class MixprecCallback(Callback):
 
 
 def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside fastai's OptimWrapper; fastai's own Optimizer class is refused."""
+    """The torch optimizer inside fastai's OptimWrapper; fastai's own Optimizer class is refused (its Adam was
+    swapped by to_mixprec, unless it had stepped before)."""
     inner = getattr(opt, "opt", None) if isinstance(opt, OptimWrapper) else None
     if not isinstance(inner, torch.optim.Optimizer):
         raise ValueError(
             f"MixprecCallback: the Learner's optimizer is fastai's {type(opt).__name__}, not a torch.optim "
-            "optimizer, which MixedPrecision needs (FP32 masters, skipped steps, its state in checkpoints). Build "
-            "the Learner with opt_func=partial(OptimWrapper, opt=torch.optim.AdamW) (fastai's Adam defaults: "
-            "betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01), or mixprec.AdamW for pure_bf16."
+            "optimizer, which MixedPrecision needs (FP32 masters, skipped steps, its state in checkpoints). "
+            "learn.to_mixprec() swaps fastai's default Adam for the same Adam as a torch optimizer when it is called "
+            "before that optimizer's first step; for another fastai optimizer build the Learner with "
+            "opt_func=partial(OptimWrapper, opt=torch.optim.AdamW) (or the torch optimizer you want), or "
+            "mixprec.AdamW for pure_bf16."
         )
     return inner
 
@@ -290,7 +299,9 @@ def to_mixprec(self: Learner, policy: mixprec.Policy | str = "auto", scaler: mix
         )
     if (attached := _attached(self)) is not None:
         self.remove_cb(attached)  # a new policy replaces the old one, as to_fp16() twice does not stack
-    return self.add_cb(MixprecCallback(policy, scaler))
+    callback = MixprecCallback(policy, scaler)  # its arguments checked before the Learner changes
+    adopt_fastais_adam(self)  # fastai's default optimizer, as a torch optimizer
+    return self.add_cb(callback)
 
 
 _fastai_fit = Learner.fit
