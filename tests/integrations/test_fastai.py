@@ -19,7 +19,7 @@ from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision  # noqa:
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401  (patches fit_one_cycle, fine_tune)
 from fastai.callback.training import GradientAccumulation, GradientClip
 from fastai.data.load import DataLoader
-from fastai.optimizer import SGD
+from fastai.optimizer import SGD, Adam
 
 import mixprec
 from mixprec.integrations.fastai import MixprecCallback
@@ -360,13 +360,17 @@ def _exportable(policy: str, tmp_path) -> Learner:
     return learn
 
 
+@pytest.mark.parametrize("fastais_adam", [False, True], ids=["torch_adamw", "fastais_default_adam"])
 @pytest.mark.parametrize("policy", ["mixed_bf16", "o2_bf16"])
-def test_an_export_between_fits_changes_nothing_of_the_training(policy, tmp_path):
+def test_an_export_between_fits_changes_nothing_of_the_training(policy, fastais_adam, tmp_path):
     # fastai's export reloaded the optimizer state into the 16-bit model: the moments became bf16, and the next
     # fit crashed (mixed_bf16) or trained on them (o2_bf16, 1.35e-4 off)
     learners = []
     for export in (False, True):
-        learn = _exportable(policy, tmp_path)
+        learn = _exportable(None if fastais_adam else policy, tmp_path)
+        if fastais_adam:  # swapped by to_mixprec for FastaiAdam, which the exported file holds
+            learn.opt_func = Adam
+            learn.to_mixprec(policy)
         _quiet_fit(learn, 1, 1e-2)
         if export:
             with warnings.catch_warnings():
@@ -376,6 +380,8 @@ def test_an_export_between_fits_changes_nothing_of_the_training(policy, tmp_path
         _quiet_fit(learn, 1, 1e-2)
         learners.append(learn)
     assert _same_weights(*(learn.model for learn in learners))
+    if fastais_adam:  # the exported Learner loads (its opt_func names mixprec's FastaiAdam)
+        assert load_learner(tmp_path / "export.pkl").opt_func.keywords["opt"] is type(learners[1].opt.opt)
 
 
 def test_export_writes_the_model_at_the_policys_export_precision(tmp_path):
