@@ -9,7 +9,10 @@ FP32 masters and moves the state with them. ``learn.to_mixprec`` swaps fastai's 
   onto ``betas`` and ``weight_decay``), so ``fit_one_cycle``'s schedules, ``freeze``/``unfreeze`` and
   discriminative learning rates work as before;
 - fastai's arithmetic, op for op (weight decay or L2, ``average_grad`` with dampening, ``average_sqr_grad``,
-  ``adam_step``'s debiasing): a fit under the ``fp32`` policy equals one under fastai's ``Adam`` bit for bit;
+  ``adam_step``'s debiasing): a fit under the ``fp32`` policy equals one under fastai's ``Adam`` bit for bit, with
+  one exception: a group frozen after it trained (fit, ``freeze()``, fit) stays put here, where fastai's optimizer,
+  which zeroes gradients instead of dropping them, goes on moving it by momentum and weight decay (``fine_tune``
+  freezes before its first fit: equal);
 - fastai's ``wd_bn_bias=False`` (no weight decay on the norms' parameters and the biases): which parameters skip
   weight decay is read from the wrapper's state (fastai's ``do_wd`` flags) when the callback builds its
   MixedPrecision, and kept by position in the param groups, so it follows o2's masters.
