@@ -163,7 +163,18 @@ class LogInterval:
         self.start, self.loss, self.batches, self.samples, self.updates = now, None, 0, 0, 0
         self.origin = now - next((r.get("time", 0.0) for r in reversed(records) if r["kind"] == "train"), 0.0)
 
-    def add(self, loss: torch.Tensor, samples: int) -> None:
+    def unrecorded(self) -> dict[str, Any]:
+        """The loss summed since the last record and its batches, for a checkpoint (a host read of the sum), so a
+        resumed run's next record covers the same batches as an uninterrupted run's."""
+        return {"loss_sum": float(self.loss) if self.loss is not None else 0.0, "batches": self.batches}
+
+    def carry_on(self, unrecorded: dict[str, Any] | None) -> None:
+        """Go on from a checkpoint's :meth:`unrecorded` (None: an earlier release's, or a distributed run's)."""
+        if unrecorded and unrecorded["batches"]:
+            self.loss = float(unrecorded["loss_sum"])  # an FP32 sum: the next add rounds it into FP32 exactly
+            self.batches = int(unrecorded["batches"])
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:  # self.loss: a tensor, or a float carried on
         self.loss = loss.float() if self.loss is None else self.loss + loss.float()
         self.batches += 1
         self.samples += samples

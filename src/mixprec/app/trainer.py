@@ -151,6 +151,8 @@ class Trainer:
         self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
         self._told_uneven = False  # a batch cut to a multiple of the world size was said
         self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
+        self._interval: LogInterval | None = None  # the running train record of the fit under way
+        self.resumed_unrecorded: dict[str, Any] | None = None  # a checkpoint's loss since its last record
         self._frozen_phase: bool | None = None  # whether update.frozen was last set frozen (None: not set yet)
         # stop signals (Ctrl-C, SIGTERM, SIGUSR1), the position committed after each update, checkpoints due
         self._lifecycle = RunLifecycle(self, run, self.mp, self.world)
@@ -187,6 +189,9 @@ class Trainer:
         first = self.updates_done
         bar = ProgressBar(total, "training", self.run_options.progress and self.world.is_main, start=first)
         interval = LogInterval(self.log.records if resume else ())  # a resumed run's "time" goes on
+        if resume:
+            interval.carry_on(self.resumed_unrecorded)  # the loss since the checkpoint's last record
+        self._interval = interval
         start = time.perf_counter()
         with self._lifecycle.running(total, bar):  # a stop signal ends fit with a checkpoint (TrainingInterrupted)
             with self.tracer or contextlib.nullcontext():
@@ -527,6 +532,13 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; ValueError (with what does not fit) for anything else."""
         load_trainer_state(self, state)
+
+    def unrecorded_loss(self) -> dict[str, Any] | None:
+        """The loss since the last train record, for a checkpoint; None in a distributed run (each rank holds its
+        own, and only rank 0 writes: the record after a resume there covers the batches since it)."""
+        if self._interval is None or self.world.distributed:
+            return None
+        return self._interval.unrecorded()
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint: DDP and single processes from rank 0 (DDP ranks hold identical state);

@@ -35,6 +35,9 @@ class TrainerParts(Resumable, Protocol):
     epoch: int
     batch_in_epoch: int
     skipped_batches: int
+    resumed_unrecorded: dict[str, Any] | None
+
+    def unrecorded_loss(self) -> dict[str, Any] | None: ...
 
 
 def trainer_state(trainer: TrainerParts) -> dict[str, Any]:
@@ -59,6 +62,7 @@ def _run_state(trainer: TrainerParts) -> dict[str, Any]:
         "mixed_precision": trainer.mp.state_dict(),
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "rng": get_rng_state(),
+        "unrecorded": trainer.unrecorded_loss(),  # the train loss since the last record (None: not carried)
         "position": {
             "step": trainer.updates_done,
             "epoch": trainer.epoch,
@@ -102,6 +106,7 @@ def load_trainer_state(trainer: TrainerParts, state: dict[str, Any]) -> None:
         raise ValueError(f"the checkpoint does not fit this model and optimizer: {type(exc).__name__}: {exc}") from None
     trainer.updates_done, trainer.epoch = position["step"], position["epoch"]
     trainer.batch_in_epoch, trainer.skipped_batches = position["batch_in_epoch"], position["skipped_batches"]
+    trainer.resumed_unrecorded = state.get("unrecorded")  # absent from an earlier release's checkpoints
 
 
 def _lr_of_this_plan(scheduler: Any, optimizer: Any) -> None:
