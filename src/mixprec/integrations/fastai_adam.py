@@ -15,7 +15,8 @@ FP32 masters and moves the state with them. ``learn.to_mixprec`` swaps fastai's 
   freezes before its first fit: equal);
 - fastai's ``wd_bn_bias=False`` (no weight decay on the norms' parameters and the biases): which parameters skip
   weight decay is read from the wrapper's state (fastai's ``do_wd`` flags) when the callback builds its
-  MixedPrecision, and kept by position in the param groups, so it follows o2's masters.
+  MixedPrecision, and kept by position in the param groups, so it follows o2's masters; without the callback
+  (removed after ``to_mixprec``), at the first step.
 
 Other fastai optimizers (``SGD``, ``RAdam``, ``Lamb``, ...) are refused at ``fit`` with the fix: an
 ``OptimWrapper`` around a torch optimizer.
@@ -31,7 +32,7 @@ import torch
 from fastai.basics import OptimWrapper
 from fastai.optimizer import Adam, Optimizer
 
-__all__ = ["FastaiAdam", "adopt_fastais_adam"]
+__all__ = ["FastaiAdam", "adopt_fastais_adam", "fastai_adam_in_wrapper"]
 
 # fastai's Adam arguments -> FastaiAdam's (OptimWrapper passes lr through)
 _DEFAULTS = {"mom": 0.9, "sqr_mom": 0.99, "eps": 1e-5, "wd": 0.01, "decouple_wd": True}
@@ -55,10 +56,13 @@ class FastaiAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "decouple_wd": decouple_wd}
         super().__init__(params, defaults)
         self._no_decay: frozenset[tuple[int, int]] = frozenset()  # (group, position) of parameters fastai exempts
+        self._fastai_flags: Mapping[torch.Tensor, Mapping[str, Any]] | None = None  # its wrapper's state
+        self._flags_taken = False
 
     def skip_weight_decay_where(self, flags: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Take fastai's per-parameter ``do_wd`` flags (an OptimWrapper's ``state``), by position in the groups:
         called while the groups still hold the model's parameters (before o2 puts masters in their place)."""
+        self._flags_taken = True
         self._no_decay = frozenset(
             (i, j)
             for i, group in enumerate(self.param_groups)
@@ -72,6 +76,8 @@ class FastaiAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._flags_taken and self._fastai_flags is not None:  # no callback took them: the model's own
+            self.skip_weight_decay_where(self._fastai_flags)
         for i, group in enumerate(self.param_groups):
             lr, (mom, sqr_mom), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for j, param in enumerate(group["params"]):
@@ -104,7 +110,7 @@ def adopt_fastais_adam(learn: Any) -> None:
     settings = _adam_settings(learn.opt_func)
     if settings is None:
         return
-    learn.opt_func = partial(OptimWrapper, opt=FastaiAdam, **settings)
+    learn.opt_func = partial(fastai_adam_in_wrapper, **settings)
     built = learn.opt
     if isinstance(built, Optimizer) and not any("grad_avg" in state for state in built.state.values()):
         frozen = built.frozen_idx
@@ -112,6 +118,14 @@ def adopt_fastais_adam(learn: Any) -> None:
         learn.create_opt()
         if frozen:
             learn.opt.freeze_to(frozen)
+
+
+def fastai_adam_in_wrapper(params: Any, lr: float, **settings: Any) -> OptimWrapper:
+    """The Learner's ``opt_func`` after :func:`adopt_fastais_adam`: FastaiAdam in fastai's OptimWrapper, told where
+    fastai keeps its ``do_wd`` flags (the wrapper's state, which fastai's ``create_opt`` fills after this)."""
+    wrapper = OptimWrapper(params, opt=FastaiAdam, lr=lr, **settings)
+    wrapper.opt._fastai_flags = wrapper.state
+    return wrapper
 
 
 def _adam_settings(opt_func: Any) -> dict[str, Any] | None:
