@@ -146,11 +146,9 @@ class Trainer:
         self.out_dir = Path(run.out_dir) if run.out_dir is not None else None
         # where the first inf/NaN of each skipped step appeared (mixprec.doctor.NonFiniteTracer)
         self.tracer = NonFiniteTracer(model) if checks.trace_nonfinite else None
-        self.updates_done = 0  # applied or skipped updates so far
-        self.epoch = 0
-        self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
+        self.updates_done, self.skipped_batches = 0, 0  # updates (applied or skipped); bad batches dropped
+        self.epoch, self.batch_in_epoch = 0, 0  # the epoch, and the micro-batches consumed in it
         self._told_uneven = False  # a batch cut to a multiple of the world size was said
-        self.skipped_batches = 0  # bad input batches dropped with BatchChecks(on_bad_batch="skip")
         self._interval: LogInterval | None = None  # the running train record of the fit under way
         self.resumed_unrecorded: dict[str, Any] | None = None  # a checkpoint's loss since its last record
         self._frozen_phase: bool | None = None  # whether update.frozen was last set frozen (None: not set yet)
