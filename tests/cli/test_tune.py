@@ -207,6 +207,30 @@ def test_a_model_whose_loss_is_nan_in_fp32_too_gets_no_policy_and_exit_1(tmp_pat
     assert not (out / "policy.json").exists() and "Traceback" not in finished.stderr
 
 
+ONE_LAYER = """
+import torch
+from torch import nn
+from mixprec.app import TaskParts
+
+def build(config):
+    torch.manual_seed(config.seed)
+    batches = [(torch.randn(32, 16), torch.randint(0, 4, (32,))) for _ in range(4)]
+    return TaskParts(model=nn.Linear(16, 4), train_data=batches, eval_data=batches[:2],
+                     loss_fn=nn.functional.cross_entropy, defaults={"lr": 1e-3})
+"""
+
+
+def test_a_model_that_is_itself_one_layer_is_refused_naming_compare(tmp_path, mixprec_cli):
+    # its layer's name is "": a per-layer policy wrote "names=", which no policy parses (exit 2 after the search)
+    (tmp_path / "one_layer.py").write_text(ONE_LAYER)
+    finished = mixprec_cli("tune", "--model", "one_layer:build", "--base", "mixed_fp16", "--out", tmp_path / "out",
+                           cwd=tmp_path)  # fmt: skip
+    assert finished.returncode == 2 and "Traceback" not in finished.stderr
+    last = finished.stderr.strip().splitlines()[-1]
+    assert "the model is itself one layer (Linear): there is no per-layer choice" in last
+    assert "mixprec compare one_layer:build --policies fp32,mixed_fp16" in last
+
+
 @pytest.mark.parametrize(
     ("argument", "value"), [("seeds", 0), ("verify_steps", 0), ("trial_steps", 0), ("budget_minutes", 0)]
 )

@@ -61,11 +61,14 @@ def layer_shapes(
     from one FP32 forward of ``inputs`` without gradients (a layer called several times adds its rows, or its
     samples at the same size); attention the cost model cannot stand for is left out, said to ``progress``."""
     shapes: dict[str, LayerShape] = {}
-    hooks = {name: _gemm_hook(name, operands, shapes) for name, _, operands in select_gemm_layers(model, keep=()).fp8}
+    # A model that is itself one layer (its name is ""): a policy cannot name it (names= takes names), and the
+    # uniform policies the search compares stand for it (a "names=" policy was written before 2026-11-28)
+    layers = [(name, operands) for name, _, operands in select_gemm_layers(model, keep=()).fp8 if name]
+    hooks = {name: _gemm_hook(name, operands, shapes) for name, operands in layers}
     convolutions = {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name not in hooks
+        if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name and name not in hooks
     }
     hooks.update({name: _conv_hook(name, shapes) for name in convolutions})
     modules = dict(model.named_modules())

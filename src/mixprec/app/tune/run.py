@@ -55,8 +55,15 @@ def tune_task(
         raise ValueError(f"task {config.task!r} has no training batch to tune on.")
     shapes = layer_shapes(parts.model, batches[0][0], lambda model, x: model(x), progress)
     if not shapes:
+        alone = next(parts.model.children(), None) is None  # a model that is one layer: no name to give it
+        why = (
+            f"the model is itself one layer ({type(parts.model).__name__}): there is no per-layer choice"
+            if alone
+            else "the model has no layer to tune (nn.Linear, Conv1D, a convolution, ...)"
+        )
         raise ValueError(
-            f"task {config.task!r}: the model has no layer to tune (nn.Linear, Conv1D, a convolution, ...)."
+            f"task {config.task!r}: {why}; compare uniform policies: mixprec compare {config.task} "
+            f"--policies fp32,{options.base}"
         )
     sixteen = "fp16" if "fp16" in options.base else "bf16"
     kinds = [shape.kind for shape in shapes.values()]
