@@ -130,10 +130,13 @@ class AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, keeping the FP32 second moment of a 16-bit parameter FP32 (torch casts every state tensor to
-        its parameter's dtype; one saved in bf16 by an earlier release is widened, exactly)."""
+        its parameter's dtype; one saved in bf16 by an earlier release is widened, exactly). A start_from residual
+        of a parameter whose state is loaded is dropped: it is for a first step, which that parameter is past."""
         super().load_state_dict(state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for param, saved_id in zip(group["params"], saved["params"], strict=True):  # torch pairs them so
+                if self.state.get(param):
+                    self._starts.pop(id(param), None)
                 value = state_dict["state"].get(saved_id, {}).get("exp_avg_sq")
                 if value is not None and param.dtype.itemsize < 4 and group["update"] != "nearest":
                     self.state[param]["exp_avg_sq"] = value.to(device=param.device, dtype=torch.float32, copy=True)
@@ -190,9 +193,8 @@ class AdamW(torch.optim.Optimizer):
             return
         for param in params:
             state = self.state[param]
-            # a residual is for a parameter's first step; one whose state was loaded (a resume) never uses it
-            residual, taken = self._starts.pop(id(param), (None, None)) if self._starts else (None, None)
             if not state:
+                residual, taken = self._starts.pop(id(param), (None, None))
                 state.update(_first_state(param, lowp, kahan, wide_second_moment=lowp and group["update"] != "nearest"))
                 if kahan and residual is not None and taken == fingerprint(param):  # not loaded over since
                     state["kahan_comp"] = residual
