@@ -138,7 +138,7 @@ class AdamW(torch.optim.Optimizer):
                 if self.state.get(param):
                     self._starts.pop(id(param), None)
                 value = state_dict["state"].get(saved_id, {}).get("exp_avg_sq")
-                if value is not None and param.dtype.itemsize < 4 and group["update"] != "nearest":
+                if value is not None and _wide_second_moment(param, group):
                     self.state[param]["exp_avg_sq"] = value.to(device=param.device, dtype=torch.float32, copy=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ class AdamW(torch.optim.Optimizer):
             state = self.state[param]
             if not state:
                 residual, taken = self._starts.pop(id(param), (None, None))
-                state.update(_first_state(param, lowp, kahan, wide_second_moment=lowp and group["update"] != "nearest"))
+                state.update(_first_state(param, lowp, kahan, wide_second_moment=_wide_second_moment(param, group)))
                 if kahan and residual is not None and taken == fingerprint(param):  # not loaded over since
                     state["kahan_comp"] = residual
             elif lowp and state["step"].device != param.device:
@@ -373,6 +373,11 @@ def fingerprint(param: torch.Tensor) -> tuple[int, int]:
     and a DTensor's version counter does not count them)."""
     bits = local(param.detach()).reshape(-1).view(torch.int16).to(torch.int64)
     return int(bits.sum()), int((bits * bits).sum())
+
+
+def _wide_second_moment(param: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether ``param``'s second moment is kept in FP32: a 16-bit parameter, not updated ``nearest``."""
+    return param.dtype.itemsize < 4 and group["update"] != "nearest"
 
 
 def _first_state(param: torch.Tensor, lowp: bool, kahan: bool, wide_second_moment: bool) -> dict[str, torch.Tensor]:
