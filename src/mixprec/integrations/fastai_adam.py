@@ -56,13 +56,13 @@ class FastaiAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "decouple_wd": decouple_wd}
         super().__init__(params, defaults)
         self._no_decay: frozenset[tuple[int, int]] = frozenset()  # (group, position) of parameters fastai exempts
-        self._fastai_flags: Mapping[torch.Tensor, Mapping[str, Any]] | None = None  # its wrapper's state
-        self._flags_taken = False
+        # its wrapper's state, where fastai keeps do_wd, until the flags are taken (by the callback or the first step)
+        self._fastai_flags: Mapping[torch.Tensor, Mapping[str, Any]] | None = None
 
     def skip_weight_decay_where(self, flags: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         """Take fastai's per-parameter ``do_wd`` flags (an OptimWrapper's ``state``), by position in the groups:
         called while the groups still hold the model's parameters (before o2 puts masters in their place)."""
-        self._flags_taken = True
+        self._fastai_flags = None  # taken
         self._no_decay = frozenset(
             (i, j)
             for i, group in enumerate(self.param_groups)
@@ -76,7 +76,7 @@ class FastaiAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._flags_taken and self._fastai_flags is not None:  # no callback took them: the model's own
+        if self._fastai_flags is not None:  # no callback took them: the groups hold the model's own parameters
             self.skip_weight_decay_where(self._fastai_flags)
         for i, group in enumerate(self.param_groups):
             lr, (mom, sqr_mom), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
