@@ -120,11 +120,23 @@ def test_a_compiled_model_inside_the_region_has_no_graph_breaks_and_equals_eager
     assert counts == [int("scaling=delayed" in policy)] * len(counts)  # current scaling (the default) records nothing
 
 
-@pytest.mark.parametrize("policy", ["base=fp8,fp8=(scaling=delayed,history=2)", "base=fp8_hybrid"])
+FP8_RECIPES = ["rowwise", "blockwise", "mxfp8"]  # the FP4 recipes round gradients stochastically: below
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "base=fp8,fp8=(scaling=delayed,history=2)",
+        "base=fp8_hybrid",
+        *(f"base=fp8,fp8=(scaling={scaling}),kernels=native" for scaling in FP8_RECIPES),
+    ],
+)
 def test_compiled_fp8_training_equals_eager_bit_for_bit(policy):
     # The whole forward step compiled, region included, for four steps: the delayed history (two entries)
     # rolls over in place. FP8 values are exact and the scales powers of two; the MLP's only other
     # low-precision op (GELU in bf16) traces to the same kernels, so the runs agree to the last bit.
+    # Every recipe: MXFP8's quantize took a tensor's .item() (a graph break); under torch 2.11 an FP8 layer
+    # returning its product through a no-op .to gave every layer before it a zero gradient.
     runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -150,6 +162,29 @@ def test_compiled_fp8_training_equals_eager_bit_for_bit(policy):
     assert all(map(torch.equal, losses, eager_losses)) and all(map(torch.equal, params, eager_params))
     torch.testing.assert_close(fp8, eager_fp8, atol=0, rtol=0)  # every amax history, every count
     assert fp8["2"]["grad"]["recorded"] == (4 if "history" in policy else 0)
+
+
+@pytest.mark.parametrize("scaling", ["nvfp4", "mxfp4"])
+def test_a_compiled_fp4_step_traces_whole_and_gives_every_layer_its_gradient(scaling):
+    # their gradients round stochastically (compiled draws differ from eager ones): one graph, and every layer's
+    # gradient within FP4's error of eager's. The Hadamard rotation's sign pattern made a Generator mid-step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), f"base=fp8,fp8=(scaling={scaling})")
+
+    def forward_loss(x):
+        with mp.autocast():
+            return model(x).float().pow(2).mean()
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    grads = []
+    torch._dynamo.reset()
+    for step in (forward_loss, torch.compile(forward_loss, backend="aot_eager", fullgraph=True)):
+        model.zero_grad(set_to_none=True)
+        step(x).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for eager, compiled in zip(*grads, strict=True):
+        assert (eager - compiled).norm() < 0.5 * eager.norm()  # 0.0 where a layer got no gradient
 
 
 @pytest.mark.parametrize("policy", ["mixed_bf16", "base=fp8,kernels=native", "base=mixed_bf16,names=1"])

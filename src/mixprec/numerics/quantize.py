@@ -21,9 +21,9 @@ Example:
 
 from __future__ import annotations
 
-import functools
+import math
+import struct
 
-import numpy as np
 import torch
 
 from mixprec.numerics.block_formats import BLOCK_FORMATS, quantize_blocks
@@ -159,19 +159,34 @@ def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.bitwise_left_shift(biased, shift).view(dtype)
 
 
-@functools.lru_cache(maxsize=256)
+# A format's limits in the working dtype, on the host with no tensor and no numpy state: quantize runs inside
+# training steps, which torch.compile traces, and these fold to constants there (a tensor's .item() broke the
+# graph of a compiled MXFP8 step; numpy's errstate is refused inside an FP8 layer's autograd function).
+_FP32_MAX = (2 - 2**-23) * 2**127
+_FP32_ROUNDS_TO_INF = _FP32_MAX + 2**103  # max + half its unit: from here (a tie rounds to even) to inf
+
+
 def _round_to(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to nearest into ``dtype`` (inf past its range); once per value and dtype (quantize runs
-    inside training steps)."""
-    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
+    """``value`` (positive) rounded to nearest even into ``dtype`` (inf past its range)."""
+    if dtype == torch.float64:
+        return value
+    if dtype == torch.float32:
+        return math.inf if value >= _FP32_ROUNDS_TO_INF else _fp32(value)
+    return torch.tensor(value, dtype=torch.float64).to(dtype).item()  # a 16-bit input given a format wider than it
 
 
 def _ceil_to(value: float, dtype: torch.dtype) -> float:
-    """The smallest ``dtype`` number >= value, so that tensor comparisons against it are exact."""
+    """The smallest ``dtype`` number >= ``value`` (positive), so that tensor comparisons against it are exact."""
     if dtype == torch.float64:
         return value
-    with np.errstate(over="ignore"):
-        rounded = np.float32(value)  # round to nearest; past fp32's range this is inf
-    if float(rounded) < value:
-        rounded = np.nextafter(rounded, np.float32(np.inf))
-    return float(rounded)
+    if value > _FP32_MAX:
+        return math.inf
+    rounded = _fp32(value)
+    if rounded < value:  # the next FP32 number up: the bit pattern's successor (positive, finite)
+        rounded = struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", rounded))[0] + 1))[0]
+    return rounded
+
+
+def _fp32(value: float) -> float:
+    """``value`` (within FP32's range) rounded to nearest even into FP32: C's conversion, through ``struct``."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]

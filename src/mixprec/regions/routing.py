@@ -18,6 +18,7 @@ model (``copy.deepcopy``, pickling) has a seat of its own, empty: it is in no re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import Any
@@ -116,8 +117,10 @@ class Link:
     @property
     def __wrapped__(self) -> Any:
         """What a link that does not compute calls: the forward it replaced, or the module's own (also what
-        ``inspect.signature(module.forward)`` reads: the Hugging Face Trainer's columns, for one)."""
-        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+        ``inspect.signature(module.forward)`` reads: the Hugging Face Trainer's columns, for one). The module's own
+        is bound as a partial: dynamo of torch 2.11 refuses to trace ``function.__get__``, and 2.11 and 2.13 a
+        ``MethodType`` call (a graph break; an error under ``fullgraph=True``)."""
+        return self.previous if self.previous is not None else functools.partial(type(self.module).forward, self.module)
 
 
 _TOKENS = itertools.count(1)

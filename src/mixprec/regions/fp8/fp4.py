@@ -41,22 +41,30 @@ from mixprec.regions.fp8.gemm import with_bias
 __all__ = ["MXFP4", "NVFP4", "NVFP4_TILES", "hadamard_rotation", "nvfp4_weight", "rotate_tokens", "tiles", "untiles"]
 
 _GROUP = 16  # tokens per Hadamard rotation
-_SIGN_SEED = 0x4F4  # D: one fixed pattern for every layer and run
+# D: one fixed pattern for every layer and run (drawn once, by torch.randint seeded 0x4F4). Written out, not drawn
+# at each build: torch.compile traces through the cache below, and a Generator made inside a compiled step fails
+_SIGNS = (-1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1, -1, -1, 1, 1, -1)
 
 
 def hadamard_rotation(device: torch.device | str | None = None) -> torch.Tensor:
     """``D H / 4``: the 16x16 Sylvester Hadamard matrix with its rows' signs flipped by a fixed random pattern,
     scaled to be orthogonal (every entry ±1/4, exact in FP32). Built once per device (every weight gradient
-    reads it); the tensor is shared, so it is not to be written to."""
-    return _rotation(torch.device(device) if device is not None else torch.device("cpu"))
+    reads it); the tensor is shared, so it is not to be written to. Traced by torch.compile, built in the graph
+    (the compiler folds it; dynamo warns of a cache it cannot keep)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return _build_rotation(device) if torch.compiler.is_compiling() else _rotation(device)
 
 
 @functools.cache
 def _rotation(device: torch.device) -> torch.Tensor:
+    return _build_rotation(device)
+
+
+def _build_rotation(device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < _GROUP:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (_GROUP,), generator=torch.Generator().manual_seed(_SIGN_SEED)) * 2 - 1
+    signs = torch.tensor(_SIGNS, dtype=h.dtype)
     return (signs[:, None] * h / 4).to(device)
 
 

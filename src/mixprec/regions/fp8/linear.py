@@ -80,7 +80,7 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(xq, wq, sx, sw, x_decode, w_decode)
             ctx.state, ctx.has_bias, ctx.kernel, ctx.x_shape = state, bias is not None, kernel, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-            return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+            return _output(y, x.shape, out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad):
@@ -130,7 +130,7 @@ class Recast(torch.autograd.Function):
             ctx.save_for_backward(rows, weight)
             ctx.state, ctx.products, ctx.has_bias, ctx.x_shape = state, products, bias is not None, x.shape
             ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-            return y.reshape(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+            return _output(y, x.shape, out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad):
@@ -146,6 +146,14 @@ class Recast(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = _bias_grad(grad, b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _output(y: torch.Tensor, x_shape: torch.Size, out_dtype: torch.dtype) -> torch.Tensor:
+    """The product's rows in the input's leading shape, in ``out_dtype``: cast only where it is not (a no-op
+    ``.to`` returns the tensor itself, and dynamo of torch 2.11 then gives every input of the autograd function a
+    zero gradient: compiled FP8 training trained nothing but the layers after the last FP8 one)."""
+    y = y.reshape(*x_shape[:-1], y.shape[-1])
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def _bias_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
