@@ -126,9 +126,7 @@ class SpeedTable:
         if x.numel() == 0:  # no rows: nothing to time, nothing computed
             return True
         m = x.numel() // x.shape[-1]
-        # a row count torch.compile made dynamic (a SymInt: dynamo reads it as an int to isinstance, not to
-        # __class__): no one shape to decide
-        if m.__class__ is not int:
+        if not _known_while_tracing(m):  # a row count torch.compile made dynamic: no one shape to decide
             return True
         return layer_pays(self.key, name, _DTYPE_NAMES[dtype], m, weight.shape[1], weight.shape[0], bias is not None)
 
@@ -158,6 +156,18 @@ class SpeedTable:
 
     def _timed(self, m: int, k: int, n: int, bias: bool, dtype: torch.dtype) -> tuple[float, float]:
         return time_shape(self.recipe, self.device, dtype, m, k, n, bias)
+
+
+def _known_while_tracing(size: int) -> bool:
+    """Whether ``size`` has one value in the code being run: always eagerly; traced by torch.compile, where it is a
+    constant and not a symbol (a dynamic size). Dynamo reads a symbol as an int to ``isinstance`` and ``type``, and
+    torch 2.11's as some other class to ``__class__`` for a constant too; a bound no symbol is known to satisfy
+    tells them apart (no guard installed: the size is not specialized)."""
+    if not torch.compiler.is_compiling():
+        return True
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # loaded by dynamo already
+
+    return statically_known_true(size < 2**62)
 
 
 def layer_pays(table: str, name: str, dtype: str, m: int, k: int, n: int, bias: bool) -> bool:
