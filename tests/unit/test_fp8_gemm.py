@@ -17,8 +17,10 @@ from mixprec.regions.fp8 import (
     power_of_two_scale,
     scaled_mm_available,
 )
+from mixprec.regions.fp8 import gemm as fp8_gemm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CPU_ROWWISE = fp8_gemm.rowwise_kernel_runs(torch.device("cpu"))  # torch 2.11's CPU kernel: one scale per tensor only
 
 
 def _accumulation_eps(device: torch.device) -> float:
@@ -134,6 +136,8 @@ def test_fp8_linear_with_the_kernel_matches_the_emulated_layer(device, scaling, 
 )
 def test_the_products_ask_the_kernel_for_the_accumulation_the_recipe_names(monkeypatch, scaling, fast_accum, fast):
     # the output, input gradient and weight gradient, in that order; the emulation has no such choice
+    if scaling == "rowwise" and not CPU_ROWWISE:
+        pytest.skip(fp8_gemm.rowwise_kernel_unavailable_reason(torch.device("cpu")))
     calls = []
     real = torch._scaled_mm
 
@@ -209,7 +213,7 @@ def test_a_model_trains_identically_enough_with_the_kernel(train_mlp):
     assert max(abs(a - b) for a, b in zip(losses["scaled_mm"], losses["emulated"], strict=True)) < 1e-3
 
 
-@pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
+@pytest.mark.skipif(not CPU_ROWWISE, reason="no CPU FP8 GEMM with rowwise scales in this torch")
 def test_rowwise_scaling_runs_on_the_kernel_where_the_recipe_picks_it(monkeypatch):
     """The kernel is really called, with one scale per row of ``a`` and per column of ``b``, for all three
     products, and the plan says so."""
@@ -230,6 +234,31 @@ def test_rowwise_scaling_runs_on_the_kernel_where_the_recipe_picks_it(monkeypatc
         model, torch.optim.SGD(model.parameters(), lr=0.1), "base=fp8,fp8=(scaling=rowwise,gemm=scaled_mm)"
     )
     assert "GEMM layers in FP8 on PyTorch's FP8 GEMM (torch._scaled_mm)" in plan.compute_plan.reason
+
+
+@pytest.mark.skipif(not scaled_mm_available(torch.device("cpu")), reason="no CPU FP8 GEMM in this torch")
+def test_rowwise_scaling_is_emulated_where_the_kernel_takes_no_rowwise_scales(monkeypatch):
+    # as torch 2.11's CPU kernel: it asserted on the layer's first product; now the probe finds it, the layer
+    # computes the emulation and the plan says why
+    real = torch._scaled_mm
+
+    def tensorwise_only(a, b, *, scale_a, scale_b, **kwargs):
+        if scale_a.numel() > 1 or scale_b.numel() > 1:
+            raise RuntimeError("_scaled_mm only supports per-tensor scaling for CPU backend.")
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", tensorwise_only)
+    monkeypatch.setattr(fp8_gemm, "_WHY_NOT_ROWWISE", {})
+    x, w = torch.randn(24, 64), torch.randn(32, 64) * 0.05
+    outputs = [
+        fp8_linear(x, w, None, Fp8LinearState(Fp8Recipe(scaling="rowwise", gemm=kind)), torch.bfloat16)
+        for kind in ("scaled_mm", "emulated")
+    ]
+    assert torch.equal(*outputs)
+    model = nn.Linear(64, 32)
+    policy = "base=fp8,fp8=(scaling=rowwise,gemm=scaled_mm)"
+    plan = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy).compute_plan.reason
+    assert "emulated with FP32 arithmetic" in plan and "takes no rowwise scales on cpu" in plan, plan
 
 
 def test_the_compute_plan_says_which_fp8_gemm_runs():

@@ -69,6 +69,35 @@ def _probe(device: torch.device) -> str | None:
     return None
 
 
+def rowwise_kernel_runs(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes rowwise scales on ``device`` (probed once per device; torch 2.11's CPU
+    kernel takes one scale per tensor only, and asserts otherwise)."""
+    return rowwise_kernel_unavailable_reason(device) is None
+
+
+rowwise_kernel_runs._dynamo_marked_constant = True  # type: ignore[attr-defined]  # as scaled_mm_available's
+
+
+def rowwise_kernel_unavailable_reason(device: torch.device) -> str | None:
+    """Why rowwise scales do not run on ``device``'s kernel, or None where they do."""
+    if device not in _WHY_NOT_ROWWISE:
+        _WHY_NOT_ROWWISE[device] = scaled_mm_unavailable_reason(device) or _probe_rowwise(device)
+    return _WHY_NOT_ROWWISE[device]
+
+
+_WHY_NOT_ROWWISE: dict[torch.device, str | None] = {}
+
+
+def _probe_rowwise(device: torch.device) -> str | None:
+    try:
+        a = torch.ones(16, 16, device=device, dtype=torch.float8_e4m3fn)
+        rows, cols = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+        torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as error:
+        return f"torch._scaled_mm takes no rowwise scales on {device}: {error_line(error)}"
+    return None
+
+
 def error_line(error: BaseException) -> str:
     """A kernel's error in one line for a probe's reason: its type and the first line of its message."""
     text = str(error).strip()
@@ -95,7 +124,7 @@ def recipe_uses_kernel(recipe, device: torch.device) -> bool:
         from mixprec.regions.fp8.block_gemm import block_kernel_runs  # it builds on this module
 
         return block_kernel_runs(device, True)  # the output and the input gradient (1x128 x 128x128)
-    return True
+    return recipe.scaling != "rowwise" or rowwise_kernel_runs(device)
 
 
 def recipe_kernel_missing(recipe, device: torch.device) -> str | None:
@@ -107,7 +136,7 @@ def recipe_kernel_missing(recipe, device: torch.device) -> str | None:
         from mixprec.regions.fp8.block_gemm import block_kernel_unavailable_reason  # it builds on this module
 
         return block_kernel_unavailable_reason(device)
-    return None
+    return rowwise_kernel_unavailable_reason(device) if recipe.scaling == "rowwise" else None
 
 
 EMULATED_SCALINGS = ("mxfp8", "mxfp4", "nvfp4")  # scalings without a kernel path yet (MX, NVFP4: Blackwell's)

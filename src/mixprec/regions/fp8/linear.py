@@ -27,7 +27,7 @@ import torch
 from mixprec.numerics.formats import Format
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.fused_cast import scaled_cast
-from mixprec.regions.fp8.gemm import fp8_matmul, uses_kernel
+from mixprec.regions.fp8.gemm import fp8_matmul, recipe_uses_kernel, uses_kernel
 from mixprec.regions.fp8.scaling import ScaleState, own_scale_cast, power_of_two_scale
 
 __all__ = ["Fp8LinearState", "fp8_linear"]
@@ -172,7 +172,7 @@ class _Rowwise:
     def output(rows, weight, state: Fp8LinearState, bias, out_dtype) -> torch.Tensor:
         fwd, margin = state.input.format, state.recipe.margin
         sx, sw = _row_scales(rows, fwd, -1, margin), _row_scales(weight, fwd, -1, margin)
-        kernel = uses_kernel(state.recipe.gemm, rows.device)
+        kernel = recipe_uses_kernel(state.recipe, rows.device)
         qx, qw = own_scale_cast(rows, sx, fwd), own_scale_cast(weight, sw, fwd)
         fast = state.recipe.fast_accumulation("output")
         return fp8_matmul(qx, qw.t(), sx, sw.t(), kernel, out_dtype, bias=bias, fast_accum=fast)
@@ -181,7 +181,7 @@ class _Rowwise:
     def input_grad(grad, weight, state: Fp8LinearState) -> torch.Tensor:
         fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
         sg, sw = _row_scales(grad, bwd, -1, margin), _row_scales(weight, fwd, 0, margin)
-        kernel = uses_kernel(state.recipe.gemm, grad.device)
+        kernel = recipe_uses_kernel(state.recipe, grad.device)
         fast = state.recipe.fast_accumulation("input_grad")
         qg, qw = own_scale_cast(grad, sg, bwd), own_scale_cast(weight, sw, fwd)
         return fp8_matmul(qg, qw, sg, sw, kernel, fast_accum=fast)
@@ -190,7 +190,7 @@ class _Rowwise:
     def weight_grad(grad, rows, state: Fp8LinearState) -> torch.Tensor:
         fwd, bwd, margin = state.input.format, state.grad.format, state.recipe.margin
         sg, sx = _row_scales(grad, bwd, 0, margin), _row_scales(rows, fwd, 0, margin)
-        kernel = uses_kernel(state.recipe.gemm, grad.device)
+        kernel = recipe_uses_kernel(state.recipe, grad.device)
         fast = state.recipe.fast_accumulation("weight_grad")
         qg, qx = own_scale_cast(grad, sg, bwd).t(), own_scale_cast(rows, sx, fwd)
         return fp8_matmul(qg, qx, sg.t(), sx, kernel, fast_accum=fast)
