@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["positive_number", "shown", "unique_keys", "whole_number"]
+__all__ = ["LOSS_SCALE_RANGE", "flag", "loss_scale", "positive_number", "shown", "unique_keys", "whole_number"]
 
 SHOWN_CHARACTERS = 120  # an input echoed in an error is cut here: a 90 KB string would bury the message
 
@@ -28,6 +28,14 @@ def shown(value: Any) -> str:
         return text
     length = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
     return f"{text[:SHOWN_CHARACTERS]}... ({length})"
+
+
+def flag(value: Any, what: str) -> bool:
+    """``value`` if it is True or False; else TypeError naming ``what`` (a string "false" is truthy: taken as a
+    flag, it turns the setting on)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} needs True or False; received {shown(value)} (of type {type(value).__name__}).")
+    return value
 
 
 def whole_number(value: Any, what: str, minimum: int = 1) -> int:
@@ -46,6 +54,21 @@ def positive_number(value: Any, what: str) -> float:
             f"{what} must be a positive finite number; received {value!r} (of type {type(value).__name__})."
         )
     return float(value)
+
+
+# a loss scale FP32 holds as a normal number: beyond it a scaler could not (1e39 is inf in FP32, 1e-50 is 0);
+# up to FP32's largest, which a scale growing by a factor other than 2 can reach and a checkpoint then holds
+LOSS_SCALE_RANGE = (2.0**-126, (2 - 2.0**-23) * 2.0**127)
+
+
+def loss_scale(value: Any, what: str) -> float:
+    """``value`` as a float if it is a number within LOSS_SCALE_RANGE; else ValueError naming ``what``. The one
+    bound every way to give a scale meets: the scalers, the command line, a config or policy file."""
+    low, high = LOSS_SCALE_RANGE
+    number = positive_number(value, what)
+    if not low <= number <= high:
+        raise ValueError(f"{what} must be from 2^-126 to 3.4e38 (a normal FP32 number); received {value!r}.")
+    return number
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

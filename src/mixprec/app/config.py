@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.app.stop_signals import check_stop_signals
-from mixprec.checks import unique_keys
+from mixprec.checks import loss_scale, unique_keys
 
 # A run's seed is below 2^32: its epochs' data-order seeds (seed * 1_000_003 + epoch) then fit torch's 64 bits, and
 # NumPy's legacy seed takes it as it is.
@@ -104,8 +104,8 @@ class TrainConfig:
             raise ValueError(f"config 'seed' must be from 0 to {SEED_LIMIT - 1}; received {self.seed}.")
         if self.frozen_epochs is not None and self.frozen_epochs < 0:
             raise ValueError(f"config 'frozen_epochs' must be >= 0; received {self.frozen_epochs}.")
-        if self.loss_scale is not None and not self.loss_scale > 0:
-            raise ValueError(f"config 'loss_scale': received {self.loss_scale!r}; use a positive number such as 1024.")
+        if self.loss_scale is not None:
+            loss_scale(self.loss_scale, "config 'loss_scale'")
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:

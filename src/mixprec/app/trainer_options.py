@@ -25,7 +25,7 @@ import torch
 from mixprec.app.config import SEED_LIMIT
 from mixprec.app.stop_signals import DEFAULT_STOP_SIGNALS, check_stop_signals
 from mixprec.app.task import Metric
-from mixprec.checks import positive_number, whole_number
+from mixprec.checks import flag, positive_number, whole_number
 from mixprec.scaling import LossScaler
 
 __all__ = ["BAD_BATCH_ACTIONS", "BatchChecks", "RunOptions", "TrainData", "UpdateOptions"]
@@ -91,7 +91,7 @@ class UpdateOptions:
         if self.max_grad_norm is not None:
             _with_hint(positive_number, self.max_grad_norm, "UpdateOptions(max_grad_norm=...)", "not clip")
         whole_number(self.accumulation_steps, "UpdateOptions(accumulation_steps=...)")
-        _check_flag(self.reduce_in_fp32, "UpdateOptions(reduce_in_fp32=...)")
+        flag(self.reduce_in_fp32, "UpdateOptions(reduce_in_fp32=...)")
         whole_number(self.frozen_updates, "UpdateOptions(frozen_updates=...)", minimum=0)
 
 
@@ -150,9 +150,9 @@ class RunOptions:
                 f"{minutes!r}. Pass None to checkpoint by updates only."
             )
         object.__setattr__(self, "stop_signals", check_stop_signals(self.stop_signals, "RunOptions(stop_signals=...)"))
-        _check_flag(self.allow_foreign_checkpoint, "RunOptions(allow_foreign_checkpoint=...)")
-        _check_flag(self.progress, "RunOptions(progress=...)")
-        _check_flag(self.compile, "RunOptions(compile=...)")
+        flag(self.allow_foreign_checkpoint, "RunOptions(allow_foreign_checkpoint=...)")
+        flag(self.progress, "RunOptions(progress=...)")
+        flag(self.compile, "RunOptions(compile=...)")
 
 
 @dataclass(frozen=True)
@@ -171,22 +171,17 @@ class BatchChecks:
     trace_nonfinite: bool = False
 
     def __post_init__(self) -> None:
-        _check_flag(self.check_inputs, "BatchChecks(check_inputs=...)")
+        flag(self.check_inputs, "BatchChecks(check_inputs=...)")
         if self.on_bad_batch not in BAD_BATCH_ACTIONS:
             raise ValueError(
                 f"BatchChecks(on_bad_batch=...): received {self.on_bad_batch!r} "
                 f"(of type {type(self.on_bad_batch).__name__}); use {' or '.join(map(repr, BAD_BATCH_ACTIONS))}."
             )
-        _check_flag(self.trace_nonfinite, "BatchChecks(trace_nonfinite=...)")
+        flag(self.trace_nonfinite, "BatchChecks(trace_nonfinite=...)")
 
 
 def _expected(what: str, value: Any, expected: str) -> str:
     return f"{what} needs {expected}; received {value!r} (of type {type(value).__name__})."
-
-
-def _check_flag(value: Any, what: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(_expected(what, value, "True or False"))
 
 
 def _with_hint(check: Callable[[Any, str], Any], value: Any, what: str, none_means: str) -> None:

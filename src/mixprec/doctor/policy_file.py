@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixprec.checks import positive_number, unique_keys
+from mixprec.checks import loss_scale, unique_keys
 from mixprec.doctor.advice import Diagnosis
 from mixprec.persist import WRITTEN_BY, check_overwrite, stamped, write_atomically
 from mixprec.policy.parse import get_policy
@@ -97,4 +97,4 @@ def read_policy_file(path: str | Path, argument: str = "--policy") -> tuple[str,
     except (TypeError, ValueError) as error:
         raise ValueError(f"{argument} {path}: its 'policy' is not valid: {error}") from None
     scale = data.get("loss_scale")
-    return data["policy"], None if scale is None else positive_number(scale, f"{argument} {path}: loss_scale")
+    return data["policy"], None if scale is None else loss_scale(scale, f"{argument} {path}: loss_scale")

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from mixprec.checks import flag, shown
 from mixprec.distributed.ranks import agree_max, local, shard_groups
 from mixprec.engine.call_order import CallOrder, check_loss, refuse_direct_steps
 from mixprec.engine.ddp_sync import ReducedBackwardProbe
@@ -129,7 +130,7 @@ class MixedPrecision:
         num_losses: int = 1,
         history: int = 32,
     ) -> None:
-        check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses)
+        check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses, history)
         prepared = prepare(model, policy)  # every check of the policy on this model, before anything is cast
         self.policy, self.device, self._plan = prepared.policy, prepared.device, prepared.plan
         self.model, self.optimizer = model, optimizer
@@ -244,6 +245,8 @@ class MixedPrecision:
         window's end, where they are unscaled once, in place.
         """
         check_loss(loss, loss_id, self.num_losses)
+        if retain_graph is not None:  # checked before the call order counts a backward
+            flag(retain_graph, "MixedPrecision.backward(retain_graph=...) (or None)")
         self._order.check_backward()
         self._guards.before_gradients(self)
         self._order.on_backward()
@@ -371,6 +374,11 @@ class MixedPrecision:
                 f"MixedPrecision.clip_grad_norm_(max_norm=...) needs a positive number (math.inf: measure the norm "
                 f"without clipping); received {max_norm!r}."
             )
+        if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
+            raise ValueError(
+                "MixedPrecision.clip_grad_norm_(norm_type=...) needs a positive number (2.0: the Euclidean norm; "
+                f"math.inf: the largest magnitude); received {shown(norm_type)}."
+            )
         # with nothing to divide (no loss scale, one loss, no FP32 masters), the norm's own pass is the finite check
         by_norm = not self._order.unscaled and max_norm != float("inf") and self._norm_checks_gradients
         if not self._order.unscaled:
@@ -424,8 +432,8 @@ class MixedPrecision:
         self._log.watch_underflow(self._optimizer_grads, self._last_loss)  # only after a scale collapse
         self._update_or_skip(found)
         scales_before = self._log.scales()
-        for scaler, flag in zip(self.scalers, found.per_loss, strict=True):
-            scaler.update(flag)
+        for scaler, overflowed in zip(self.scalers, found.per_loss, strict=True):
+            scaler.update(overflowed)
         if (fp8 := self._region.fp8) is not None:  # a skipped update's amaxes leave the delayed histories
             fp8.end_window(found.found, self._loss_scale_change(scales_before) if fp8.keeps_histories else None)
         self._zero_grad()

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.checks import whole_number
+from mixprec.checks import flag, whole_number
 from mixprec.distributed.ranks import world
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.compensated import rounding_residual, take_rounding_residuals
@@ -34,7 +34,7 @@ __all__ = [
 
 
 def check_arguments(
-    model: Any, optimizer: Any, accumulation_steps: Any, accumulate_in_fp32: Any, num_losses: Any
+    model: Any, optimizer: Any, accumulation_steps: Any, accumulate_in_fp32: Any, num_losses: Any, history: Any
 ) -> None:
     """MixedPrecision's arguments of the wrong type or range, refused by name."""
     if not isinstance(model, nn.Module):
@@ -45,8 +45,13 @@ def check_arguments(
         )
     for name, value in (("accumulation_steps", accumulation_steps), ("num_losses", num_losses)):
         whole_number(value, f"MixedPrecision({name}=...)")
-    if not isinstance(accumulate_in_fp32, bool):
-        raise TypeError(f"MixedPrecision(accumulate_in_fp32=...) needs True or False; received {accumulate_in_fp32!r}.")
+    flag(accumulate_in_fp32, "MixedPrecision(accumulate_in_fp32=...)")
+    whole_number(history, "MixedPrecision(history=...)", minimum=0)
+    if isinstance(optimizer, torch.optim.LBFGS):  # every adapter reaches this one refusal
+        raise ValueError(
+            "MixedPrecision(optimizer=...): LBFGS re-evaluates the loss inside step(), which loss scaling and "
+            "skipped steps cannot follow; use a first-order optimizer."
+        )
     _check_not_cast_by_another(model)
 
 

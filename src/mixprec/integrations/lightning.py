@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import nn
 
 import mixprec
+from mixprec.checks import flag
 from mixprec.compute import dropped_roundings_note
 from mixprec.integrations.adapter_arguments import check_adapter_arguments
 from mixprec.integrations.gated_scheduler import GatedScheduler
@@ -100,8 +101,11 @@ class MixprecPrecision(Precision):
         # resolved now unless 'auto', which depends on the model's device: a bad policy fails here
         self.policy: mixprec.Policy | None = check_adapter_arguments("MixprecPrecision", policy, scaler)
         self.scaler = scaler
-        self.log_stats, self.fp32_after_fit = log_stats, fp32_after_fit
-        self.allow_optimizer_step_override = allow_optimizer_step_override
+        self.log_stats = flag(log_stats, "MixprecPrecision(log_stats=...)")
+        self.fp32_after_fit = flag(fp32_after_fit, "MixprecPrecision(fp32_after_fit=...)")
+        self.allow_optimizer_step_override = flag(
+            allow_optimizer_step_override, "MixprecPrecision(allow_optimizer_step_override=...)"
+        )
         self._mp: mixprec.MixedPrecision | None = None
         self._carried: dict[str, Any] | None = None  # a released fit's state, without masters: the next one's start
         self._shown = contextlib.ExitStack()  # o2's gradients shown on the module's parameters, while hooks run
@@ -416,8 +420,6 @@ def _check_trainable(
             "(held on a skipped update), or, where the override changes no hyper-parameter, pass "
             "MixprecPrecision(..., allow_optimizer_step_override=True)."
         )
-    elif isinstance(optimizers[0], torch.optim.LBFGS):
-        problem = "LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot follow."
     if problem is not None:
         raise ValueError(f"MixprecPrecision: {problem}")
 

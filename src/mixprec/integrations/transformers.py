@@ -228,11 +228,6 @@ class MixprecTrainer(transformers.Trainer):
 
     def _mixed_precision(self, optimizer: torch.optim.Optimizer, origin: str) -> mixprec.MixedPrecision:
         """MixedPrecision on the model and ``optimizer``; its refusals name the trainer and the optimizer."""
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(
-                f"{self!r}: LBFGS re-evaluates the loss inside step(), which loss scaling and skipped steps cannot "
-                "follow; use a first-order optimizer."
-            )
         # under DDP, Accelerate wraps the model after this and broadcasts rank 0's weights into it; the masters are
         # made here, so they must be made from rank 0's weights too, or each rank would train its own
         copy_from_main([*self.model.parameters(), *self.model.buffers()])

@@ -36,12 +36,14 @@ Example:
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from mixprec.checks import flag, shown
 from mixprec.compute.compile_guard import compile_blocked
 from mixprec.distributed.ranks import local
 from mixprec.master.single_pass import kahan_adamw_kernel, run_kahan_adamw, run_kahan_adamw_group, why_unavailable
@@ -121,8 +123,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "update": update})
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"AdamW(generator=...) takes a torch.Generator or None; received {generator!r}.")
-        if single_pass not in (None, True, False):
-            raise TypeError(f"AdamW(single_pass=...) takes True, False or None; received {single_pass!r}.")
+        if single_pass is not None:
+            flag(single_pass, "AdamW(single_pass=...) (or None: the compiled kernel where it runs)")
         self._generator = generator
         self._single_pass = single_pass
         # start_from's residuals, by id(param): (residual, the parameter's fingerprint when it was given)
@@ -131,8 +133,20 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, keeping the FP32 second moment of a 16-bit parameter FP32 (torch casts every state tensor to
         its parameter's dtype; one saved in bf16 by an earlier release is widened, exactly). A start_from residual
-        of a parameter whose state is loaded is dropped: it is for a first step, which that parameter is past."""
+        of a parameter whose state is loaded is dropped: it is for a first step, which that parameter is past.
+        Each saved group's hyper-parameters are checked as the constructor's are; a key the state lacks (a torch
+        optimizer's has no ``update``) takes this optimizer's default."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(
+                f"AdamW.load_state_dict(state_dict=...) needs what an optimizer's state_dict() returned (keys "
+                f"'state' and 'param_groups'); received {shown(state_dict)}."
+            )
+        for saved in state_dict["param_groups"]:
+            _check_hyperparameters({**self.defaults, **saved})
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for param, saved_id in zip(group["params"], saved["params"], strict=True):  # torch pairs them so
                 if self.state.get(param):
@@ -333,8 +347,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         value = group[key]
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()  # a tensor learning rate, as torch's optimizers take
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
-            raise ValueError(f"AdamW: {key} must be a number >= 0; received {group[key]!r} {where}.")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+            raise ValueError(f"AdamW: {key} must be a finite number >= 0; received {group[key]!r} {where}.")
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, (int, float)) for b in betas)):
         raise ValueError(f"AdamW: betas must be two numbers (beta1, beta2); received {betas!r} {where}.")

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from mixprec.distributed.ranks import local
+
 __all__ = ["MasterWeights", "release_masters"]
 
 
@@ -130,7 +132,9 @@ class MasterWeights:
         self.copy_to_model()
 
     def check_state(self, values: list[torch.Tensor]) -> None:
-        """Raise ValueError unless ``values`` are master values of this model (their number and shapes)."""
+        """Raise ValueError unless ``values`` are master values of this model: their number, shapes and dtype
+        (FP32: a 16-bit value lost what a master keeps), with data (not meta) and finite (masters change only
+        on updates with finite gradients: NaN there is a corrupt or foreign file). Host syncs: a load."""
         if not isinstance(values, list) or len(values) != len(self.masters):
             count = len(values) if isinstance(values, list) else type(values).__name__
             raise ValueError(
@@ -144,6 +148,20 @@ class MasterWeights:
                     f"master weight {index} has shape {shape} in the checkpoint, {tuple(master.shape)} in this "
                     "model; load a checkpoint saved from the same model and policy."
                 )
+            if (defect := _defect(value, master.dtype)) is not None:
+                raise ValueError(
+                    f"master weight {index} in the checkpoint is {defect}; masters are finite {master.dtype} "
+                    "values. Load a checkpoint saved by MixedPrecision.state_dict() of this policy."
+                )
+
+
+def _defect(value: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """What keeps ``value`` from being a master of ``dtype``, or None (a sharded one: its local shard)."""
+    if value.dtype != dtype:
+        return str(value.dtype)
+    if value.is_meta:
+        return "on the meta device"
+    return None if bool(torch.isfinite(local(value)).all()) else "not finite"
 
 
 def release_masters(masters: MasterWeights, optimizer: torch.optim.Optimizer) -> None:

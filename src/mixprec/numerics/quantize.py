@@ -26,6 +26,7 @@ import struct
 
 import torch
 
+from mixprec.checks import flag, shown
 from mixprec.numerics.block_formats import BLOCK_FORMATS, quantize_blocks
 from mixprec.numerics.formats import Format, get_format
 
@@ -92,11 +93,17 @@ def quantize(
         raise ValueError(
             f"quantize(rounding=...): received {rounding!r}; use one of {', '.join(map(repr, ROUNDING_MODES))}."
         )
+    flag(saturate, "quantize(saturate=...)")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"quantize(generator=...) needs a torch.Generator or None; received {shown(generator)}.")
     if isinstance(fmt, str) and fmt.strip().lower() in BLOCK_FORMATS:
         return quantize_blocks(x, fmt, scale_rule, rounding, generator)
     if scale_rule != "ocp":
         raise ValueError(f"quantize(scale_rule=...) applies to the MX block formats; fmt={fmt!r} has no block scale.")
-    fmt = get_format(fmt, argument="fmt")
+    try:
+        fmt = get_format(fmt, argument="fmt")
+    except ValueError as error:
+        raise ValueError(f"{error} quantize also takes the block-scaled formats {', '.join(BLOCK_FORMATS)}.") from None
     working = _WORKING[x.dtype]
     mantissa_bits, min_exponent, max_exponent, _, _ = _LAYOUT[working]
     if fmt.mantissa_bits >= mantissa_bits and fmt.min_exponent <= min_exponent and fmt.max_exponent >= max_exponent:

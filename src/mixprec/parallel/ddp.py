@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.checks import flag
+
 __all__ = ["fp32_allreduce_hook", "wrap_ddp"]
 
 
@@ -31,6 +33,7 @@ def fp32_allreduce_hook(process_group, bucket):  # no annotations: DDP checks th
 
 def wrap_ddp(model: nn.Module, *, reduce_in_fp32: bool = False) -> nn.parallel.DistributedDataParallel:
     """``DistributedDataParallel(model)`` on the model's device; FP32 gradient averaging on request."""
+    flag(reduce_in_fp32, "wrap_ddp(reduce_in_fp32=...)")
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

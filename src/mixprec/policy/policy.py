@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mixprec.checks import flag
 from mixprec.compute.kernels import KERNEL_SETTINGS
 from mixprec.numerics.formats import get_format
 from mixprec.policy.fp8_recipe import Fp8Recipe
@@ -79,6 +80,7 @@ class Policy:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype", "output_dtype", "master_dtype"):
             object.__setattr__(self, name, _as_policy_dtype(getattr(self, name), name))
+        flag(self.allow_tf32, "Policy(allow_tf32=...)")
         if self.allow_tf32 and self.compute_dtype != torch.float32:
             raise ValueError(
                 f"Policy(allow_tf32=True) needs compute_dtype=float32; received "

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.checks import flag, shown
 from mixprec.compute.emulation import active_emulation
 from mixprec.compute.foreign_recompute import (
     claim_checkpoint,
@@ -174,7 +175,9 @@ def checkpoint(function: Callable, *args: Any, use_reentrant: bool = False, **kw
     """
     import torch.utils.checkpoint  # here: it loads torch's compiler (1.4 s of every start)
 
-    if use_reentrant:
+    if not callable(function):
+        raise TypeError(f"mixprec.checkpoint(function=...) needs a callable; received {shown(function)}.")
+    if flag(use_reentrant, "mixprec.checkpoint(use_reentrant=...)"):
         raise _reentrant_refused("mixprec.checkpoint", "Use use_reentrant=False.")
     return _checkpoint_in_region(torch.utils.checkpoint.checkpoint, function, *args, **kwargs)
 

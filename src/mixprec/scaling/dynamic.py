@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checks import positive_number, whole_number
+from mixprec.checks import loss_scale, positive_number, whole_number
 from mixprec.scaling.base import LossScaler, check_state_type
 
 LOWEST_SCALE = 2.0**-24  # the scale never backs off below this: below ~2**-149 it would become 0 for good
@@ -70,7 +70,7 @@ class DynamicLossScaler(LossScaler):
         recover_below: float | None = 1.0,
     ) -> None:
         name = "DynamicLossScaler"
-        super().__init__(positive_number(init_scale, f"{name}(init_scale=...)"))
+        super().__init__(loss_scale(init_scale, f"{name}(init_scale=...)"))
         self.growth_factor = positive_number(growth_factor, f"{name}(growth_factor=...)")
         self.backoff_factor = positive_number(backoff_factor, f"{name}(backoff_factor=...)")
         if self.growth_factor <= 1.0:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checks import positive_number
+from mixprec.checks import loss_scale, positive_number
 from mixprec.numerics.finite import Grouped, magnitudes_not_finite, max_magnitudes
 from mixprec.scaling.base import LossScaler, check_state_type, device_of
 
@@ -76,7 +76,7 @@ class StaticLossScaler(LossScaler):
     """
 
     def __init__(self, scale: float) -> None:
-        super().__init__(positive_number(scale, "StaticLossScaler(scale=...)"))
+        super().__init__(loss_scale(scale, "StaticLossScaler(scale=...)"))
 
     def update(self, found_inf: torch.Tensor) -> None:
         pass

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mixprec.app.config import SEED_LIMIT
-from mixprec.checks import shown
+from mixprec.checks import LOSS_SCALE_RANGE, shown
 
 __all__ = [
     "file_path",
@@ -81,7 +81,8 @@ def tolerance(text: str) -> float:
 def loss_scale(text: str) -> float:
     """An initial dynamic loss scale that FP32 stores as a normal number (beyond it the scaler could not hold
     it: 1e39 crashed, 1e-50 became 0). Above the growth ceiling (2^24) is allowed: it backs off as usual."""
-    return _number(text, lambda v: 2.0**-126 <= v <= 2.0**127, "a number from 2^-126 to 2^127")
+    low, high = LOSS_SCALE_RANGE
+    return _number(text, lambda v: low <= v <= high, "a number from 2^-126 to 3.4e38")
 
 
 # Linux's limits, in bytes: one name in a path (less what mixprec's hidden temporary names add to a file's name:

@@ -1,0 +1,101 @@
+"""Inputs a review found taken as something else, or failing deep inside torch: each refused by name.
+
+A string where a flag belongs is truthy ("false" turned TF32 on, "no" saturated); a loaded optimizer state
+skipped the constructor's checks; a loss scale past FP32's normal range was accepted everywhere but the CLI.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.app.config import TrainConfig
+
+
+def _engine(policy: str = "mixed_fp16", **kwargs) -> tuple[nn.Module, mixprec.MixedPrecision]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: mixprec.Policy(allow_tf32="false"), TypeError, r"Policy\(allow_tf32=\.\.\.\) needs True or False"),
+        (lambda: mixprec.quantize(torch.ones(2), "fp16", saturate="no"), TypeError, r"saturate=\.\.\.\) needs True"),
+        (lambda: mixprec.quantize(torch.ones(2), "fp16", "stochastic", generator="g"), TypeError, r"generator="),
+        (lambda: mixprec.quantize(torch.ones(2), "mxfp8"), ValueError, "block-scaled formats mxfp8_e4m3"),
+        (lambda: mixprec.AdamW([nn.Parameter(torch.ones(2))], lr=math.inf), ValueError, "lr must be a finite"),
+        (lambda: mixprec.AdamW([nn.Parameter(torch.ones(2))], single_pass=1), TypeError, "single_pass"),
+        (lambda: _engine(history=-1), ValueError, r"history=\.\.\.\) must be an integer >= 0"),
+        (lambda: mixprec.DynamicLossScaler(init_scale=1e39), ValueError, "from 2\\^-126 to 3.4e38"),
+        (lambda: mixprec.StaticLossScaler(1e-50), ValueError, "from 2\\^-126 to 3.4e38"),
+        (lambda: TrainConfig(task="digits", loss_scale=1e39), ValueError, "config 'loss_scale' must be from"),
+        (lambda: mixprec.checkpoint(nn.Linear(2, 2), torch.ones(2), use_reentrant="no"), TypeError, "use_reentrant"),
+        (lambda: mixprec.checkpoint(None, torch.ones(2)), TypeError, r"function=\.\.\.\) needs a callable"),
+    ],
+)
+def test_a_wrong_argument_is_refused_by_name(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_a_failed_backward_call_is_not_counted_and_clipping_takes_only_a_positive_norm_type():
+    model, mp = _engine()
+    loss = model(torch.ones(3, 4)).sum()
+    with pytest.raises(TypeError, match=r"backward\(retain_graph=\.\.\.\) \(or None\) needs True or False"):
+        mp.backward(loss, retain_graph="yes")
+    with pytest.raises(RuntimeError, match=r"step\(\) without backward\(\)"):  # it had counted a backward
+        mp.step()
+    mp.backward(loss)
+    for norm_type in (math.nan, "2", 0):
+        with pytest.raises(ValueError, match=r"clip_grad_norm_\(norm_type=\.\.\.\) needs a positive number"):
+            mp.clip_grad_norm_(1.0, norm_type=norm_type)
+    assert mp.step().applied
+
+
+def test_lbfgs_is_refused_where_every_adapter_builds_the_engine():
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"LBFGS re-evaluates the loss inside step\(\)"):
+        mixprec.MixedPrecision(model, torch.optim.LBFGS(model.parameters()), "mixed_bf16")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: m.half(), "is torch.float16"),
+        (lambda m: m.fill_(math.nan), "is not finite"),
+        (lambda m: torch.empty_like(m, device="meta"), "is on the meta device"),
+    ],
+)
+def test_loaded_master_weights_must_be_finite_fp32_values(change, message):
+    _, mp = _engine("o2_bf16")
+    state = mp.state_dict()
+    state["masters"][0] = change(state["masters"][0].clone())
+    with pytest.raises(ValueError, match=f"master weight 0 in the checkpoint {message}"):
+        mp.load_state_dict(state)
+
+
+def test_a_loaded_optimizer_state_is_checked_and_takes_the_defaults_it_lacks():
+    params = [nn.Parameter(torch.ones(4, dtype=torch.bfloat16))]
+    ours = mixprec.AdamW(params)
+    saved = ours.state_dict()
+    saved["param_groups"][0]["update"] = "Kahan"  # stochastic rounding, where the constructor refuses it
+    with pytest.raises(ValueError, match="update must be one of"):
+        ours.load_state_dict(saved)
+    with pytest.raises(ValueError, match="needs what an optimizer's state_dict"):
+        ours.load_state_dict({})
+    ours.load_state_dict(torch.optim.AdamW([nn.Parameter(torch.ones(4, dtype=torch.bfloat16))]).state_dict())
+    assert ours.param_groups[0]["update"] == "kahan"  # torch's state has none: the default (was a KeyError at step)
+    params[0].grad = torch.ones(4, dtype=torch.bfloat16)
+    ours.step()
+    assert "kahan_comp" in ours.state[params[0]]
+
+
+def test_the_lightning_plugins_flags_are_flags():
+    lightning = pytest.importorskip("mixprec.integrations.lightning")
+    for name in ("log_stats", "fp32_after_fit", "allow_optimizer_step_override"):
+        with pytest.raises(TypeError, match=rf"MixprecPrecision\({name}=\.\.\.\) needs True or False"):
+            lightning.MixprecPrecision("mixed_bf16", **{name: "false"})
