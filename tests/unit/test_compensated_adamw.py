@@ -84,8 +84,8 @@ def test_state_is_stored_in_the_parameter_dtype_but_the_second_moment_in_fp32():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lr": -1.0}, "lr must be a number >= 0; received -1.0"),
-        ({"lr": "1e-3"}, "lr must be a number >= 0; received '1e-3'"),
+        ({"lr": -1.0}, "lr must be a finite number >= 0; received -1.0"),
+        ({"lr": "1e-3"}, "lr must be a finite number >= 0; received '1e-3'"),
         ({"betas": 0.9}, "betas must be two numbers"),
         ({"betas": (1.0, 0.9)}, "betas"),
         ({"eps": -1.0}, "eps"),
@@ -541,7 +541,7 @@ def test_a_param_groups_bad_update_mode_is_refused_like_the_constructors():
     with pytest.raises(ValueError, match="update must be one of 'kahan', 'stochastic', 'nearest'; received 'Kahan'"):
         mixprec.AdamW([{"params": [params[0]]}, {"params": [params[1]], "update": "Kahan"}])
     opt = mixprec.AdamW([params[0]])
-    with pytest.raises(ValueError, match="lr must be a number >= 0; received -1"):
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0; received -1"):
         opt.add_param_group({"params": [params[1]], "lr": -1})
     with pytest.raises(TypeError, match=r"generator=...\) takes a torch.Generator"):
         mixprec.AdamW([params[0]], update="stochastic", generator="x")

@@ -140,7 +140,15 @@ PUBLIC_PACKAGES = set(LIBRARY)
 # The internal API the application may use besides (docs/design.md names it): the argument checks' one wording and
 # the lazy public names; nothing a user of the library needs.
 INTERNAL_FOR_APP = {
-    "mixprec.checks": {"whole_number", "positive_number", "shown", "unique_keys"},
+    "mixprec.checks": {
+        "whole_number",
+        "positive_number",
+        "shown",
+        "unique_keys",
+        "flag",
+        "loss_scale",
+        "LOSS_SCALE_RANGE",
+    },
     "mixprec.lazy": {"lazy_names"},
 }
 

@@ -42,6 +42,9 @@ def test_master_weights_flags():
     assert not mixprec.get_policy("pure_bf16").keeps_fp32_masters
     assert not mixprec.get_policy("mixed_bf16").keeps_fp32_masters
     assert not mixprec.get_policy("fp32").is_mixed and mixprec.get_policy("mixed_fp16").is_mixed
+    # pure: 16-bit parameters with no FP32 copy anywhere (the optimizer must compensate its rounding)
+    assert [name for name in mixprec.PRESETS if mixprec.get_policy(name).is_pure] == ["pure_bf16"]
+    assert mixprec.get_policy("p=fp16,c=fp16,o=fp16,m=fp16").is_pure
 
 
 def test_tf32_preset():

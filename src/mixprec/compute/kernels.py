@@ -47,22 +47,12 @@ import torch.nn.functional as F
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
-from mixprec.compute.emulation import EmulatedAutocast
+from mixprec.compute.emulation import GEMM_FAMILY_OPS, EmulatedAutocast
 
 __all__ = ["CACHE_VERSION", "FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan", "machine_key"]
 
-FAMILIES = ("matmul", "conv", "attention")
-# The ops of each family, by the names they have at the Python level (as the emulation sees them).
-FAMILY_OPS: dict[str, frozenset[str]] = {
-    "matmul": frozenset(
-        {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "addmm", "addmv", "addr", "baddbmm"}
-        | {"addbmm", "chain_matmul", "multi_dot", "prelu"}
-    ),
-    "conv": frozenset(
-        {"conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-    ),
-    "attention": frozenset({"scaled_dot_product_attention"}),
-}
+FAMILIES = tuple(GEMM_FAMILY_OPS)  # matmul, conv, attention
+FAMILY_OPS = GEMM_FAMILY_OPS  # the ops of each family, as the emulation sees them (one table: emulation.py)
 # Norms, softmax and losses are not probed: both native autocast and the emulation compute them in FP32.
 KERNEL_SETTINGS = ("auto", "native", "emulated")  # the policy key ``kernels=``
 _ENV_VALUES = {"native": "native", "emulate": "emulated", "emulated": "emulated", "auto": "auto"}

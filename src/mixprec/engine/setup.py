@@ -120,7 +120,7 @@ def rounding_residuals(
 def needs_compensated_optimizer(policy: Policy) -> bool:
     """True when the policy keeps no FP32 copy of low-precision weights (``pure_bf16``): the optimizer
     must then compensate its rounding itself (``mixprec.AdamW``)."""
-    return policy.master_dtype == policy.param_dtype != torch.float32
+    return policy.is_pure
 
 
 def check_sharding(model: nn.Module, policy: Policy) -> None:

@@ -319,7 +319,7 @@ def _lightning_precision(policy: mixprec.Policy) -> str:
     """The nearest of Lightning's precision names, for ``trainer.precision`` (informational only)."""
     if policy.compute_dtype not in _LIGHTNING_DTYPE_NAMES:
         return "32-true"
-    if policy.master_dtype == policy.param_dtype != torch.float32:  # pure_bf16: no FP32 copy anywhere
+    if policy.is_pure:  # pure_bf16: no FP32 copy anywhere
         return f"{_LIGHTNING_DTYPE_NAMES[policy.param_dtype]}-true"
     return f"{_LIGHTNING_DTYPE_NAMES[policy.compute_dtype]}-mixed"
 

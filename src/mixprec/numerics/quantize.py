@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import torch
 
@@ -82,20 +83,7 @@ def quantize(
         TypeError: ``x`` is not a floating-point tensor.
         ValueError: unknown ``fmt`` or ``rounding``.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize(x=...) needs a torch.Tensor; received an object of type {type(x).__name__}.")
-    if x.dtype not in _WORKING:
-        raise TypeError(
-            f"quantize(x=...) needs a floating-point tensor (float16, bfloat16, float32 or float64); "
-            f"received dtype {x.dtype}. Convert first, e.g. x.float()."
-        )
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(
-            f"quantize(rounding=...): received {rounding!r}; use one of {', '.join(map(repr, ROUNDING_MODES))}."
-        )
-    flag(saturate, "quantize(saturate=...)")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"quantize(generator=...) needs a torch.Generator or None; received {shown(generator)}.")
+    _check_arguments(x, rounding, saturate, generator)
     if isinstance(fmt, str) and fmt.strip().lower() in BLOCK_FORMATS:
         return quantize_blocks(x, fmt, scale_rule, rounding, generator)
     if scale_rule != "ocp":
@@ -148,6 +136,23 @@ def _quantize(
     limit = _round_to(fmt.max, x.dtype) if (saturate or not fmt.has_inf) else float("inf")
     result = torch.where(overflow, limit, result)  # no host sync: quantize runs inside training steps
     return torch.copysign(result, x)  # restores the sign, -0.0 included; NaN propagates
+
+
+def _check_arguments(x: Any, rounding: Any, saturate: Any, generator: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize(x=...) needs a torch.Tensor; received an object of type {type(x).__name__}.")
+    if x.dtype not in _WORKING:
+        raise TypeError(
+            f"quantize(x=...) needs a floating-point tensor (float16, bfloat16, float32 or float64); "
+            f"received dtype {x.dtype}. Convert first, e.g. x.float()."
+        )
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(
+            f"quantize(rounding=...): received {rounding!r}; use one of {', '.join(map(repr, ROUNDING_MODES))}."
+        )
+    flag(saturate, "quantize(saturate=...)")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"quantize(generator=...) needs a torch.Generator or None; received {shown(generator)}.")
 
 
 def _times_pow2(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:

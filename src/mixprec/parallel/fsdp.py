@@ -50,7 +50,7 @@ def fsdp_policy(policy: Policy, reduce_dtype: torch.dtype | None = None) -> Mixe
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    gather = policy.param_dtype if policy.keeps_fp32_masters and policy.param_dtype != torch.float32 else None
+    gather = policy.param_dtype if policy.keeps_fp32_masters else None
     return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
@@ -91,7 +91,7 @@ def fully_shard(
     policy = get_policy(policy, device=first.device)
     check_fp32_entries(model, policy)  # before anything is cast or sharded
     residuals = {}
-    if policy.param_dtype != torch.float32 and not policy.keeps_fp32_masters:
+    if policy.is_pure:
         residuals = _rounding_residuals(model, policy)  # for mixprec.AdamW's compensation (MixedPrecision)
         cast_module(model, policy)  # pure_bf16: the shards themselves are 16-bit
     options = {"mesh": mesh} if mesh is not None else {}

@@ -117,6 +117,11 @@ class Policy:
         """True when the optimizer updates FP32 copies of low-precision parameters."""
         return self.master_dtype == torch.float32 and self.param_dtype != torch.float32
 
+    @property
+    def is_pure(self) -> bool:
+        """True when low-precision parameters have no FP32 copy (``pure_bf16``): updates land on them."""
+        return self.master_dtype == self.param_dtype != torch.float32
+
     # -- a new policy from this one ----------------------------------------------------------
     def replace(self, **changes: object) -> Policy:
         """This policy with ``changes`` (field names, e.g. ``fp32_ops=("softmax",)``), validated as in the
