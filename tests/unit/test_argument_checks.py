@@ -99,3 +99,45 @@ def test_the_lightning_plugins_flags_are_flags():
     for name in ("log_stats", "fp32_after_fit", "allow_optimizer_step_override"):
         with pytest.raises(TypeError, match=rf"MixprecPrecision\({name}=\.\.\.\) needs True or False"):
             lightning.MixprecPrecision("mixed_bf16", **{name: "false"})
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: _engine("mixd"), ValueError, r"^MixedPrecision\(policy='mixd'\): unknown policy"),
+        (lambda: mixprec.autocast(None, nn.Linear(2, 2)).__enter__(), TypeError, r"^autocast\(policy=\.\.\.\) takes"),
+        (lambda: mixprec.autocast("bf16", "model").__enter__(), TypeError, r"autocast\(model=\.\.\.\) needs an nn"),
+        (lambda: mixprec.fully_shard(nn.Linear(2, 2), "fp32"), ValueError, "no process group and no mesh="),
+        (
+            lambda: mixprec.diagnose(nn.Linear(2, 2), None, nn.MSELoss()),
+            TypeError,
+            r"diagnose\(batches=\.\.\.\) needs an iterable",
+        ),
+        (lambda: mixprec.device_caps("gpu"), ValueError, "device='gpu' .* is not a device"),
+    ],
+)
+def test_an_entry_point_names_itself_and_the_argument(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_a_policy_given_by_name_where_a_policy_is_taken_and_one_device_type_one_answer():
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    assert [name for name, _ in mixprec.fp32_modules(model, "base=mixed_bf16,mods=LayerNorm")] == ["1"]
+    assert mixprec.cast_module(model, "o2_bf16")[0].weight.dtype == torch.bfloat16
+    assert mixprec.device_caps("cuda:0") == mixprec.device_caps("cuda")  # the type counts, not the index
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"counters": {}}, "the counters lack inf_steps"),
+        ({"scalers": None}, "'scalers' must be a list"),
+        ({"micro_step": -1}, "'micro_step' must be an integer >= 0"),
+        ({"accumulation_steps": "1"}, "'accumulation_steps' must be an integer >= 1; received '1'"),
+    ],
+)
+def test_a_loaded_engine_state_with_a_wrong_field_is_refused_by_name(change, message):
+    _, mp = _engine()
+    with pytest.raises(ValueError, match=message):
+        mp.load_state_dict({**mp.state_dict(), **change})

@@ -483,18 +483,19 @@ def test_an_evaluation_without_gradients_records_no_amax():
     assert _same(_delayed_run(None, False, evaluate=True), _delayed_run(None, False))
 
 
-def test_delayed_gradient_scales_follow_the_loss_scale():
+def test_delayed_gradient_scales_follow_the_loss_scale(device):
     # the gradient histories held amaxes of gradients under the loss scale before: after each growth the next
-    # step's largest gradients saturated (weight gradients 0.44 off); after a backoff they used half the range
+    # step's largest gradients saturated (weight gradients 0.44 off); after a backoff they used half the range.
+    # On CUDA the scales and histories live on the device, and the products run on the kernel where it takes them
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1)).to(device)
     mp = mixprec.MixedPrecision(
         model,
         torch.optim.SGD(model.parameters(), lr=0.0),
         "base=mixed_fp16,fp8=hybrid(scaling=delayed,keep=none)",
         mixprec.DynamicLossScaler(init_scale=1.0, growth_interval=1),
     )
-    x = torch.randn(32, 8)
+    x = torch.randn(32, 8, device=device)
     grads, scales = [], []
     for step in range(6):
         with mp.autocast():

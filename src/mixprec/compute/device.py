@@ -47,9 +47,14 @@ def device_type_of(device: str | torch.device | None) -> str:
         ) from exc
 
 
+def device_caps(device: str | torch.device | None) -> DeviceCaps:
+    """The capabilities of the current process's device of ``device``'s type (the first device of that type):
+    ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a torch.device (its type is what counts), None for the default."""
+    return _device_caps(device_type_of(device))
+
+
 @functools.cache
-def device_caps(device_type: str) -> DeviceCaps:
-    """The capabilities of the current process's ``device_type`` (the first device of that type)."""
+def _device_caps(device_type: str) -> DeviceCaps:
     if device_type == "cpu":
         return _cpu_caps()
     if device_type == "cuda":

@@ -122,10 +122,7 @@ def diagnose(
         ValueError: ``steps`` < 1, ``keep`` outside (0, 1], or no batch at all.
     """
     _check_model_and_loss(model, loss_fn)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"diagnose(steps=...): received {steps!r}; use a positive number of batches.")
-    if not isinstance(keep, (int, float)) or isinstance(keep, bool) or not 0 < keep <= 1:
-        raise ValueError(f"diagnose(keep=...): received {keep!r}; use a fraction in (0, 1], e.g. 0.999.")
+    _check_run_arguments(batches, steps, formats, keep)
     formats = (formats,) if isinstance(formats, str) else formats  # one name, not its characters
     names = tuple(dict.fromkeys(["fp16", *(get_format(f, argument="formats").name for f in formats)]))
     saved_grads = {p: p.grad for p in model.parameters()}
@@ -200,6 +197,16 @@ def _broken_in_fp32(nonfinite: tuple[str, ...], steps: int) -> str:
         "Fix the model, its initialization or its inputs, then run the doctor again (in a training loop, "
         "mixprec.NonFiniteTracer names the first module that makes a non-finite value)"
     )
+
+
+def _check_run_arguments(batches: Any, steps: Any, formats: Any, keep: Any) -> None:
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"diagnose(steps=...): received {steps!r}; use a positive number of batches.")
+    if not isinstance(keep, (int, float)) or isinstance(keep, bool) or not 0 < keep <= 1:
+        raise ValueError(f"diagnose(keep=...): received {keep!r}; use a fraction in (0, 1], e.g. 0.999.")
+    for name, value in (("batches", batches), ("formats", formats)):
+        if not isinstance(value, Iterable):
+            raise TypeError(f"diagnose({name}=...) needs an iterable; received {type(value).__name__}.")
 
 
 def _check_model_and_loss(model: Any, loss_fn: Any) -> None:

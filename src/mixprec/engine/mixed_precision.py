@@ -131,7 +131,8 @@ class MixedPrecision:
         history: int = 32,
     ) -> None:
         check_arguments(model, optimizer, accumulation_steps, accumulate_in_fp32, num_losses, history)
-        prepared = prepare(model, policy)  # every check of the policy on this model, before anything is cast
+        # every check of the policy on this model, before anything is cast
+        prepared = prepare(model, policy, caller="MixedPrecision")
         self.policy, self.device, self._plan = prepared.policy, prepared.device, prepared.plan
         self.model, self.optimizer = model, optimizer
         self.sharded = is_sharded(model)  # FSDP2: the model was sharded for this policy, casts included

@@ -308,8 +308,14 @@ class OverflowLog:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pending = []
         state = {"underflow_steps": 0, **state}  # saved before underflow was counted
+        missing = {"steps", "skipped_steps", "inf_steps", "nan_steps", "recent_overflow_steps"} - state.keys()
+        if missing:
+            raise ValueError(
+                f"MixedPrecision state: the counters lack {', '.join(sorted(missing))}; pass what "
+                "MixedPrecision.state_dict() returned."
+            )
+        self._pending = []
         for key in ("steps", "skipped_steps", "inf_steps", "nan_steps", "underflow_steps"):
             value = state[key]
             setattr(self, key, whole_number(value, f"MixedPrecision state: counter {key!r}", minimum=0))
@@ -317,4 +323,4 @@ class OverflowLog:
         self.recent_overflow_steps.extend(int(s) for s in state["recent_overflow_steps"])
         floor = state.get("diagnosis_floor")  # absent from states saved before it was kept: their text stays
         self._floor = (float(floor[0]), bool(floor[1])) if floor else None
-        self._saved_diagnosis = None if floor else state["diagnosis"]
+        self._saved_diagnosis = None if floor else state.get("diagnosis")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from mixprec.checks import whole_number
 from mixprec.policy.parse import RUN_OPTIONS, resumes_under
 from mixprec.policy.policy import Policy
 
@@ -23,6 +24,13 @@ def check_saved_state(state: Any, policy: Policy, num_scalers: int, accumulation
             f"{where}: expected keys {sorted(STATE_KEYS)}, received {got}; pass what MixedPrecision.state_dict() "
             "returned."
         )
+    if not isinstance(state["scalers"], list) or not isinstance(state["counters"], dict):
+        raise ValueError(
+            f"{where}: 'scalers' must be a list and 'counters' a dict, as state_dict() returns them; received "
+            f"{type(state['scalers']).__name__} and {type(state['counters']).__name__}."
+        )
+    for key in ("micro_step", "accumulation_steps"):
+        whole_number(state[key], f"{where}: '{key}'", minimum=0 if key == "micro_step" else 1)
     if not resumes_under(state["policy"], policy):
         raise ValueError(
             f"{where}: the state was saved under policy {state['policy']!r}, this run uses {str(policy)!r}; resume "

@@ -15,6 +15,7 @@ from mixprec.checks import flag, whole_number
 from mixprec.distributed.ranks import world
 from mixprec.master.compensated import AdamW as CompensatedAdamW
 from mixprec.master.compensated import rounding_residual, take_rounding_residuals
+from mixprec.numerics.formats import get_format
 from mixprec.parallel.fsdp import sharded_with
 from mixprec.policy.policy import Policy
 from mixprec.scaling.base import LossScaler
@@ -79,8 +80,8 @@ def _check_not_cast_by_another(model: nn.Module) -> None:
 
 
 def default_scaler(policy: Policy) -> LossScaler:
-    """Dynamic scaling where fp16 is involved (its range is too narrow for small gradients), else none."""
-    if torch.float16 in (policy.compute_dtype, policy.param_dtype):
+    """Dynamic scaling where a format too narrow for small gradients is involved (fp16), else none."""
+    if any(get_format(dtype).needs_loss_scaling for dtype in (policy.compute_dtype, policy.param_dtype)):
         return DynamicLossScaler()
     return NoOpLossScaler()
 

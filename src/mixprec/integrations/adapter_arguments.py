@@ -17,7 +17,7 @@ def is_auto(policy: Any) -> bool:
 def check_adapter_arguments(adapter: str, policy: Any, scaler: Any) -> mixprec.Policy | None:
     """``policy`` resolved now unless ``auto`` (None then), so that a bad one fails when the adapter is made; a
     ``scaler`` that is neither a :class:`mixprec.LossScaler` nor None refused, naming ``adapter``."""
-    resolved = None if is_auto(policy) else mixprec.get_policy(policy)
+    resolved = None if is_auto(policy) else mixprec.get_policy(policy, argument=f"{adapter}(policy=...)")
     if scaler is not None and not isinstance(scaler, mixprec.LossScaler):
         raise TypeError(
             f"{adapter}(scaler=...) needs a mixprec.LossScaler or None; received {scaler!r} "

@@ -88,8 +88,14 @@ def fully_shard(
     first = next(model.parameters(), None)
     if first is None:
         raise ValueError("fully_shard(model=...): the model has no parameters to shard.")
-    policy = get_policy(policy, device=first.device)
+    policy = get_policy(policy, device=first.device, argument="fully_shard(policy=...)")
     check_fp32_entries(model, policy)  # before anything is cast or sharded
+    if mesh is None and not torch.distributed.is_initialized():  # the arguments first; torch's error: env://
+        raise ValueError(
+            "fully_shard: no process group and no mesh=. Launch with torchrun and call "
+            "torch.distributed.init_process_group() first (docs/training.md, 'Several processes'), or pass a "
+            "DeviceMesh as mesh=."
+        )
     residuals = {}
     if policy.is_pure:
         residuals = _rounding_residuals(model, policy)  # for mixprec.AdamW's compensation (MixedPrecision)

@@ -98,7 +98,9 @@ def valid_policy_names() -> str:
     return f"presets: {presets}; or a string such as 'p=f32,c=bf16,o=f32' (keys: {', '.join(sorted(set(_KEYS)))})"
 
 
-def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) -> Policy:
+def get_policy(
+    spec: Policy | str, *, device: str | torch.device | None = None, argument: str = "get_policy(spec=...)"
+) -> Policy:
     """Return the :class:`Policy` for a Policy, a preset name or a policy string.
 
     Args:
@@ -106,6 +108,7 @@ def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) 
             ``mixed_bf16``/``mixed_bfloat16``, ``o2_fp16``, ``o2_bf16``, ``pure_bf16``, ``auto``),
             a lone dtype (``"bf16"``) or a string in the grammar above.
         device: only for ``auto``: the device to choose for (default: CUDA if present, else CPU).
+        argument: how errors name the argument (``"MixedPrecision(policy=...)"``: a caller's own).
 
     Raises:
         TypeError: ``spec`` is neither a Policy nor a str.
@@ -118,63 +121,58 @@ def get_policy(spec: Policy | str, *, device: str | torch.device | None = None) 
         return spec
     if not isinstance(spec, str):
         raise TypeError(
-            f"get_policy(spec=...) takes a Policy or a str; received {shown(spec)} (of type {type(spec).__name__}). "
+            f"{argument} takes a Policy or a str; received {shown(spec)} (of type {type(spec).__name__}). "
             f"Valid {valid_policy_names()}."
         )
     text = spec.strip()
+    where = argument.replace("...", shown(spec), 1)  # how errors name the argument and echo it
     name = _preset_name(text)
     if name == "auto":
         return resolve_auto(device)
     if name in PRESETS:
         return PRESETS[name]
     if name in NO_PRESET:
-        raise ValueError(f"get_policy(spec={shown(spec)}): no preset means this: {NO_PRESET[name]}.")
+        raise ValueError(f"{where}: no preset means this: {NO_PRESET[name]}.")
     if "=" not in text:
-        return _single_dtype(text, spec)
-    return _parse_fields(text, spec)
+        return _single_dtype(text, where)
+    return _parse_fields(text, where)
 
 
-def _single_dtype(text: str, spec: str) -> Policy:
+def _single_dtype(text: str, where: str) -> Policy:
     try:
         return Policy(param_dtype=text, compute_dtype=text, output_dtype=text)
     except (TypeError, ValueError):
         names = [*PRESETS, "auto", *PRESET_ALIASES]
         close = difflib.get_close_matches(_preset_name(text), names, n=2, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        raise ValueError(
-            f"get_policy(spec={shown(spec)}): unknown policy.{hint} Valid {valid_policy_names()}."
-        ) from None
+        raise ValueError(f"{where}: unknown policy.{hint} Valid {valid_policy_names()}.") from None
 
 
-def _parse_fields(text: str, spec: str) -> Policy:
+def _parse_fields(text: str, where: str) -> Policy:
     fields: dict[str, str] = {}
     for part in _top_level_parts(text):
         key, sep, value = part.partition("=")
         key, value = key.strip().lower(), value.strip()
         if not sep or not key or not value:
             raise ValueError(
-                f"get_policy(spec={shown(spec)}): the part {shown(part.strip())} is not 'key=value'. "
-                f"Valid {valid_policy_names()}."
+                f"{where}: the part {shown(part.strip())} is not 'key=value'. Valid {valid_policy_names()}."
             )
         if key not in _KEYS:
-            raise ValueError(
-                f"get_policy(spec={shown(spec)}): unknown key {shown(key)}; "
-                f"valid keys: {', '.join(sorted(set(_KEYS)))}."
-            )
+            raise ValueError(f"{where}: unknown key {shown(key)}; valid keys: {', '.join(sorted(set(_KEYS)))}.")
         canonical = _KEYS[key]
         if canonical in fields:
-            raise ValueError(f"get_policy(spec={shown(spec)}): the key {canonical!r} is given twice.")
+            raise ValueError(f"{where}: the key {canonical!r} is given twice.")
         fields[canonical] = value
 
     if "base" in fields:
-        return _with_base(fields, spec)
+        return _with_base(fields, where)
     params = fields.get("params", "float32")
     compute = fields.get("compute", params)
     allow_tf32 = compute.lower() in _TF32
     if allow_tf32:
         compute = "float32"
     lists = {key: _plus_list(fields.get(key, "")) for key in _LIST_KEYS}
-    fp8 = _fp8_recipe(fields, None, spec)
+    fp8 = _fp8_recipe(fields, None, where)
     try:
         return Policy(
             param_dtype=params,
@@ -187,7 +185,7 @@ def _parse_fields(text: str, spec: str) -> Policy:
             **lists,
         )
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"get_policy(spec={shown(spec)}): {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _preset_name(text: str) -> str:
@@ -212,7 +210,7 @@ def _top_level_parts(text: str) -> list[str]:
     return [*parts, text[start:]]
 
 
-def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp8Recipe | None:
+def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, where: str) -> Fp8Recipe | None:
     """The FP8 recipe the ``fp8`` field spells, starting from ``base`` (a preset's recipe, or none)."""
     if "fp8" not in fields:
         return base
@@ -221,19 +219,16 @@ def _fp8_recipe(fields: dict[str, str], base: Fp8Recipe | None, spec: str) -> Fp
     try:
         return parse_recipe(fields["fp8"], base)
     except ValueError as exc:
-        raise ValueError(f"get_policy(spec={shown(spec)}): {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
 
 
-def _with_base(fields: dict[str, str], spec: str) -> Policy:
+def _with_base(fields: dict[str, str], where: str) -> Policy:
     name = _preset_name(fields["base"])
     if name not in PRESETS:
-        raise ValueError(
-            f"get_policy(spec={shown(spec)}): base={shown(fields['base'])} is not a preset; "
-            f"use one of {', '.join(PRESETS)}."
-        )
+        raise ValueError(f"{where}: base={shown(fields['base'])} is not a preset; use one of {', '.join(PRESETS)}.")
     base = PRESETS[name]
     changes: dict[str, object] = {}
-    changes["fp8"] = _fp8_recipe(fields, base.fp8, spec)
+    changes["fp8"] = _fp8_recipe(fields, base.fp8, where)
     for key, value in fields.items():
         if key == "fp8":
             continue
@@ -250,7 +245,7 @@ def _with_base(fields: dict[str, str], spec: str) -> Policy:
     try:
         return dataclasses.replace(base, reason="", **changes)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"get_policy(spec={shown(spec)}): {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def parse_policy_list(text: str, *, device: str | torch.device | None = None) -> list[tuple[str, Policy]]:

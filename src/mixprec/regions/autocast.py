@@ -88,6 +88,8 @@ def autocast(
         ValueError: the set-up checks of :func:`mixprec.prepare` (e.g. the device cannot compute in the
             policy's compute dtype).
     """
+    if model is not None and not isinstance(model, nn.Module):  # before the model's kept regions are looked up
+        raise TypeError(f"autocast(model=...) needs an nn.Module or None; received {type(model).__name__}.")
     region = _one_off_region(policy, model, device)
     try:
         with region.enter() as resolved:
@@ -136,7 +138,7 @@ class Region:
         model: nn.Module | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        prepared = prepare(model, policy, device)
+        prepared = prepare(model, policy, device, caller="autocast")
         # Not the Prepared itself: its lists of the model's parameters would keep weights replaced since alive (a
         # kept one-off region lives as long as its model)
         self._bf16_plan = prepared.bf16_plan

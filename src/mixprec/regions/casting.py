@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import DTYPE_NAMES, NORM, Policy
 
 __all__ = [
@@ -113,11 +114,15 @@ def wrapper_attribute(model: nn.Module) -> str | None:
     return None
 
 
-def fp32_modules(model: nn.Module, policy: Policy) -> Iterator[tuple[str, nn.Module]]:
-    """The outermost submodules of ``model`` that ``policy`` keeps in FP32, as (dotted name, module).
+def fp32_modules(model: nn.Module, policy: Policy | str) -> Iterator[tuple[str, nn.Module]]:
+    """The outermost submodules of ``model`` that ``policy`` (a Policy, or a name or string as get_policy takes)
+    keeps in FP32, as (dotted name, module).
 
     A kept module's children are kept with it and are not listed again.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fp32_modules(model=...) needs an nn.Module; received {type(model).__name__}.")
+    policy = get_policy(policy, argument="fp32_modules(policy=...)")
     if not (policy.fp32_modules or policy.fp32_names):
         return
     wrappers = _wrapper_prefixes(model)
@@ -285,7 +290,7 @@ def lowered_parameters(model: nn.Module, policy: Policy) -> list[nn.Parameter]:
     return list(unique.values())
 
 
-def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
+def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
     """Cast ``model``'s floating parameters and buffers per ``policy``, in place; returns ``model``.
 
     Parameters of kept modules are cast to FP32 (so a policy can also be re-applied to an already
@@ -298,6 +303,7 @@ def cast_module(model: nn.Module, policy: Policy) -> nn.Module:
         raise TypeError(
             f"cast_module(model=...) needs a torch.nn.Module; received an object of type {type(model).__name__}."
         )
+    policy = get_policy(policy, argument="cast_module(policy=...)")
     for module, dtype in _target_dtypes(model, policy):
         if isinstance(module, MIXED_DTYPE_NORMS) and dtype != torch.float32:
             _install_norm_input_cast(module)

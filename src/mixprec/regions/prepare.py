@@ -62,8 +62,11 @@ def prepare(
     model: nn.Module | None = None,
     policy: Policy | str | Prepared = "auto",
     device: str | torch.device | None = None,
+    *,
+    caller: str = "prepare",
 ) -> Prepared:
     """Resolve ``policy`` on ``model`` and ``device`` and run every set-up check, once (see the module's docs).
+    ``caller``: the call its errors name (``MixedPrecision``, ``autocast``: the one the user made).
 
     Args:
         model: the model the policy will run (None: a region for code without a model).
@@ -79,14 +82,14 @@ def prepare(
         return _same_target(policy, model, device)
     if model is not None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"prepare(model=...) needs an nn.Module or None; received {type(model).__name__}.")
+            raise TypeError(f"{caller}(model=...) needs an nn.Module or None; received {type(model).__name__}.")
         refuse_foreign_autocast(model)  # first: before anything else reads or casts the model
     if device is None and model is not None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else None
     device_type = device_type_of(device)  # a bad device is refused by name
     device = torch.device(device) if device is not None else torch.device(device_type)
-    resolved = get_policy(policy, device=device)
+    resolved = get_policy(policy, device=device, argument=f"{caller}(policy=...)")
     check_device_supports(resolved, device.type)
     if model is None:
         return Prepared(resolved, device, compute_plan(resolved, device.type))

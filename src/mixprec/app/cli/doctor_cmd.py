@@ -11,6 +11,7 @@ from pathlib import Path
 from mixprec.app.cli.arg_types import file_path, fraction, seed, whole_number
 from mixprec.app.cli.table import render_table
 from mixprec.app.cli.train_cmd import task_spec
+from mixprec.app.config import SIZES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--formats", default="fp16,bf16,fp8_e4m3,fp8_e5m2", help="formats to analyse")
     parser.add_argument("--batch-size", type=whole_number(), help="samples per batch (default: the task's)")
     parser.add_argument("--seed", type=seed, default=0, help="seed for weights and data order (default 0)")
-    parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
+    parser.add_argument("--size", choices=SIZES, default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
     parser.add_argument(
         "--out", type=file_path, help="folder for report.json and histograms.png (default runs/doctor-TASK)"

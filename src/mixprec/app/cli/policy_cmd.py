@@ -6,6 +6,7 @@ import argparse
 import json
 
 from mixprec.app.cli.table import render_table
+from mixprec.app.config import SIZES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with an FP8 policy, also say which of this task's GEMM layers run FP8 and why each other is kept "
         "(a built-in task: digits, charlm, hf, minilm, vision; or MODULE:FACTORY)",
     )
-    parser.add_argument("--size", default="default", help="the task's size for --task (default, or tiny)")
+    parser.add_argument("--size", choices=SIZES, default="default", help="the task's size for --task")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(run=run)
 
@@ -89,8 +90,6 @@ def _fp8_layers(args: argparse.Namespace, device_type: str) -> str:
     from mixprec.regions import prepare
     from mixprec.regions.fp8 import gemm_selection
 
-    if args.size not in ("default", "tiny"):
-        raise ValueError(f"--size: received {args.size!r}; use default or tiny.")
     model = build_task(args.task, TaskConfig(size=args.size)).model
     prepared = prepare(model, args.spec, device=device_type)
     if prepared.policy.fp8 is None:

@@ -20,6 +20,7 @@ from mixprec.app.cli.arg_types import (
     stop_signals,
     whole_number,
 )
+from mixprec.app.config import PARALLEL_MODES, SIZES
 
 if TYPE_CHECKING:
     from mixprec.app.config import TrainConfig
@@ -54,7 +55,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--accumulation-steps", type=whole_number(), default=1, help="micro-batches per update (default 1)"
     )
     parser.add_argument("--seed", type=seed, default=0, help="seed for weights and data order (default 0)")
-    parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
+    parser.add_argument("--size", choices=SIZES, default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
     parser.add_argument("--eval-every", type=whole_number(), help="evaluate every N updates (default: at the end)")
     parser.add_argument("--log-every", type=whole_number(), default=10, help="log metrics every N updates (default 10)")
@@ -91,7 +92,7 @@ def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that matter under torchrun."""
     parser.add_argument(
         "--parallel",
-        choices=["ddp", "fsdp"],
+        choices=PARALLEL_MODES,
         default="ddp",
         help="under torchrun: replicate the model (DDP, default) or shard it (FSDP2)",
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mixprec.app.cli.arg_types import file_path, positive_number, seed, tolerance, whole_number
 from mixprec.app.cli.train_cmd import slug, task_spec
+from mixprec.app.config import SIZES
 
 BASES = ("mixed_bf16", "mixed_fp16", "auto")
 
@@ -42,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", type=whole_number(), default=3, help="verification seeds (3)")
     parser.add_argument("--batch-size", type=whole_number(), help="samples per batch (default: the task's)")
     parser.add_argument("--seed", type=seed, default=0, help="the first seed (default 0)")
-    parser.add_argument("--size", choices=["default", "tiny"], default="default", help="model and data size")
+    parser.add_argument("--size", choices=SIZES, default="default", help="model and data size")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
     parser.add_argument("--out", type=file_path, help="folder for the results (default runs/tune-TASK)")
     parser.set_defaults(run=run)
