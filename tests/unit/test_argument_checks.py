@@ -141,3 +141,9 @@ def test_a_loaded_engine_state_with_a_wrong_field_is_refused_by_name(change, mes
     _, mp = _engine()
     with pytest.raises(ValueError, match=message):
         mp.load_state_dict({**mp.state_dict(), **change})
+
+
+def test_the_trainer_adapter_names_arguments_that_are_not_training_arguments():
+    transformers_adapter = pytest.importorskip("mixprec.integrations.transformers")
+    with pytest.raises(ValueError, match=r"args=\.\.\. needs a transformers\.TrainingArguments .* received str"):
+        transformers_adapter.MixprecTrainer(nn.Linear(2, 2), "out", policy="mixed_bf16")

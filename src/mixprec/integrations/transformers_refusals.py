@@ -36,6 +36,11 @@ def optim_name(args: transformers.TrainingArguments) -> str:
 
 def argument_problem(args: transformers.TrainingArguments, policy: Any) -> str | None:
     """What in TrainingArguments would fight mixprec or that the adapter cannot guarantee; None if nothing."""
+    if not isinstance(args, transformers.TrainingArguments):
+        return (
+            f"args=... needs a transformers.TrainingArguments (the Trainer's second argument); received "
+            f"{type(args).__name__}."
+        )
     halves = [f"{name}=True" for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval") if getattr(args, name)]
     if halves:
         return (
