@@ -170,6 +170,8 @@ class Fp8Recipe:
 
     def fast_accumulation(self, product: str) -> bool:
         """Whether ``product`` (one of :data:`GEMM_PRODUCTS`) asks the kernel for fast accumulation."""
+        if product not in GEMM_PRODUCTS:  # a misspelt product would ask for none, silently
+            raise ValueError(f"fast_accumulation(product=...): received {product!r}; use one of {GEMM_PRODUCTS}.")
         if self.fast_accum == "auto":
             return product == "output" and self.scaling in FAST_ACCUM_SCALINGS
         return self.fast_accum == "all" or (self.fast_accum == "output" and product == "output")
