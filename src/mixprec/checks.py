@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 __all__ = ["LOSS_SCALE_RANGE", "flag", "loss_scale", "positive_number", "shown", "unique_keys", "whole_number"]
@@ -31,11 +32,14 @@ def shown(value: Any) -> str:
 
 
 def flag(value: Any, what: str) -> bool:
-    """``value`` if it is True or False; else TypeError naming ``what`` (a string "false" is truthy: taken as a
-    flag, it turns the setting on)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{what} needs True or False; received {shown(value)} (of type {type(value).__name__}).")
-    return value
+    """``value`` if it is True or False (numpy's included); else TypeError naming ``what`` (a string "false" is
+    truthy: taken as a flag, it turns the setting on)."""
+    if isinstance(value, bool):
+        return value
+    numpy = sys.modules.get("numpy")  # not imported for it: where numpy is not loaded, none of its bools exist
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
+    raise TypeError(f"{what} needs True or False; received {shown(value)} (of type {type(value).__name__}).")
 
 
 def whole_number(value: Any, what: str, minimum: int = 1) -> int:

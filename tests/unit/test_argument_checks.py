@@ -87,7 +87,11 @@ def test_a_loaded_optimizer_state_is_checked_and_takes_the_defaults_it_lacks():
         ours.load_state_dict(saved)
     with pytest.raises(ValueError, match="needs what an optimizer's state_dict"):
         ours.load_state_dict({})
-    ours.load_state_dict(torch.optim.AdamW([nn.Parameter(torch.ones(4, dtype=torch.bfloat16))]).state_dict())
+    theirs = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    torch_adamw = torch.optim.AdamW([theirs], betas=(torch.tensor(0.9), torch.tensor(0.999)))  # tensor betas too
+    theirs.grad = torch.ones(4, dtype=torch.bfloat16)
+    torch_adamw.step()  # a state with moments and no compensation
+    ours.load_state_dict(torch_adamw.state_dict())
     assert ours.param_groups[0]["update"] == "kahan"  # torch's state has none: the default (was a KeyError at step)
     params[0].grad = torch.ones(4, dtype=torch.bfloat16)
     ours.step()
@@ -147,3 +151,16 @@ def test_the_trainer_adapter_names_arguments_that_are_not_training_arguments():
     transformers_adapter = pytest.importorskip("mixprec.integrations.transformers")
     with pytest.raises(ValueError, match=r"args=\.\.\. needs a transformers\.TrainingArguments .* received str"):
         transformers_adapter.MixprecTrainer(nn.Linear(2, 2), "out", policy="mixed_bf16")
+
+
+def test_numpys_bools_are_flags_and_a_scalers_bounds_load_back():
+    import numpy as np
+
+    assert mixprec.quantize(torch.tensor([1e6]), "fp16", saturate=np.bool_(True)).item() == 65504.0
+    with pytest.raises(ValueError, match=r"min_scale=\.\.\.\) must be from 2\^-126"):  # a floor no load would take
+        mixprec.DynamicLossScaler(init_scale=1.0, min_scale=2.0**-130)
+    scaler = mixprec.DynamicLossScaler(init_scale=1.0, min_scale=0.7)  # backs off to 0.7 as FP32 holds it
+    scaler.update(torch.tensor([1.0]))
+    restored = mixprec.DynamicLossScaler()
+    restored.load_state_dict(scaler.state_dict())  # refused before: "min_scale=0.7 is above init_scale=0.6999"
+    assert restored.get_scale() == scaler.get_scale() == restored.min_scale

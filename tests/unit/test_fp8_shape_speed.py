@@ -150,7 +150,10 @@ def test_the_shapes_option_parses_back_and_refuses_other_values():
         mixprec.get_policy("base=fp8,fp8=(shapes=fast)")
 
 
-def test_a_row_count_compiled_as_dynamic_runs_fp8(kernel_cache):
+@pytest.mark.parametrize("bounded", [False, True], ids=["recompiled", "marked-dynamic-with-a-bound"])
+def test_a_row_count_compiled_as_dynamic_runs_fp8(kernel_cache, bounded):
+    # a symbol with bounds (mark_dynamic(max=), or a branch on the size) is still a symbol: taken for a constant,
+    # it reached the decision, which dynamo 2.11 could not call (an error) and 2.13 called with its example value
     kernel_cache(torch.bfloat16)
     _seed_speeds({(ROWS, 32, 64): (2.0, 1.0), (ROWS, 64, 32): (2.0, 1.0)})  # both slower at ROWS rows
 
@@ -159,7 +162,10 @@ def test_a_row_count_compiled_as_dynamic_runs_fp8(kernel_cache):
         mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy)
         forward = torch.compile(model, fullgraph=True)
         with mp.autocast():
-            forward(torch.randn(ROWS, 32, generator=torch.Generator().manual_seed(0)))
+            first = torch.randn(ROWS, 32, generator=torch.Generator().manual_seed(0))
+            if bounded:
+                torch._dynamo.mark_dynamic(first, 0, min=2, max=1024)
+            forward(first)
             # another row count: torch.compile recompiles with the rows symbolic, no one shape to decide
             return [forward(torch.randn(ROWS + 8, 32, generator=torch.Generator().manual_seed(1)))]
 

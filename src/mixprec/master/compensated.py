@@ -147,6 +147,10 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+            for param in group["params"]:  # a state from another update mode, or a torch AdamW's: no compensation
+                state = self.state.get(param)
+                if state and group["update"] == "kahan" and param.dtype.itemsize < 4 and "kahan_comp" not in state:
+                    state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for param, saved_id in zip(group["params"], saved["params"], strict=True):  # torch pairs them so
                 if self.state.get(param):
@@ -350,6 +354,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
             raise ValueError(f"AdamW: {key} must be a finite number >= 0; received {group[key]!r} {where}.")
     betas = group["betas"]
+    if isinstance(betas, (tuple, list)):  # tensor betas, as torch's optimizers take
+        betas = [b.item() if isinstance(b, torch.Tensor) and b.numel() == 1 else b for b in betas]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(isinstance(b, (int, float)) for b in betas)):
         raise ValueError(f"AdamW: betas must be two numbers (beta1, beta2); received {betas!r} {where}.")
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):

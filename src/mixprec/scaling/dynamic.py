@@ -79,8 +79,10 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"{name}(backoff_factor=...) must be < 1; received {backoff_factor!r}.")
         self.growth_interval = whole_number(growth_interval, f"{name}(growth_interval=...)")
         self.hysteresis = whole_number(hysteresis, f"{name}(hysteresis=...)")
-        self.min_scale = None if min_scale is None else positive_number(min_scale, f"{name}(min_scale=...)")
-        self.max_scale = None if max_scale is None else positive_number(max_scale, f"{name}(max_scale=...)")
+        # the bounds within the scale's own range and in its dtype (FP32): a scale backed off to min_scale=0.7 is
+        # 0.69999999, which a load then found below the floor; a floor below 2**-126, a scale no load took
+        self.min_scale = None if min_scale is None else _in_fp32(loss_scale(min_scale, f"{name}(min_scale=...)"))
+        self.max_scale = None if max_scale is None else _in_fp32(loss_scale(max_scale, f"{name}(max_scale=...)"))
         self.recover_below = (
             None if recover_below is None else positive_number(recover_below, f"{name}(recover_below=...)")
         )
@@ -223,3 +225,8 @@ _LOAD = "DynamicLossScaler.load_state_dict: state"
 
 def _read(tracker: torch.Tensor | None, before_first_use: int) -> int:
     return int(tracker.item()) if tracker is not None else before_first_use
+
+
+def _in_fp32(value: float) -> float:
+    """``value`` rounded to FP32, the dtype the scale is held in."""
+    return float(torch.tensor(value, dtype=torch.float32))

@@ -161,13 +161,14 @@ class SpeedTable:
 def _known_while_tracing(size: int) -> bool:
     """Whether ``size`` has one value in the code being run: always eagerly; traced by torch.compile, where it is a
     constant and not a symbol (a dynamic size). Dynamo reads a symbol as an int to ``isinstance`` and ``type``, and
-    torch 2.11's as some other class to ``__class__`` for a constant too; a bound no symbol is known to satisfy
-    tells them apart (no guard installed: the size is not specialized)."""
+    torch 2.11's reads some other class as a constant's ``__class__``; what a constant has and a symbol lacks
+    (even one bounded by ``mark_dynamic(max=)`` or a branch on it) is a known value: here its residues mod 2 and 3,
+    which no bound decides (``statically_known_true`` installs no guard: the size is not specialized)."""
     if not torch.compiler.is_compiling():
         return True
     from torch.fx.experimental.symbolic_shapes import statically_known_true  # loaded by dynamo already
 
-    return statically_known_true(size < 2**62)
+    return all(any(statically_known_true(size % p == r) for r in range(p)) for p in (2, 3))
 
 
 def layer_pays(table: str, name: str, dtype: str, m: int, k: int, n: int, bias: bool) -> bool:
