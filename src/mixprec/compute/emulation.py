@@ -60,7 +60,7 @@ _PACKED = "mixprec-16bit"
 
 # CUDA autocast's op lists (torch 2.x), by the names the ops have at the Python level. The GEMM ops by kernel
 # family: the kernel plan (compute/kernels.py) times each family and emulates it or not as a whole.
-GEMM_FAMILY_OPS: dict[str, frozenset[str]] = {
+FAMILY_OPS: dict[str, frozenset[str]] = {
     "matmul": frozenset(
         {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "addmm", "addmv", "addr", "baddbmm"}
         | {"addbmm", "chain_matmul", "multi_dot", "prelu"}
@@ -71,7 +71,7 @@ GEMM_FAMILY_OPS: dict[str, frozenset[str]] = {
     "attention": frozenset({"scaled_dot_product_attention"}),
 }
 LOWER_PRECISION_OPS = frozenset().union(
-    *GEMM_FAMILY_OPS.values(),
+    *FAMILY_OPS.values(),
     # recurrent layers (_VF's whole-sequence ops and torch's cells; CUDA autocast's _cudnn_rnn and cells):
     # left out, an RNN after a 16-bit layer took 16-bit input with FP32 weights, which torch refuses
     {"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"},

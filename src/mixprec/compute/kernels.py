@@ -47,12 +47,11 @@ import torch.nn.functional as F
 from mixprec.compute.attention import GemmAttention
 from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
-from mixprec.compute.emulation import GEMM_FAMILY_OPS, EmulatedAutocast
+from mixprec.compute.emulation import FAMILY_OPS, EmulatedAutocast
 
 __all__ = ["CACHE_VERSION", "FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan", "machine_key"]
 
-FAMILIES = tuple(GEMM_FAMILY_OPS)  # matmul, conv, attention
-FAMILY_OPS = GEMM_FAMILY_OPS  # the ops of each family, as the emulation sees them (one table: emulation.py)
+FAMILIES = tuple(FAMILY_OPS)  # matmul, conv, attention: the families of the emulation's GEMM ops (emulation.py)
 # Norms, softmax and losses are not probed: both native autocast and the emulation compute them in FP32.
 KERNEL_SETTINGS = ("auto", "native", "emulated")  # the policy key ``kernels=``
 _ENV_VALUES = {"native": "native", "emulate": "emulated", "emulated": "emulated", "auto": "auto"}

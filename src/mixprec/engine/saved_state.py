@@ -29,8 +29,8 @@ def check_saved_state(state: Any, policy: Policy, num_scalers: int, accumulation
             f"{where}: 'scalers' must be a list and 'counters' a dict, as state_dict() returns them; received "
             f"{type(state['scalers']).__name__} and {type(state['counters']).__name__}."
         )
-    for key in ("micro_step", "accumulation_steps"):
-        whole_number(state[key], f"{where}: '{key}'", minimum=0 if key == "micro_step" else 1)
+    whole_number(state["micro_step"], f"{where}: 'micro_step'", minimum=0)
+    whole_number(state["accumulation_steps"], f"{where}: 'accumulation_steps'")
     if not resumes_under(state["policy"], policy):
         raise ValueError(
             f"{where}: the state was saved under policy {state['policy']!r}, this run uses {str(policy)!r}; resume "

@@ -144,20 +144,20 @@ class AdamW(torch.optim.Optimizer):
         for saved in state_dict["param_groups"]:
             _check_hyperparameters({**self.defaults, **saved})
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-            for param in group["params"]:  # a state from another update mode, or a torch AdamW's: no compensation
-                state = self.state.get(param)
-                if state and group["update"] == "kahan" and param.dtype.itemsize < 4 and "kahan_comp" not in state:
-                    state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for param, saved_id in zip(group["params"], saved["params"], strict=True):  # torch pairs them so
-                if self.state.get(param):
-                    self._starts.pop(id(param), None)
+                state = self.state.get(param)
+                if not state:
+                    continue
+                self._starts.pop(id(param), None)
                 value = state_dict["state"].get(saved_id, {}).get("exp_avg_sq")
                 if value is not None and _wide_second_moment(param, group):
-                    self.state[param]["exp_avg_sq"] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                    state["exp_avg_sq"] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                # a state from another update mode, or a torch AdamW's: no compensation yet
+                if group["update"] == "kahan" and param.dtype.itemsize < 4 and "kahan_comp" not in state:
+                    state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, after checking the group's hyper-parameters (its own, else the defaults)."""
