@@ -27,7 +27,7 @@ from mixprec.app.run import build_trainer
 from mixprec.app.sharded_checkpoint import Shards, fill_sharded, load_sharded
 from mixprec.parallel import with_tied_names
 from mixprec.persist import EXPORT, claim_folder, folder_holds, write_atomically
-from mixprec.policy import EXPORT_DTYPES, export_policy, get_policy
+from mixprec.policy import export_policy, get_policy
 from mixprec.regions import autocast, cast_module
 
 __all__ = ["ExportResult", "export_run", "fp32_weights"]
@@ -55,8 +55,7 @@ def export_run(
 
     The newest checkpoint that verifies is used; one of another run (see :mod:`mixprec.app.resume`) is
     refused unless ``allow_foreign_checkpoint``."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype: received {dtype!r}; use one of {', '.join(EXPORT_DTYPES)}.")
+    export_policy(get_policy("fp32"), dtype)  # an unknown dtype refused before the run is loaded
     run_dir = Path(run_dir)
     config = TrainConfig.load(run_dir)
     config = config.replace(parallel="ddp")  # one process, whole tensors: a sharded run's shards are read whole

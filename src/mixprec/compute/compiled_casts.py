@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from mixprec.numerics import get_format
+
 __all__ = ["dropped_roundings_note", "inductor_keeps_casts"]
 
 _FORMATS = (torch.float16, torch.bfloat16)
@@ -80,7 +82,7 @@ def dropped_roundings_note(
     neither measured here."""
     if not emulates:
         return None
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    name = get_format(dtype).name
     device = str(torch.device(device))
     notes = []
     if not inductor_keeps_casts(device):

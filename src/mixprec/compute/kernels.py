@@ -48,6 +48,7 @@ from mixprec.compute.attention import GemmAttention
 from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
 from mixprec.compute.emulation import FAMILY_OPS, EmulatedAutocast
+from mixprec.numerics import get_format
 
 __all__ = ["CACHE_VERSION", "FAMILIES", "FAMILY_OPS", "KERNEL_SETTINGS", "KernelPlan", "kernel_plan", "machine_key"]
 
@@ -55,7 +56,7 @@ FAMILIES = tuple(FAMILY_OPS)  # matmul, conv, attention: the families of the emu
 # Norms, softmax and losses are not probed: both native autocast and the emulation compute them in FP32.
 KERNEL_SETTINGS = ("auto", "native", "emulated")  # the policy key ``kernels=``
 _ENV_VALUES = {"native": "native", "emulate": "emulated", "emulated": "emulated", "auto": "auto"}
-_DTYPE_TAG = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 CACHE_VERSION = 2  # the layout of kernels.json; another version is measured again
 _SLOWER_TO_DROP = 3.0  # a candidate this many times slower than the best after one run is not re-timed
 _BUSY = 5.0  # a cached FP32 matmul this many times slower than now: the probe ran on a busy machine
@@ -101,7 +102,7 @@ class KernelPlan:
             figures = self.timings_ms.get(family, {})
             shown = ", ".join(f"{c} {ms:.2f} ms" for c, ms in figures.items())
             parts.append(f"{family} {self.choices[family]}" + (f" ({shown})" if shown else ""))
-        return f"{_DTYPE_TAG[self.dtype]} kernels [{self.source}]: " + "; ".join(parts)
+        return f"{get_format(self.dtype).name} kernels [{self.source}]: " + "; ".join(parts)
 
 
 def kernel_plan(
@@ -122,13 +123,13 @@ def kernel_plan(
     Raises:
         ValueError: ``kernels`` or the ``MIXPREC_*_CPU`` variable is not one of the valid settings.
     """
-    if dtype not in _DTYPE_TAG:
+    if dtype not in _HALF_DTYPES:
         raise ValueError(f"kernel_plan(dtype=...): received {dtype}; use torch.float16 or torch.bfloat16.")
     if kernels not in KERNEL_SETTINGS:
         raise ValueError(f"kernel_plan(kernels=...): received {kernels!r}; use one of {', '.join(KERNEL_SETTINGS)}.")
     if kernels != "auto":
         return _everywhere(dtype, kernels, f"policy kernels={kernels}")
-    variable = f"MIXPREC_{_DTYPE_TAG[dtype].upper()}_CPU"
+    variable = f"MIXPREC_{get_format(dtype).name.upper()}_CPU"
     setting = os.environ.get(variable, "auto").strip().lower() or "auto"
     if setting not in _ENV_VALUES:
         raise ValueError(f"{variable}={os.environ[variable]!r} is not a kernel setting; use native, emulate or auto.")
@@ -179,7 +180,7 @@ def _measure(dtype: torch.dtype, timer: Timer) -> KernelPlan:
 
 def machine_key(dtype: torch.dtype) -> str:
     """What a measurement is valid for: CPU model, torch version, threads, dtype."""
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {_DTYPE_TAG[dtype]}"
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {get_format(dtype).name}"
 
 
 @functools.cache

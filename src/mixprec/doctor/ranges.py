@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.numerics.formats import Format, get_format
+from mixprec.numerics.quantize import round_to
 
 __all__ = ["COUNT_FIELDS", "HISTOGRAM_HIGH", "HISTOGRAM_LOW", "RangeCounts", "format_thresholds", "range_counts"]
 
@@ -61,7 +62,7 @@ def _boundaries(formats: tuple[str, ...]) -> tuple[list[float], list[tuple[int, 
     limits = []
     for name in formats:
         under, sub_below, over = format_thresholds(get_format(name))
-        limits.append((torch.tensor(under, dtype=torch.float32).item(), below(sub_below), below(over)))
+        limits.append((round_to(under, torch.float32), below(sub_below), below(over)))
     values = sorted({0.0, *(v for triple in limits for v in triple)})
     return values, [tuple(values.index(v) for v in triple) for triple in limits]
 

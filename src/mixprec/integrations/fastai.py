@@ -57,13 +57,12 @@ import mixprec
 from mixprec.integrations.adapter_arguments import check_adapter_arguments
 from mixprec.integrations.fastai_adam import FastaiAdam, adopt_fastais_adam
 from mixprec.persist import CheckpointError, encode_checkpoint, read_checkpoint_file, write_atomically
-from mixprec.policy import export_policy
+from mixprec.policy import EXPORT_DTYPES, export_policy
 from mixprec.regions import cast_module
 
 __all__ = ["MixprecCallback"]
 
 SAVE_SUFFIX = ".mixprec.safetensors"  # learn.save(name) under the callback: models/name.mixprec.safetensors
-_EXPORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # compute dtype -> export dtype
 
 
 class MixprecCallback(Callback):
@@ -390,8 +389,8 @@ def export(self: Learner, fname="export.pkl", **kwargs):
     when the file is loaded (``load_learner``). This Learner keeps its FP32 model. Otherwise fastai's own."""
     cb = _attached(self)
     policy = cb._policy() if cb is not None else None
-    dtype = _EXPORT_NAMES.get(policy.compute_dtype) if policy is not None else None
-    if dtype is None:
+    dtype = mixprec.get_format(policy.compute_dtype).name if policy is not None else None
+    if dtype not in EXPORT_DTYPES:  # FP32 compute: fastai's own export
         return _fastai_export(self, fname, **kwargs)
     if cb.mp is not None:
         raise RuntimeError("learn.export during a fit under MixprecCallback: export after fit, from the FP32 model.")

@@ -97,7 +97,7 @@ def quantize(
     if fmt.mantissa_bits >= mantissa_bits and fmt.min_exponent <= min_exponent and fmt.max_exponent >= max_exponent:
         # every value of the working dtype is representable in fmt; infinities saturate where asked (or where fmt
         # has none) to its max, rounded into the dtype (inf where that is past the dtype's range)
-        limit = _round_to(fmt.max, x.dtype)
+        limit = round_to(fmt.max, x.dtype)
         return x.clamp(-limit, limit) if (saturate or not fmt.has_inf) else x.clone()
     y = _quantize(x.to(working), fmt, rounding, saturate, generator)
     return y.to(x.dtype)
@@ -133,7 +133,7 @@ def _quantize(
     else:
         overflow = (result > _ceil_to(fmt.max, x.dtype)) | torch.isinf(magnitude)
     # a format's max past the working dtype's range (e9m3 in FP32) rounds to inf there, as the dtype holds results
-    limit = _round_to(fmt.max, x.dtype) if (saturate or not fmt.has_inf) else float("inf")
+    limit = round_to(fmt.max, x.dtype) if (saturate or not fmt.has_inf) else float("inf")
     result = torch.where(overflow, limit, result)  # no host sync: quantize runs inside training steps
     return torch.copysign(result, x)  # restores the sign, -0.0 included; NaN propagates
 
@@ -178,8 +178,9 @@ _FP32_MAX = (2 - 2**-23) * 2**127
 _FP32_ROUNDS_TO_INF = _FP32_MAX + 2**103  # max + half its unit: from here (a tie rounds to even) to inf
 
 
-def _round_to(value: float, dtype: torch.dtype) -> float:
-    """``value`` (positive) rounded to nearest even into ``dtype`` (inf past its range)."""
+def round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` (positive) rounded to nearest even into ``dtype`` (inf past its range), on the host: the one
+    rounding of a Python float to a dtype (a loss scale held in FP32, the doctor's FP32 bucket bounds)."""
     if dtype == torch.float64:
         return value
     if dtype == torch.float32:

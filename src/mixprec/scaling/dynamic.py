@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mixprec.checks import loss_scale, positive_number, whole_number
+from mixprec.numerics.quantize import round_to
 from mixprec.scaling.base import LossScaler, check_state_type
 
 LOWEST_SCALE = 2.0**-24  # the scale never backs off below this: below ~2**-149 it would become 0 for good
@@ -229,4 +230,4 @@ def _read(tracker: torch.Tensor | None, before_first_use: int) -> int:
 
 def _in_fp32(value: float) -> float:
     """``value`` rounded to FP32, the dtype the scale is held in."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    return round_to(value, torch.float32)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from mixprec.compute.cache import default_cache_dir, read_cache, store
 from mixprec.compute.device import cpu_model
 from mixprec.compute.timing import interleaved_medians, measuring_blocked, pass_timer, repeats_for, warm_up
+from mixprec.numerics import get_format
 from mixprec.policy.fp8_recipe import Fp8Recipe
 from mixprec.regions.fp8.gemm import recipe_uses_kernel
 from mixprec.regions.fp8.linear import Fp8LinearState, fp8_linear
@@ -61,7 +62,6 @@ CACHE_FILE = "fp8_shapes.json"
 CACHE_VERSION = 2  # 2: the key names the products with fast accumulation
 _SAMPLES = 3
 _CLEARLY = 3.0  # FP8 this many times slower after one pass: decided without the samples
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -128,11 +128,11 @@ class SpeedTable:
         m = x.numel() // x.shape[-1]
         if not _known_while_tracing(m):  # a row count torch.compile made dynamic: no one shape to decide
             return True
-        return layer_pays(self.key, name, _DTYPE_NAMES[dtype], m, weight.shape[1], weight.shape[0], bias is not None)
+        return layer_pays(self.key, name, get_format(dtype).name, m, weight.shape[1], weight.shape[0], bias is not None)
 
     def speed(self, name: str, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> ShapeSpeed | None:
         """The shape's measurement (this process's, the cache's, or taken now), recorded as ``name``'s."""
-        shape = (_DTYPE_NAMES[dtype], m, k, n, bias)
+        shape = (get_format(dtype).name, m, k, n, bias)
         found = self._known.get(shape)
         if found is None:
             found = self._cached_or_measured(dtype, m, k, n, bias)
@@ -147,10 +147,10 @@ class SpeedTable:
         key = shape_key(self.recipe, self.device, dtype, m, k, n, bias)
         entry = read_cache(path, CACHE_VERSION).get(key)
         if _valid(entry):
-            return ShapeSpeed(m, k, n, entry["fp8_ms"], entry["ref_ms"], _DTYPE_NAMES[dtype])
+            return ShapeSpeed(m, k, n, entry["fp8_ms"], entry["ref_ms"], get_format(dtype).name)
         fp8_ms, ref_ms = self._measure(m, k, n, bias, dtype)
         store(path, CACHE_VERSION, key, {"fp8_ms": round(fp8_ms, 5), "ref_ms": round(ref_ms, 5)})
-        speed = ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), _DTYPE_NAMES[dtype])
+        speed = ShapeSpeed(m, k, n, round(fp8_ms, 5), round(ref_ms, 5), get_format(dtype).name)
         logger.info("mixprec: %s; %s", speed.describe(), "FP8" if speed.pays else f"{speed.ref} kept")
         return speed
 
@@ -173,14 +173,13 @@ def _known_while_tracing(size: int) -> bool:
 
 def layer_pays(table: str, name: str, dtype: str, m: int, k: int, n: int, bias: bool) -> bool:
     """Whether layer ``name`` of speed table ``table`` runs FP8 for an (m, k) input to n outputs in ``dtype``."""
-    speed = _TABLES[table].speed(name, _DTYPES[dtype], m, k, n, bias)
+    speed = _TABLES[table].speed(name, get_format(dtype).torch_dtype, m, k, n, bias)
     return speed is None or speed.pays
 
 
 # torch.compile calls it eagerly while tracing and compiles the answer in as a constant (arguments and answer
 # are plain values); the mark torch.compiler.assume_constant_result sets, without importing torch._dynamo
 layer_pays._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
 def shape_key(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, bias: bool) -> str:
@@ -195,7 +194,7 @@ def shape_key(recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype, m: in
     fast = "+".join(recipe.fast_products) or "none"
     recipe_tag = f"{recipe.format_name} {recipe.scaling} cast={recipe.cast} gemm={recipe.gemm} fast_accum={fast}"
     shape = f"{m}x{k}x{n}" + ("+bias" if bias else "")
-    return f"{machine} | torch {torch.__version__} | {recipe_tag} | {_DTYPE_NAMES[dtype]} | {shape}"
+    return f"{machine} | torch {torch.__version__} | {recipe_tag} | {get_format(dtype).name} | {shape}"
 
 
 def _valid(entry: object) -> bool:
