@@ -35,6 +35,9 @@ def _engine(policy: str = "mixed_fp16", **kwargs) -> tuple[nn.Module, mixprec.Mi
         (lambda: TrainConfig(task="digits", loss_scale=1e39), ValueError, "config 'loss_scale' must be from"),
         (lambda: mixprec.checkpoint(nn.Linear(2, 2), torch.ones(2), use_reentrant="no"), TypeError, "use_reentrant"),
         (lambda: mixprec.checkpoint(None, torch.ones(2)), TypeError, r"function=\.\.\.\) needs a callable"),
+        (lambda: mixprec.DynamicLossScaler().update(None), TypeError, r"update\(found_inf=\.\.\.\) needs a torch"),
+        (lambda: mixprec.DynamicLossScaler().unscale_(None), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
+        (lambda: mixprec.StaticLossScaler(1.0).unscale_(None), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
     ],
 )
 def test_a_wrong_argument_is_refused_by_name(make, error, message):

@@ -60,12 +60,11 @@ class LossScaler(ABC):
         """``loss * scale``, in the loss's dtype (autograd carries the factor into every gradient)."""
         return self._checked(loss) * self._scale_on(loss.device).to(loss.dtype)
 
-    def _checked(self, loss: torch.Tensor) -> torch.Tensor:
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"{type(self).__name__}.scale(loss=...) needs a torch.Tensor; received {type(loss).__name__}."
-            )
-        return loss
+    def _checked(self, value: torch.Tensor, argument: str = "scale(loss=...)") -> torch.Tensor:
+        """``value`` if it is a tensor; else TypeError naming the method's ``argument``."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.{argument} needs a torch.Tensor; received {type(value).__name__}.")
+        return value
 
     def unscale_(self, grads: Sequence[torch.Tensor] | Grouped) -> torch.Tensor:
         """Divide ``grads`` by the scale in place, in one fused pass per device and dtype (``grads`` may come
@@ -134,6 +133,11 @@ def check_state_type(scaler: LossScaler, state: dict[str, Any], expected: str) -
 
 def device_of(grads: Sequence[torch.Tensor] | Grouped) -> torch.device:
     """The first gradient's device (the CPU for none): where the scale and the found-inf flag live."""
+    if not isinstance(grads, (Sequence, Mapping)):  # every unscale passes here first
+        raise TypeError(
+            f"unscale_(grads=...) needs a list of gradient tensors (or them grouped by device and dtype); received "
+            f"{type(grads).__name__}."
+        )
     if isinstance(grads, Mapping):  # keyed by (device, dtype)
         return next(iter(grads), (torch.device("cpu"),))[0]
     return grads[0].device if grads else torch.device("cpu")

@@ -102,7 +102,7 @@ class DynamicLossScaler(LossScaler):
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Adjust the scale on device; no host sync."""
-        scale = self._scale_on(found_inf.device)
+        scale = self._scale_on(self._checked(found_inf, "update(found_inf=...)").device)
         growth, hysteresis = self._growth_tracker, self._hysteresis_left
         assert growth is not None and hysteresis is not None  # created with the scale
         if self.hysteresis == 1:
