@@ -245,6 +245,16 @@ CLI_CASES = [
         ["--max-grad-norm: received 0", "above 0"],
     ),
     ("train policy key", ["train", "digits", "--policy", "p=bf16,q=1", "--out", "{tmp}/run"], ["unknown key 'q'"]),
+    (
+        "train policy name",  # named as the run's setting, and said before the task's model is built
+        ["train", "digits", "--policy", "mixd_bf16", "--out", "{tmp}/run"],
+        ["error: policy='mixd_bf16': unknown policy", "Did you mean mixed_bf16"],
+    ),
+    (
+        "compare policy name",
+        ["compare", "digits", "--policies", "fp32,mixd_bf16", "--out", "{tmp}/run"],
+        ["error: --policies 'mixd_bf16': unknown policy", "Did you mean mixed_bf16"],
+    ),
     ("train device", ["train", "digits", "--device", "cuda", "--out", "{tmp}/run"], ["no CUDA device"]),
     ("train parallel", ["train", "digits", "--parallel", "zero3"], ["invalid choice: 'zero3'"]),
     (

@@ -112,9 +112,10 @@ def build_trainer(
     device = init_from_env(
         resolve_device(config.device), sharded=config.parallel == "fsdp", timeout=config.collective_timeout
     )
+    # the policy before the task: a misspelt one is said before a model loads
+    policy = policy if policy is not None else get_policy(config.policy, device=device, argument="policy=...")
     parts = build_task(config.task, TaskConfig(config.batch_size, config.seed, device, config.size))
     settings = _settings(config, parts.defaults)
-    policy = policy if policy is not None else get_policy(config.policy, device=device)
     if config.parallel == "fsdp" and world().backend is not None:  # shard before the optimizer sees the parameters
         fully_shard(parts.model, policy, reduce_dtype=torch.float32 if config.reduce_fp32 else None)
     groups = _parameter_groups(parts, settings["weight_decay"])

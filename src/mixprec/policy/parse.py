@@ -280,4 +280,4 @@ def parse_policy_list(text: str, *, device: str | torch.device | None = None) ->
             specs.append(",".join(group))
     if not specs:
         raise ValueError(f"--policies needs at least one policy; received {shown(text)}. Example: fp32,mixed_bf16.")
-    return [(spec, get_policy(spec, device=device)) for spec in specs]
+    return [(spec, get_policy(spec, device=device, argument="--policies ...")) for spec in specs]
