@@ -2,6 +2,8 @@
 (torch's or Accelerate's clip_grad_norm_ between mp.backward() and mp.step()), are refused before anything is
 applied; unscaled gradients are the caller's."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +12,11 @@ from torch import nn
 import mixprec
 
 
-def _setup(policy: str, device: str, **options):
+def _setup(policy: str, device: str, layer_norm: bool = False, **options):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 5)).to(device)
+    # a LayerNorm is kept in FP32 under o2: its own optimizer parameters, their gradients on the model throughout
+    norm = [nn.LayerNorm(24)] if layer_norm else []
+    model = nn.Sequential(nn.Linear(12, 24), *norm, nn.GELU(), nn.Linear(24, 5)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return model, mixprec.MixedPrecision(model, optimizer, policy, **options)
 
@@ -110,23 +114,47 @@ def test_a_clip_of_o2s_16_bit_gradients_before_the_unscale_is_refused(device):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
-def _o2_masters_clipped(device: str, on_model: bool) -> list[torch.Tensor]:
-    model, mp = _setup("o2_bf16", device)
+def _o2_masters_clipped(device: str, clip: str, layer_norm: bool = False) -> list[torch.Tensor]:
+    model, mp = _setup("o2_bf16", device, layer_norm)
     for seed in range(3):
         _backward(mp, model, device, seed)
-        if on_model:  # the fix the refusal names: unscale_(), then edit the model's gradients inside
-            mp.unscale_()
-            with mp.gradients_on_model():
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        else:
+        if clip == "engine":
             mp.clip_grad_norm_(0.05)
+        else:  # the fix the refusal names: unscale_(), then edit the model's gradients (inside the block)
+            mp.unscale_()
+            with mp.gradients_on_model() if clip == "in block" else contextlib.nullcontext():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         assert mp.step()
     return list(mp.fp32_state_dict().values())
 
 
-def test_o2s_gradients_are_the_callers_on_the_model_after_the_unscale(device):
+@pytest.mark.parametrize("clip", ["in block", "after unscale_"])
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_o2s_gradients_are_the_callers_on_the_model_after_the_unscale(device, clip, layer_norm):
     # the clip on the model runs on bf16 roundings of the FP32 gradients: its updates are within bf16's rounding
-    # of mixprec's FP32 clip (measured 1e-5 apart at most; unclipped they would be 1.8e-2 apart)
-    expected = _o2_masters_clipped(device, on_model=False)
-    for a, b in zip(expected, _o2_masters_clipped(device, on_model=True), strict=True):
+    # of mixprec's FP32 clip (measured 1e-5 apart at most; unclipped they would be 1.8e-2 apart). Right after
+    # unscale_(), as a GradScaler loop clips, the gradients were on the masters alone: the clip found none (no
+    # update clipped) or only the FP32-kept LayerNorm's (its norm alone, and only it clipped)
+    expected = _o2_masters_clipped(device, "engine", layer_norm)
+    for a, b in zip(expected, _o2_masters_clipped(device, clip, layer_norm), strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+
+
+def test_o2s_gradients_shown_by_unscale_last_until_the_step_or_a_dropped_window(device):
+    model, mp = _setup("o2_bf16", device)
+    _backward(mp, model, device)
+    mp.unscale_(on_model=False)  # the optimizer's FP32 masters alone: no 16-bit copy on the model
+    assert all(p.grad is None for p in model.parameters())
+    mp.step()
+    _backward(mp, model, device, seed=1)
+    mp.unscale_()
+    masters = [p for group in mp.optimizer.param_groups for p in group["params"]]
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    with mp.gradients_on_model():  # already shown: an edit inside reaches the master at the block's end
+        model[0].bias.grad.zero_()
+    assert model[0].bias.grad is not None and not masters[1].grad.any()  # still shown after the block
+    model[2].bias.grad.fill_(1.0)  # after the block too, until the step
+    mp.zero_grad()  # the window dropped: nothing left on the model
+    assert all(p.grad is None for p in model.parameters()) and all(m.grad is None for m in masters)
+    with pytest.raises(TypeError, match=r"unscale_\(on_model=\.\.\.\) needs True or False"):
+        mp.unscale_(on_model="no")

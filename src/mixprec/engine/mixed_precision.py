@@ -279,9 +279,26 @@ class MixedPrecision:
         groups = self._view(optimized).shard_groups
         return [group for param, group in zip(optimized, groups, strict=True) if param.grad is not None]
 
-    def unscale_(self) -> None:
-        """Divide this step's gradients by the loss scale, in place (FP32 masters' for o2 policies)."""
+    def unscale_(self, on_model: bool = True) -> None:
+        """Divide this step's gradients by the loss scale, in place; then they are the update's, to read or change
+        until ``step()``, as after ``GradScaler.unscale_``.
+
+        Under o2 policies they live on the FP32 masters (the optimizer's parameters). ``on_model`` (default) also
+        shows them on the model's parameters, rounded to their dtype, until ``step()``: code written for
+        ``model.parameters()`` (torch's ``clip_grad_norm_``, a norm logger) then sees every gradient, and an edit
+        there goes to the master at ``step()`` (without them, such a clip found only the FP32-kept layers'
+        gradients and clipped those alone). ``on_model=False``: the masters only, without the 16-bit copy.
+        """
+        flag(on_model, "MixedPrecision.unscale_(on_model=...)")
         self._unscale_now("unscale_()")
+        if on_model and self.masters is not None:
+            self._shown = self.masters.expose_grads()
+
+    def _collect_shown(self, keep_shown: bool = False) -> None:
+        """Gradients shown on the model (o2, :meth:`unscale_`, :meth:`gradients_on_model`): edits to the masters."""
+        if self._shown is not None:
+            kept = self.masters.collect_grads(self._shown, keep_shown)
+            self._shown = kept if keep_shown else None
 
     def _unscale_now(self, caller: str, check: bool = True) -> None:
         """unscale_() and clip_grad_norm_()'s unscale: the call order, the guards, then the unscale (``check``:
@@ -353,11 +370,13 @@ class MixedPrecision:
             return
         if not self._order.unscaled:
             raise RuntimeError("gradients_on_model() before unscale_(): the gradients still carry the loss scale.")
-        shown = self.masters.expose_grads()
+        by_unscale = self._shown is not None  # shown since unscale_(): still shown after the block, until step()
+        if not by_unscale:
+            self._shown = self.masters.expose_grads()
         try:
             yield
         finally:
-            self.masters.collect_grads(shown)
+            self._collect_shown(keep_shown=by_unscale)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscale if needed, then clip the gradients' total norm to ``max_norm``; returns the true norm.
@@ -422,6 +441,7 @@ class MixedPrecision:
         update was applied; parameters, masters and optimizer state are untouched by a skipped step.
         """
         self._order.check_step()
+        self._collect_shown()  # gradients unscale_() showed on the model (o2): their edits, to the masters
         self._guards.before_update(self)  # before anything changes
         already_unscaled = self._order.unscaled
         if not self._order.on_step():
@@ -495,6 +515,7 @@ class MixedPrecision:
             self.masters.copy_to_model()  # after a skip on the device: unchanged masters, the same values
 
     def _zero_grad(self) -> None:
+        self._collect_shown()  # released from the model with the window (a zero_grad() after unscale_())
         self.optimizer.zero_grad(set_to_none=True)
         # the model's parameters no optimizer holds: theirs too (the view of the last unscale; parameter groups
         # added since only shrink that set, so an older view clears a few gradients twice, never too few)
@@ -510,6 +531,7 @@ class MixedPrecision:
         # step()'s gradients, flag and magnitudes (None where the check did not read them), until its flag is read
         self._unclassified: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None
         self._grads_carry_scale = False
+        self._shown: list[tuple[int, torch.Tensor, int]] | None = None  # o2 gradients shown on the model
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""

@@ -235,7 +235,7 @@ class MixprecPrecision(Precision):
             self._after_closure(model, optimizer)
             self._last_applied = False  # nor a schedule step (the gate kept the last update's verdict)
             return closure_result
-        mp.unscale_()
+        mp.unscale_(on_model=False)  # Lightning clips the optimizer's gradients (o2: the masters)
         # o2 keeps the gradients on the FP32 masters: hooks that read p.grad see them on the module's parameters
         if self._show_gradients:
             self._shown.enter_context(mp.gradients_on_model())

@@ -106,9 +106,13 @@ class MasterWeights:
                 shown.append((index, param.grad, param.grad._version))
         return shown
 
-    def collect_grads(self, shown: list[tuple[int, torch.Tensor, int]]) -> None:
+    def collect_grads(
+        self, shown: list[tuple[int, torch.Tensor, int]], keep_shown: bool = False
+    ) -> list[tuple[int, torch.Tensor, int]]:
         """Undo :meth:`expose_grads`: a gradient the user code edited in place or replaced goes to the master (its
-        16-bit values, widened); every model parameter's ``.grad`` is released."""
+        16-bit values, widened); every model parameter's ``.grad`` is released, or with ``keep_shown`` left shown,
+        and what a later collect needs is returned (empty when released)."""
+        kept = []
         for index, grad, version in shown:
             param, master = self.model_params[index], self.masters[index]
             now = param.grad
@@ -116,7 +120,11 @@ class MasterWeights:
                 master.grad = None
             elif now is not grad or now._version != version:
                 master.grad.copy_(now)
-            param.grad = None
+            if keep_shown and now is not None:
+                kept.append((index, now, now._version))
+            else:
+                param.grad = None
+        return kept
 
     def state(self) -> list[torch.Tensor]:
         """The master values (fp32), in parameter order."""
