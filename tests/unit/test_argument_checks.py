@@ -20,6 +20,15 @@ def _engine(policy: str = "mixed_fp16", **kwargs) -> tuple[nn.Module, mixprec.Mi
     return model, mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, **kwargs)
 
 
+def _plateau_stepped() -> None:
+    model, mp = _engine("mixed_bf16")
+    with mp.autocast():
+        loss = model(torch.ones(2, 4)).sum()
+    mp.backward(loss)
+    mp.step()
+    mp.step_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(mp.optimizer))  # torch: "missing 'metrics'"
+
+
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
@@ -38,6 +47,7 @@ def _engine(policy: str = "mixed_fp16", **kwargs) -> tuple[nn.Module, mixprec.Mi
         (lambda: mixprec.DynamicLossScaler().update(None), TypeError, r"update\(found_inf=\.\.\.\) needs a torch"),
         (lambda: mixprec.DynamicLossScaler().unscale_(None), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
         (lambda: mixprec.StaticLossScaler(1.0).unscale_(None), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
+        (_plateau_stepped, TypeError, r"ReduceLROnPlateau steps on a validation metric, .* scheduler.step\(metric\)"),
     ],
 )
 def test_a_wrong_argument_is_refused_by_name(make, error, message):

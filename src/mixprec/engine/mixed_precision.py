@@ -550,6 +550,11 @@ class MixedPrecision:
             raise TypeError(
                 f"step_scheduler(scheduler=...) needs an LR scheduler; received {type(scheduler).__name__}."
             )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "step_scheduler(scheduler=...): ReduceLROnPlateau steps on a validation metric, once an evaluation, "
+                "not once an update, so a skipped update does not concern it: call scheduler.step(metric) yourself."
+            )
         if self._last:
             scheduler.step()
             return True
