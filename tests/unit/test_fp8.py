@@ -318,6 +318,7 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
         "base=fp8,fp8=(scaling=current,history=4)",
         "c=bf16,fp8=e4m3(keep=first+*.head)",
         "c=bf16,fp8=e5m2/e4m3(margin=1,gemm=emulated,amax=recent)",
+        "base=fp8,fp8=e4m3(scaling=mxfp8,scale_rule=ceil)",
     ):
         policy = mixprec.get_policy(spec)
         assert mixprec.get_policy(str(policy)) == policy
@@ -334,6 +335,8 @@ def test_fp8_policy_grammar_round_trips_and_explains_errors():
         ("fp8=hybrid(colour=red)", "unknown option 'colour=red'"),
         ("fp8=hybrid(history=4", "one pair of parentheses"),
         ("fp8=hybrid(history=four)", "history='four' is not a whole number"),
+        ("fp8=hybrid(scale_rule=ceil)", "scale_rule='ceil') chooses how MXFP8's E8M0 block scales round"),
+        ("fp8=hybrid(scaling=mxfp8,scale_rule=up)", "scale_rule=...): received 'up'; use one of ocp, ceil"),
         (
             "fp8=hybrid(scaling=later)",
             "received 'later'; use one of current, delayed, rowwise, blockwise, mxfp8, mxfp4",

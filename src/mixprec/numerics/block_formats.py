@@ -22,7 +22,9 @@ All of it is exact: scales are powers of two, applied in float64.
 same block scales, which are always computed from the amax as above: what FP4 training recipes do to
 gradients.
 
-NVFP4, in FP32 arithmetic in this order (NVIDIA's two-level recipe, as torchao's per-tensor-scaled NVFP4):
+NVFP4, in FP32 arithmetic in this order (NVIDIA's two-level recipe; torchao 0.18's per-tensor-scaled NVFP4 gives
+the same bits on normal-range data, but floors each block's scale at e4m3's smallest normal, 2**-6, and divides by
+the product of the scales as two reciprocals, which moves exact ties such as 0.75: tests/differential):
     s_t = amax(|x|) / (448 * 6)                     the tensor's scale, from its finite values (1 if all 0;
                                                     FP32's smallest, 2**-149, where it underflows)
     s_b = e4m3(amax_block / 6 / s_t)                each block's scale, rounded to nearest even, saturating

@@ -19,6 +19,10 @@
                 stochastically, the weight gradient's operands rotated by a random Hadamard transform;
                 emulated (:mod:`mixprec.regions.fp8.fp4`)
     margin      extra powers of two of headroom below the format's largest value
+    scale_rule  MXFP8's E8M0 block scales (``scaling=mxfp8``): "ocp" (default: the OCP rule, amax's exponent less
+                the element's largest; torchao's FLOOR) or "ceil" (the smallest power of two that keeps the block
+                within range, never saturating: NVIDIA's choice for MXFP8 in cuBLAS and Transformer Engine, and
+                torchao's MXFP8 training default, RCEIL); :func:`mixprec.quantize`'s ``scale_rule``
     keep        GEMM layers left in the policy's compute dtype: name globs, plus "first" and "last" for the
                 first and last GEMM layers in the model's registration order, and "head" for the
                 language-model head (a layer whose weight is an embedding's, else one named lm_head);
@@ -69,6 +73,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mixprec.checks import shown
+from mixprec.numerics.block_formats import SCALE_RULES
 
 __all__ = [
     "AMAX_REDUCTIONS",
@@ -101,6 +106,7 @@ _OPTIONS = (
     "history",
     "amax",
     "margin",
+    "scale_rule",
     "keep",
     "only",
     "gemm",
@@ -118,6 +124,7 @@ class Fp8Recipe:
     history: int = 16
     amax: str = "max"
     margin: int = 0
+    scale_rule: str = "ocp"
     keep: tuple[str, ...] = ("head",)
     only: tuple[str, ...] = ()  # every GEMM layer
     gemm: str = "auto"
@@ -138,6 +145,15 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe(scaling={self.scaling!r}) computes every operand in fp4_e2m1, so the FP8 formats "
                 f"{self.format_name} would be ignored; write hybrid(scaling={self.scaling})."
+            )
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(
+                f"Fp8Recipe(scale_rule=...): received {shown(self.scale_rule)}; use one of {', '.join(SCALE_RULES)}."
+            )
+        if self.scale_rule != "ocp" and self.scaling != "mxfp8":
+            raise ValueError(
+                f"Fp8Recipe(scale_rule={self.scale_rule!r}) chooses how MXFP8's E8M0 block scales round "
+                f"(scaling=mxfp8); leave it out under scaling={self.scaling!r}."
             )
         if self.amax not in AMAX_REDUCTIONS:
             raise ValueError(f"Fp8Recipe(amax=...): received {self.amax!r}; use one of {', '.join(AMAX_REDUCTIONS)}.")

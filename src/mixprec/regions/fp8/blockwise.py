@@ -87,28 +87,29 @@ def _kernel(state, t: torch.Tensor) -> bool:
 MX_BLOCK = 32
 
 
-def _mx(t: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``t``'s values after an MX round trip along its last dimension: blocks of 32, an E8M0 scale each (OCP
-    rule), elements in ``fmt``."""
-    return quantize_blocks(t.float(), BlockFormat(f"mx_{fmt.name}", fmt, MX_BLOCK, "e8m0"))
+def _mx(t: torch.Tensor, fmt: Format, state) -> torch.Tensor:
+    """``t``'s values after an MX round trip along its last dimension: blocks of 32, an E8M0 scale each (by the
+    recipe's ``scale_rule``), elements in ``fmt``."""
+    block = BlockFormat(f"mx_{fmt.name}", fmt, MX_BLOCK, "e8m0")
+    return quantize_blocks(t.float(), block, scale_rule=state.recipe.scale_rule)
 
 
 class MXFP8:
     """MXFP8's three products (``scaling=mxfp8``, through :class:`~mixprec.regions.fp8.linear.Recast`): every
-    operand in blocks of 32 along the product's reduction with an E8M0 scale (OCP MX v1.0), elements in the
-    recipe's formats. The scales are powers of two, so a product of two dequantized values is the exact product
-    of the elements times both scales, and each GEMM is an FP32 product of the dequantized operands (a kernel
-    sums in another order)."""
+    operand in blocks of 32 along the product's reduction with an E8M0 scale (OCP MX v1.0; the recipe's
+    ``scale_rule``), elements in the recipe's formats. The scales are powers of two, so a product of two
+    dequantized values is the exact product of the elements times both scales, and each GEMM is an FP32 product of
+    the dequantized operands (a kernel sums in another order)."""
 
     @staticmethod
     def output(rows, weight, state, bias, out_dtype) -> torch.Tensor:
         fwd = state.input.format
-        return with_bias(_mx(rows, fwd) @ _mx(weight, fwd).t(), bias, out_dtype)
+        return with_bias(_mx(rows, fwd, state) @ _mx(weight, fwd, state).t(), bias, out_dtype)
 
     @staticmethod
     def input_grad(grad, weight, state) -> torch.Tensor:  # reduced over the output features: w down its columns
-        return _mx(grad, state.grad.format) @ _mx(weight.t(), state.input.format).t()
+        return _mx(grad, state.grad.format, state) @ _mx(weight.t(), state.input.format, state).t()
 
     @staticmethod
     def weight_grad(grad, rows, state) -> torch.Tensor:  # reduced over the tokens: both down their columns
-        return _mx(grad.t(), state.grad.format) @ _mx(rows.t(), state.input.format).t()
+        return _mx(grad.t(), state.grad.format, state) @ _mx(rows.t(), state.input.format, state).t()
