@@ -7,7 +7,8 @@ bit for bit where both compute the same thing.
 - NVFP4: torchao's two-level quantization (an FP32 tensor scale, e4m3 block scales), where no block scale falls
   below e4m3's smallest normal (torchao floors it there) and no tie meets its reciprocal order.
 - MXFP8 training: the recipe ``e4m3(scaling=mxfp8)`` is torchao's ``MXFP8Linear`` with FLOOR scales, and with
-  ``scale_rule=ceil`` its default, RCEIL; the ``hybrid`` recipe is its ``mx_mm`` with e5m2 gradients: output, input, weight and bias gradients; MXFP4's forward.
+  ``scale_rule=ceil`` its default, RCEIL; the ``hybrid`` recipe is its ``mx_mm`` with e5m2 gradients: output,
+  input, weight and bias gradients; MXFP4's forward.
 
 Where torchao departs (tests here keep clear of it; docs/numerics.md): its FLOOR and RCEIL at the lowest E8M0
 scale, 2^-127 (a value comes back halved, or 0), its RCEIL's log2 in FP32 (one ulp above max * 2^k keeps k),

@@ -47,6 +47,9 @@ def _plateau_stepped() -> None:
         (lambda: mixprec.DynamicLossScaler().update(None), TypeError, r"update\(found_inf=\.\.\.\) needs a torch"),
         (lambda: mixprec.DynamicLossScaler().unscale_(None), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
         (lambda: mixprec.StaticLossScaler(1.0).unscale_(None), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
+        (lambda: mixprec.StaticLossScaler(1.0).update(None), TypeError, r"update\(found_inf=\.\.\.\) needs a torch"),
+        (lambda: mixprec.NoOpLossScaler().update(None), TypeError, r"update\(found_inf=\.\.\.\) needs a torch"),
+        (lambda: mixprec.DynamicLossScaler().unscale_("grads"), TypeError, r"unscale_\(grads=\.\.\.\) needs a list"),
         (_plateau_stepped, TypeError, r"ReduceLROnPlateau steps on a validation metric, .* scheduler.step\(metric\)"),
     ],
 )

@@ -156,5 +156,79 @@ def test_o2s_gradients_shown_by_unscale_last_until_the_step_or_a_dropped_window(
     model[2].bias.grad.fill_(1.0)  # after the block too, until the step
     mp.zero_grad()  # the window dropped: nothing left on the model
     assert all(p.grad is None for p in model.parameters()) and all(m.grad is None for m in masters)
-    with pytest.raises(TypeError, match=r"unscale_\(on_model=\.\.\.\) needs True or False"):
+    with pytest.raises(TypeError, match=r"unscale_\(on_model=\.\.\.\) \(or None\) needs True or False"):
         mp.unscale_(on_model="no")
+
+
+def _grads_the_optimizer_takes(mp) -> list[torch.Tensor]:
+    taken = []
+    mp.optimizer.register_step_pre_hook(
+        lambda opt, *_: taken.extend(p.grad.clone() for p in opt.param_groups[0]["params"])
+    )
+    return taken
+
+
+@pytest.mark.parametrize("policy", ["o2_bf16", "o2_fp16"])
+def test_a_clip_that_does_not_clip_changes_no_master_gradient(policy, device):
+    # torch's clip multiplies by 1.0 and moves every version counter: the values it left as shown keep the masters'
+    # FP32 values (they were replaced by their 16-bit roundings: fp16 flushed 40% of small gradients to 0)
+    _skip_without_fp16(policy, device)
+    expected, got = [], []
+    for clip, taken in (("engine", expected), ("torch", got)):
+        model, mp = _setup(policy, device)
+        taken_now = _grads_the_optimizer_takes(mp)
+        _backward(mp, model, device)
+        if clip == "torch":
+            mp.unscale_(on_model=True)  # fp16 too: shown when asked
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        mp.step()
+        taken.extend(taken_now)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_o2_fp16_shows_no_gradient_on_the_model_unless_asked(device):
+    _skip_without_fp16("o2_fp16", device)
+    model, mp = _setup("o2_fp16", device)
+    _backward(mp, model, device)
+    mp.unscale_()  # fp16 would flush unscaled gradients below 6e-8 and take a norm past 65504 for inf
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_edit_on_the_model_that_makes_a_gradient_nan_skips_the_update(device):
+    model, mp = _setup("o2_bf16", device)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(mp, model, device)
+    mp.unscale_()
+    model[0].weight.grad[0, 0] = float("nan")
+    result = mp.step()
+    assert result.update_step and not result.applied and mp.stats().skipped_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_the_engines_clip_after_unscale_shows_the_clipped_gradients(device):
+    expected, got = [], []
+    for order, taken in (("clip", expected), ("unscale_ then clip", got)):
+        model, mp = _setup("o2_bf16", device)
+        taken_now = _grads_the_optimizer_takes(mp)
+        _backward(mp, model, device)
+        if order != "clip":
+            mp.unscale_()
+        mp.clip_grad_norm_(0.01)
+        with mp.gradients_on_model():  # a logger or a clamp of the user's: sees (and keeps) the clipped ones
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        mp.step()
+        taken.extend(taken_now)
+        assert norm.item() == pytest.approx(0.01, rel=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_an_edit_on_the_model_after_the_optimizers_gradients_were_zeroed_is_the_gradient(device):
+    model, mp = _setup("o2_bf16", device)
+    _backward(mp, model, device)
+    mp.unscale_()
+    mp.optimizer.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    taken = _grads_the_optimizer_takes(mp)
+    assert mp.step()
+    assert all(torch.equal(g, torch.full_like(g, 0.5)) for g in taken)

@@ -66,6 +66,7 @@ from mixprec.engine.setup import (
 from mixprec.engine.stats import Stats, model_state_bytes
 from mixprec.engine.step_result import StepResult
 from mixprec.master.weights import MasterWeights, release_masters
+from mixprec.numerics import get_format, max_magnitudes
 from mixprec.parallel.fsdp import is_sharded
 from mixprec.policy.parse import get_policy
 from mixprec.policy.policy import Policy
@@ -279,26 +280,37 @@ class MixedPrecision:
         groups = self._view(optimized).shard_groups
         return [group for param, group in zip(optimized, groups, strict=True) if param.grad is not None]
 
-    def unscale_(self, on_model: bool = True) -> None:
+    def unscale_(self, on_model: bool | None = None) -> None:
         """Divide this step's gradients by the loss scale, in place; then they are the update's, to read or change
         until ``step()``, as after ``GradScaler.unscale_``.
 
-        Under o2 policies they live on the FP32 masters (the optimizer's parameters). ``on_model`` (default) also
-        shows them on the model's parameters, rounded to their dtype, until ``step()``: code written for
+        Under o2 policies they live on the FP32 masters (the optimizer's parameters). ``on_model`` shows them on
+        the model's parameters too, rounded to their dtype, until ``step()``: code written for
         ``model.parameters()`` (torch's ``clip_grad_norm_``, a norm logger) then sees every gradient, and an edit
-        there goes to the master at ``step()`` (without them, such a clip found only the FP32-kept layers'
-        gradients and clipped those alone). ``on_model=False``: the masters only, without the 16-bit copy.
+        there reaches the master at ``step()`` (without them, such a clip found only the FP32-kept layers'
+        gradients and clipped those alone). The default (None) shows them where the model's dtype has FP32's
+        range (bf16: ``o2_bf16``), not in fp16 (``o2_fp16``), where unscaled gradients below 6e-8 would read as 0
+        and torch's norm of them past 65504 as inf (a clip by 0): there clip with :meth:`clip_grad_norm_` or edit
+        the optimizer's. True shows them in any dtype; False never (no 16-bit copy).
         """
-        flag(on_model, "MixedPrecision.unscale_(on_model=...)")
+        if on_model is not None:
+            flag(on_model, "MixedPrecision.unscale_(on_model=...) (or None)")
         self._unscale_now("unscale_()")
-        if on_model and self.masters is not None:
+        if self.masters is not None and (on_model or (on_model is None and self._model_holds_fp32_range)):
             self._shown = self.masters.expose_grads()
 
+    @property
+    def _model_holds_fp32_range(self) -> bool:
+        return get_format(self.policy.param_dtype).exponent_bits >= get_format(torch.float32).exponent_bits
+
     def _collect_shown(self, keep_shown: bool = False) -> None:
-        """Gradients shown on the model (o2, :meth:`unscale_`, :meth:`gradients_on_model`): edits to the masters."""
+        """Gradients shown on the model (o2, :meth:`unscale_`, :meth:`gradients_on_model`): edits to the masters,
+        where an edit that made one inf or NaN skips the update as an overflow would."""
         if self._shown is not None:
-            kept = self.masters.collect_grads(self._shown, keep_shown)
+            kept, edited = self.masters.collect_grads(self._shown, keep_shown)
             self._shown = kept if keep_shown else None
+            if edited:
+                self._skip_if_not_finite(max_magnitudes(edited, self.device).max())
 
     def _unscale_now(self, caller: str, check: bool = True) -> None:
         """unscale_() and clip_grad_norm_()'s unscale: the call order, the guards, then the unscale (``check``:
@@ -403,6 +415,8 @@ class MixedPrecision:
         by_norm = not self._order.unscaled and max_norm != float("inf") and self._norm_checks_gradients
         if not self._order.unscaled:
             self._unscale_now("clip_grad_norm_()", check=not by_norm)
+        was_shown = self._shown is not None  # since unscale_() (o2): their edits first, then shown again clipped
+        self._collect_shown()
         grads = self._optimizer_grads()
         if not grads:
             return torch.zeros((), device=self.device)
@@ -412,6 +426,8 @@ class MixedPrecision:
             self._skip_if_not_finite(total, checks_gradients=by_norm)
             coefficient = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient)
+        if was_shown:
+            self._shown = self.masters.expose_grads()
         return total
 
     @property

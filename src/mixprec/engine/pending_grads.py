@@ -158,7 +158,7 @@ def changed_message(param: torch.Tensor, mp: Any) -> str:
     return (
         f"MixedPrecision: the gradient of {name!r} was changed after mp.backward() {why} Nothing was applied, and "
         "this window's gradients were dropped. Clip with mp.clip_grad_norm_(max_norm), which unscales first and "
-        "measures in FP32, or change gradients after mp.unscale_() (the model's: under o2 policies unscale_() shows "
-        "the FP32 masters' gradients there until step(), and an edit goes to the masters; or the optimizer's; in "
-        "Lightning, in on_before_optimizer_step), or in a gradient hook during backward."
+        "measures in FP32, or change gradients after mp.unscale_() (the model's: under o2_bf16 unscale_() shows the "
+        "FP32 masters' gradients there until step(), and an edit reaches the masters; or the optimizer's, under "
+        "o2_fp16 the FP32 masters; in Lightning, in on_before_optimizer_step), or in a gradient hook during backward."
     )

@@ -108,23 +108,30 @@ class MasterWeights:
 
     def collect_grads(
         self, shown: list[tuple[int, torch.Tensor, int]], keep_shown: bool = False
-    ) -> list[tuple[int, torch.Tensor, int]]:
-        """Undo :meth:`expose_grads`: a gradient the user code edited in place or replaced goes to the master (its
-        16-bit values, widened); every model parameter's ``.grad`` is released, or with ``keep_shown`` left shown,
-        and what a later collect needs is returned (empty when released)."""
-        kept = []
+    ) -> tuple[list[tuple[int, torch.Tensor, int]], list[torch.Tensor]]:
+        """Undo :meth:`expose_grads`: a gradient the user code edited in place or replaced goes to the master,
+        value by value: one the edit left at its shown rounding keeps the master's FP32 value (a clip by a factor
+        of 1, a mask of other values: nothing lost), an edited one takes the edit, widened. Every model parameter's
+        ``.grad`` is released, or with ``keep_shown`` left shown. Returns what a later collect needs (empty when
+        released) and the masters' gradients edits reached (for their finite check)."""
+        kept, edited = [], []
         for index, grad, version in shown:
             param, master = self.model_params[index], self.masters[index]
             now = param.grad
             if now is None:  # set to None: no gradient, as torch's optimizers read it
                 master.grad = None
             elif now is not grad or now._version != version:
-                master.grad.copy_(now)
+                widened = now.float()
+                if master.grad is None:  # the optimizer's gradients were zeroed since: the edit is the gradient
+                    master.grad = widened
+                else:
+                    master.grad.copy_(torch.where(now == master.grad.to(now.dtype), master.grad, widened))
+                edited.append(master.grad)
             if keep_shown and now is not None:
                 kept.append((index, now, now._version))
             else:
                 param.grad = None
-        return kept
+        return kept, edited
 
     def state(self) -> list[torch.Tensor]:
         """The master values (fp32), in parameter order."""

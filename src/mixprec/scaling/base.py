@@ -133,7 +133,7 @@ def check_state_type(scaler: LossScaler, state: dict[str, Any], expected: str) -
 
 def device_of(grads: Sequence[torch.Tensor] | Grouped) -> torch.device:
     """The first gradient's device (the CPU for none): where the scale and the found-inf flag live."""
-    if not isinstance(grads, (Sequence, Mapping)):  # every unscale passes here first
+    if not isinstance(grads, (Sequence, Mapping)) or isinstance(grads, str):  # every unscale passes here first
         raise TypeError(
             f"unscale_(grads=...) needs a list of gradient tensors (or them grouped by device and dtype); received "
             f"{type(grads).__name__}."

@@ -55,7 +55,7 @@ class NoOpLossScaler(LossScaler):
         return magnitudes_not_finite(magnitudes), magnitudes
 
     def update(self, found_inf: torch.Tensor) -> None:
-        pass
+        self._checked(found_inf, "update(found_inf=...)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"type": "none"}
@@ -79,7 +79,7 @@ class StaticLossScaler(LossScaler):
         super().__init__(loss_scale(scale, "StaticLossScaler(scale=...)"))
 
     def update(self, found_inf: torch.Tensor) -> None:
-        pass
+        self._checked(found_inf, "update(found_inf=...)")
 
     def is_floor(self, scale: float) -> bool:
         return scale <= 1.0  # above 1, a smaller static scale might still cure the overflow
