@@ -232,3 +232,21 @@ def test_an_edit_on_the_model_after_the_optimizers_gradients_were_zeroed_is_the_
     taken = _grads_the_optimizer_takes(mp)
     assert mp.step()
     assert all(torch.equal(g, torch.full_like(g, 0.5)) for g in taken)
+
+
+def test_o2_fp16_a_clip_that_reaches_only_the_fp32_kept_layers_is_refused(device):
+    # fp16 shows no gradient on the model: torch's clip over model.parameters() finds the LayerNorm's alone
+    _skip_without_fp16("o2_fp16", device)
+    model, mp = _setup("o2_fp16", device, layer_norm=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(mp, model, device)
+    mp.unscale_()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=r"finds only the former, measures their norm alone and clips them alone"):
+        mp.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    _backward(mp, model, device, seed=1)  # the optimizer's gradients, masters included: the clip the docs name
+    mp.unscale_()
+    params = [p for group in mp.optimizer.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(params, 1e-3)
+    assert mp.step()

@@ -298,6 +298,28 @@ class MixedPrecision:
         self._unscale_now("unscale_()")
         if self.masters is not None and (on_model or (on_model is None and self._model_holds_fp32_range)):
             self._shown = self.masters.expose_grads()
+        elif self.masters is not None:  # not shown: an edit that reaches only the FP32-kept layers is refused
+            self._unshown = [(p, p.grad, p.grad._version) for p in self._optimizer_params() if p.grad is not None]
+
+    def _refuse_edits_beside_the_masters(self) -> None:
+        """After an unscale_() that showed nothing on the model (o2_fp16): an edit of the optimizer's gradients that
+        reached the FP32-kept layers' (the norms, their own optimizer parameters) and none of the masters' is the
+        mark of torch's clip over ``model.parameters()``, which found no other gradient there: refused before the
+        update, the window dropped, as a clip of scaled gradients is."""
+        unshown, self._unshown = self._unshown, None
+        edited = [p for p, grad, version in unshown if p.grad is not grad or p.grad._version != version]
+        masters = {id(m) for m in self.masters.masters}
+        with_grads = any(m.grad is not None for m in self.masters.masters)
+        if edited and with_grads and not any(id(p) in masters for p in edited):
+            self.zero_grad()
+            raise RuntimeError(
+                "MixedPrecision: after mp.unscale_() under an fp16 o2 policy, the gradients of the FP32-kept layers "
+                "were changed and none of the 16-bit layers', whose gradients live on the FP32 masters (fp16 cannot "
+                "hold them unscaled): torch.nn.utils.clip_grad_norm_(model.parameters(), ...) finds only the "
+                "former, measures their norm alone and clips them alone. Nothing was applied, and this window's "
+                "gradients were dropped. Clip with mp.clip_grad_norm_(max_norm), or the optimizer's parameters "
+                "(mp.optimizer.param_groups), or call mp.unscale_(on_model=True) to edit fp16 copies on the model."
+            )
 
     @property
     def _model_holds_fp32_range(self) -> bool:
@@ -458,6 +480,8 @@ class MixedPrecision:
         """
         self._order.check_step()
         self._collect_shown()  # gradients unscale_() showed on the model (o2): their edits, to the masters
+        if self._unshown is not None:
+            self._refuse_edits_beside_the_masters()
         self._guards.before_update(self)  # before anything changes
         already_unscaled = self._order.unscaled
         if not self._order.on_step():
@@ -548,6 +572,7 @@ class MixedPrecision:
         self._unclassified: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None
         self._grads_carry_scale = False
         self._shown: list[tuple[int, torch.Tensor, int]] | None = None  # o2 gradients shown on the model
+        self._unshown: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None  # or not (fp16): as unscaled
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""
