@@ -20,6 +20,11 @@ CASES = {
     "causal": {"is_causal": True},
     "bool mask": {"attn_mask": torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.3},
     "float mask": {"attn_mask": torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(2))},
+    # padded positions: queries that may see no key; torch's kernels give them 0 (a softmax of -inf rows: NaN)
+    "bool mask, rows of none": {"attn_mask": torch.arange(16)[:, None].expand(16, 16) < 12},
+    "float mask, rows of -inf": {
+        "attn_mask": torch.zeros(3, 16, 16).masked_fill(torch.arange(16)[:, None] >= 12, float("-inf"))
+    },
     "scale 0.3": {"scale": 0.3},
     "scale 0.25 causal": {"scale": 0.25, "is_causal": True},
 }

@@ -60,10 +60,14 @@ def _probabilities(q_scaled, k, bias, post_scale):
     logits = torch.matmul(q_scaled, k.transpose(-2, -1))
     if post_scale != 1.0:
         logits.mul_(post_scale)
-    if bias is not None:
-        in_place = torch.broadcast_shapes(logits.shape, bias.shape) == logits.shape
-        logits = logits.add_(bias) if in_place else logits + bias
-    return torch.softmax(logits, -1)  # FP32 inside, bf16 out
+    if bias is None:
+        return torch.softmax(logits, -1)  # FP32 inside, bf16 out
+    in_place = torch.broadcast_shapes(logits.shape, bias.shape) == logits.shape
+    logits = logits.add_(bias) if in_place else logits + bias
+    # a query the mask lets see no key (a padded position): torch's kernels give it 0, a softmax of -inf only NaN,
+    # which the loss and every gradient would take up even where the row is then multiplied by 0
+    dead = torch.isneginf(logits).all(-1, keepdim=True)
+    return torch.softmax(logits, -1).masked_fill_(dead, 0.0)
 
 
 def _split_scale(scale: float) -> tuple[float, float]:
