@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,30 @@ def test_nested_outputs_are_cast():
         out = model(torch.randn(2, 4))
     assert out["logits"].dtype == out["pair"][0].dtype == torch.float32
     assert out["pair"][1].dtype == torch.int64
+
+
+def test_a_dataclass_output_is_cast():
+    # a model's own output type (HF's ModelOutput is a mapping too): its tensors were left in bf16, for the loss
+    @dataclasses.dataclass(frozen=True)
+    class Output:
+        logits: torch.Tensor
+        extra: dict
+        step: int = 0
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return Output(y, {"hidden": y}, step=3)
+
+    model = Model()
+    with mixprec.autocast("mixed_bf16", model):
+        out = model(torch.randn(2, 4))
+    assert type(out) is Output and out.step == 3
+    assert out.logits.dtype == out.extra["hidden"].dtype == torch.float32
 
 
 def test_fp32_modules_compute_in_fp32():

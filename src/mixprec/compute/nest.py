@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -12,7 +13,7 @@ __all__ = ["map_floating", "map_tensors"]
 
 
 def map_floating(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every floating tensor in a nest of tuples, lists and mappings.
+    """Apply ``fn`` to every floating tensor in a nest of tuples, lists, mappings and dataclasses.
 
     Containers keep their types: namedtuples, and mappings such as transformers' ModelOutput.
     """
@@ -20,7 +21,7 @@ def map_floating(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor in a nest of tuples, lists and mappings (types kept, as above)."""
+    """Apply ``fn`` to every tensor in a nest of tuples, lists, mappings and dataclasses (types kept, as above)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
@@ -33,5 +34,10 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         out = copy.copy(value)
         for key, item in value.items():
             out[key] = map_tensors(item, fn)  # type: ignore[index]
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a model's output dataclass of its own
+        out = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(out, field.name, map_tensors(getattr(value, field.name), fn))  # frozen ones too
         return out
     return value
