@@ -145,3 +145,28 @@ def test_after_a_region_on_a_compiled_wrapper_inside_the_engines_another_thread_
     other.start()
     other.join(timeout=60)
     assert seen["dtype"] == torch.float32  # no region is entered anywhere now: nothing to refuse
+
+
+def test_a_plain_call_on_another_thread_runs_the_models_own_forward():
+    # a region is its thread's, as torch's autocast: an evaluation thread calling the model with no region during
+    # a training step computed the region's bf16 modules and got its output cast
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(2, 8)
+    expected = model(x)
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def hold(policy: str) -> None:
+        with mixprec.autocast(policy, model):
+            inside.set()
+            leave.wait(timeout=60)
+
+    for policy in ("base=mixed_fp16,bf16_names=0", "p=f32,c=bf16"):  # a module's own format; the output cast
+        inside.clear(), leave.clear()
+        holder = threading.Thread(target=hold, args=(policy,))
+        holder.start()
+        assert inside.wait(timeout=60)
+        seen[policy] = model(x)  # this thread: in no region
+        leave.set()
+        holder.join(timeout=60)
+        assert seen[policy].dtype == torch.float32 and torch.equal(seen[policy], expected), policy

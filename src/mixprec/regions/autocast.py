@@ -375,7 +375,7 @@ class _OutputCast:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         dtype = self.seat.output_dtype
-        return None if dtype is None else cast_floating(output, dtype)
+        return None if dtype is None or not self.seat.here() else cast_floating(output, dtype)
 
 
 # the model's output cast and how many live regions use it: removed when the last one closes (two engines on one

@@ -57,6 +57,12 @@ class Seat:
     def __reduce__(self) -> tuple:
         return (Seat, ())
 
+    def here(self) -> bool:
+        """Whether what the seat holds applies on this thread: a region entered eagerly sets it for its own thread
+        alone, as torch's autocast is thread-local (another thread's plain call of the model runs its own forward,
+        uncast); traced, no thread is read."""
+        return self.thread is None or torch.compiler.is_compiling() or self.thread == threading.get_ident()
+
     def refuse_other_thread(self, model: nn.Module) -> None:
         """Raise RuntimeError where the model is inside a region entered on another thread: what a region sets
         (the output cast's dtype, which region's modules compute in their formats) is the model's, not a
@@ -112,7 +118,7 @@ class Link:
 
     def computes(self) -> bool:
         """Whether this link's region is the one entered last on its model."""
-        return self.seat.token == self.owner
+        return self.seat.token == self.owner and self.seat.here()
 
     @property
     def __wrapped__(self) -> Any:
