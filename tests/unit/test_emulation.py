@@ -40,6 +40,24 @@ def test_linear_forward_and_backward_have_tensor_core_numerics():
     assert torch.equal(w.grad, half_values(grad16.T @ half_values(x)))
 
 
+@pytest.mark.parametrize(
+    "gemm",
+    [lambda x, w: torch.einsum("bi,ji->bj", x, w), lambda x, w: torch.tensordot(x, w.T, dims=1)],
+    ids=["einsum", "tensordot"],
+)
+def test_gemm_composites_compute_in_16_bits_as_autocast_sees_their_gemms(gemm):
+    # autocast casts the bmm/mm they decompose into in C++, where no torch function mode sees them: they ran in
+    # FP32 under the emulation, equal to FP32, where a GPU's fp16 autocast computes them in fp16
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    with EmulatedAutocast(FP16):
+        y = gemm(x, w)
+    assert y.dtype == FP16
+    assert torch.equal(y, F.linear(half_values(x), half_values(w)).to(FP16))
+    with torch.autocast("cpu", dtype=FP16):
+        assert gemm(x, w).dtype == FP16  # what native autocast gives
+
+
 def test_close_to_pytorchs_own_fp16_autocast():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))

@@ -64,6 +64,9 @@ FAMILY_OPS: dict[str, frozenset[str]] = {
     "matmul": frozenset(
         {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "addmm", "addmv", "addr", "baddbmm"}
         | {"addbmm", "chain_matmul", "multi_dot", "prelu"}
+        # composites that autocast sees as the GEMMs they decompose into (bmm, mm) in C++, where no torch
+        # function mode sees them: rounded as one GEMM (their products summed in FP32, rounded once)
+        | {"einsum", "tensordot"}
     ),
     "conv": frozenset(
         {"conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
