@@ -219,3 +219,16 @@ def test_module_rules_without_the_model_are_refused(spec, said):
         pass
     with mixprec.autocast("mixed_bf16"):  # a preset's norm rule needs no model
         pass
+
+
+def test_cast_module_refuses_a_tied_weight_split_between_fp32_and_16_bits():
+    # as a region's preparation refuses it: the module cast last decided the tensor's dtype, silently
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    with pytest.raises(ValueError, match=r"'emb.weight' is also 'head.weight' \(one tensor: tied weights\)"):
+        mixprec.cast_module(LM(), "base=o2_bf16,names=emb")
+    assert mixprec.cast_module(LM(), "o2_bf16").emb.weight.dtype == torch.bfloat16

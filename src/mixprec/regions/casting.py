@@ -298,12 +298,15 @@ def cast_module(model: nn.Module, policy: Policy | str) -> nn.Module:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a tied parameter held by a module the policy keeps in FP32 and by one it stores in 16 bits.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"cast_module(model=...) needs a torch.nn.Module; received an object of type {type(model).__name__}."
         )
     policy = get_policy(policy, argument="cast_module(policy=...)")
+    if policy.fp32_names or policy.bf16_names or classes_named(policy):  # the norms alone tie nothing
+        _check_tied_across(model, policy)  # as a region's preparation: one tensor cannot take two dtypes
     for module, dtype in _target_dtypes(model, policy):
         if isinstance(module, MIXED_DTYPE_NORMS) and dtype != torch.float32:
             _install_norm_input_cast(module)
