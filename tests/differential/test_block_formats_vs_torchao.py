@@ -18,24 +18,21 @@ a block holding inf (kept, the rest 0; mixprec's block is NaN).
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
+from torchao_reference import torchao_modules
 
 import mixprec
 
-with warnings.catch_warnings():  # torchao warns of its CUDA kernels' library on a CPU build
-    warnings.simplefilter("ignore")
-    torchao = pytest.importorskip("torchao")
-    if not torchao.__version__.startswith("0.18."):  # the dev extra's; its float8 and MX APIs move between releases
-        pytest.skip(f"written against torchao 0.18; this is {torchao.__version__}", allow_module_level=True)
-    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
-    nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
-    mxfp8_linear = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
-    from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode as Mode
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+mx_tensor, nvfp4_tensor, mxfp8_linear, mx_config, kernel_preference = torchao_modules(
+    "torchao.prototype.mx_formats.mx_tensor",
+    "torchao.prototype.mx_formats.nvfp4_tensor",
+    "torchao.prototype.moe_training.mxfp8_linear",
+    "torchao.prototype.mx_formats.config",
+    "torchao.quantization.quantize_.common.kernel_preference",
+)
+Mode, KernelPreference = mx_config.ScaleCalculationMode, kernel_preference.KernelPreference
 
 ELEMENTS = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2, "mxfp4": torch.float4_e2m1fn_x2}
 RULES = {"ocp": "FLOOR", "ceil": "RCEIL"}
@@ -117,7 +114,7 @@ def _torchao_mx_mm(layer, x, upstream, forward: torch.dtype, backward: torch.dty
     layer, x = copy.deepcopy(layer), x.clone().requires_grad_()
     product = mxfp8_linear.mx_mm.apply(
         x, layer.weight, forward, forward, backward, 32, KernelPreference.EMULATED,
-        MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH, Mode.FLOOR, False,
+        mx_config.MXFP8Dim0CastKernelChoice.TORCH, mx_config.MXFP8Dim1CastKernelChoice.TORCH, Mode.FLOOR, False,
     )  # fmt: skip
     y = product + layer.bias
     (y * upstream).sum().backward()

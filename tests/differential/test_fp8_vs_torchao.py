@@ -14,20 +14,14 @@ product, where mixprec rounds the FP32 sum once (checked here: torchao's gradien
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
+from torchao_reference import torchao_modules
 
 import mixprec
 
-with warnings.catch_warnings():  # torchao warns of its CUDA kernels' library on a CPU build
-    warnings.simplefilter("ignore")
-    torchao = pytest.importorskip("torchao")
-    if not torchao.__version__.startswith("0.18."):  # the dev extra's; its float8 and MX APIs move between releases
-        pytest.skip(f"written against torchao 0.18; this is {torchao.__version__}", allow_module_level=True)
-    float8 = pytest.importorskip("torchao.float8")
+(float8,) = torchao_modules("torchao.float8")
 
 EMULATED = "keep=none,shapes=all,gemm=emulated"  # every layer FP8, on the emulation (torchao's emulate=True)
 
