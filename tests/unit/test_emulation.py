@@ -58,6 +58,20 @@ def test_gemm_composites_compute_in_16_bits_as_autocast_sees_their_gemms(gemm):
         assert gemm(x, w).dtype == FP16  # what native autocast gives
 
 
+@pytest.mark.parametrize(
+    "op",
+    [lambda h: 2**h, torch.linalg.vector_norm, torch.linalg.matrix_norm],
+    ids=["number ** tensor", "vector_norm", "matrix_norm"],
+)
+def test_ops_on_cudas_fp32_lists_compute_in_fp32(op):
+    # pow's Scalar overload and the linalg norms are on CUDA autocast's FP32 lists; they stayed fp16 here
+    h = torch.randn(4, 4).to(FP16)
+    with EmulatedAutocast(FP16):
+        out = op(h)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, op(h.float()))
+
+
 def test_close_to_pytorchs_own_fp16_autocast():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))

@@ -96,6 +96,7 @@ FP32_OPS = frozenset(
         "sinh",
         "tan",
         "pow",
+        "__rpow__",  # a number to a tensor's power: pow's Scalar overload, on CUDA's FP32 list as the other two
         "softplus",
         "layer_norm",
         "group_norm",
@@ -129,6 +130,8 @@ FP32_OPS = frozenset(
         "cumsum",
         "prod",
         "sum",
+        "linalg_vector_norm",  # with softmax and sum on CUDA's list that computes in FP32 unless a dtype is asked
+        "linalg_matrix_norm",
     }
 )
 _SAME_DTYPE_FP32_OPS = frozenset({"batch_norm", "instance_norm"})
