@@ -53,7 +53,7 @@ from mixprec.engine.master_drift import MasterDriftGuard
 from mixprec.engine.overflow_log import FoundInf, OverflowLog
 from mixprec.engine.parameter_guard import ParameterGuard
 from mixprec.engine.partial_resume import PartialResumeGuard
-from mixprec.engine.pending_grads import PendingGradsGuard
+from mixprec.engine.pending_grads import GradSnapshot, PendingGradsGuard
 from mixprec.engine.saved_state import check_saved_state, warn_mid_window
 from mixprec.engine.setup import (
     check_arguments,
@@ -299,18 +299,18 @@ class MixedPrecision:
         if self.masters is not None and (on_model or (on_model is None and self._model_holds_fp32_range)):
             self._shown = self.masters.expose_grads()
         elif self.masters is not None:  # not shown: an edit that reaches only the FP32-kept layers is refused
-            self._unshown = [(p, p.grad, p.grad._version) for p in self._optimizer_params() if p.grad is not None]
+            masters = set(map(id, self.masters.masters))
+            kept = [p for p in self._optimizer_params() if id(p) not in masters]
+            self._unshown = (GradSnapshot(self.masters.masters), GradSnapshot(kept))
 
     def _refuse_edits_beside_the_masters(self) -> None:
         """After an unscale_() that showed nothing on the model (o2_fp16): an edit of the optimizer's gradients that
         reached the FP32-kept layers' (the norms, their own optimizer parameters) and none of the masters' is the
         mark of torch's clip over ``model.parameters()``, which found no other gradient there: refused before the
         update, the window dropped, as a clip of scaled gradients is."""
-        unshown, self._unshown = self._unshown, None
-        edited = [p for p, grad, version in unshown if p.grad is not grad or p.grad._version != version]
-        masters = {id(m) for m in self.masters.masters}
+        (masters, kept), self._unshown = self._unshown, None
         with_grads = any(m.grad is not None for m in self.masters.masters)
-        if edited and with_grads and not any(id(p) in masters for p in edited):
+        if with_grads and kept.changed() is not None and masters.changed() is None:
             self.zero_grad()
             raise RuntimeError(
                 "MixedPrecision: after mp.unscale_() under an fp16 o2 policy, the gradients of the FP32-kept layers "
@@ -572,7 +572,7 @@ class MixedPrecision:
         self._unclassified: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None
         self._grads_carry_scale = False
         self._shown: list[tuple[int, torch.Tensor, int]] | None = None  # o2 gradients shown on the model
-        self._unshown: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None  # or not (fp16): as unscaled
+        self._unshown: tuple[GradSnapshot, GradSnapshot] | None = None  # or not (fp16): masters', kept ones'
 
     def zero_grad(self) -> None:
         """Drop this window's gradients without stepping (e.g. to skip a bad batch)."""

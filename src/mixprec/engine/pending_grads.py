@@ -40,7 +40,7 @@ from mixprec.distributed.ranks import local
 
 _GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
 
-__all__ = ["PendingGradsGuard", "grads_pending"]
+__all__ = ["GradSnapshot", "PendingGradsGuard", "grads_pending"]
 
 
 def grads_pending(mp: Any) -> bool:
@@ -49,61 +49,25 @@ def grads_pending(mp: Any) -> bool:
     return mp._grads_carry_scale or (mp.masters is not None and mp._scaled_by is not None)
 
 
-class PendingGradsGuard:
-    """The gradients as the last backward left them: each one's tensor and version counter, by parameter."""
+class GradSnapshot:
+    """The gradients of ``params`` as they are now (the parameters with one, each gradient and its version
+    counter, and DTensor gradients' local shard norms): :meth:`changed` tells which was written to or replaced
+    since. The pending guard's record of a backward's gradients; MixedPrecision's of the optimizer's after an
+    unscale that showed none on the model."""
 
-    def __init__(self, params: Callable[[Any], Iterable[torch.Tensor]]) -> None:
-        # params(mp): the model's and the optimizer's now (o2's masters hold the unscaled ones); given the engine
-        # at each call rather than bound to it, so the engine holds no cycle through its guards (freed at `del`)
-        self._params = params
-        # as the last backward left them, column by column: the parameters with a gradient, it, its version
-        self._seen: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = ([], [], [])
-        # the DTensor gradients among them (indices into _seen) and their local shards' norms then
-        self._sharded: tuple[list[int], torch.Tensor | None] = ([], None)
-
-    def before_forward(self, mp: Any) -> None:
-        if not grads_pending(mp):  # unscaled or dropped: hold no reference to them while the forward allocates
-            self.forget()
-
-    def after_backward(self, mp: Any) -> None:
-        if grads_pending(mp):  # unscaled gradients are the caller's to edit
-            self.record(self._params(mp))
-
-    def before_gradients(self, mp: Any) -> None:
-        """Before a backward adds to the gradients or an unscale divides them: nothing may have edited them."""
-        self._refuse_changed(mp)
-
-    before_update = before_gradients  # before an update the same: nothing may have edited them
-
-    def _refuse_changed(self, mp: Any) -> None:
-        if not grads_pending(mp):  # unscaled (by mixprec) or dropped since the record: nothing to watch
-            self.forget()
-            return
-        param = self.changed()
-        if param is None:
-            return
-        message = changed_message(param, mp)
-        mp.zero_grad()  # the window's gradients are spoiled: retrying must not apply them
-        raise RuntimeError(message)
-
-    def record(self, params: Iterable[torch.Tensor]) -> None:
-        """Remember the gradients of ``params`` now (the end of a backward)."""
+    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
         params = list(params)
         grads = list(map(_GRAD, params))
         if not all(map(operator.is_not, grads, itertools.repeat(None))):  # (`None in grads` would compare tensors)
             params = [p for p, g in zip(params, grads, strict=True) if g is not None]
             grads = [g for g in grads if g is not None]
         self._seen = (params, grads, list(map(_VERSION, grads)))
+        # the DTensor gradients among them (indices into _seen) and their local shards' norms now
         sharded = [index for index, grad in enumerate(grads) if hasattr(grad, "placements")]
         self._sharded = (sharded, _shard_norms([grads[i] for i in sharded]))
 
-    def forget(self) -> None:
-        """The gradients are unscaled now: changing them is the caller's business."""
-        self._seen = ([], [], [])
-        self._sharded = ([], None)
-
     def changed(self) -> torch.Tensor | None:
-        """The first parameter whose gradient was written to or replaced since :meth:`record` (a gradient set
+        """The first parameter whose gradient was written to or replaced since the snapshot (a gradient set
         to None is not counted: nothing of it reaches the update), or None. A replacement by an equal copy,
         the old tensor untouched, is not a change: DDP with ``gradient_as_bucket_view`` moves gradients into
         its rebuilt buckets that way (a comparison on the device, only then)."""
@@ -130,6 +94,46 @@ class PendingGradsGuard:
         if bool(same.all()):
             return None
         return self._seen[0][indices[int((~same).nonzero()[0])]]
+
+
+class PendingGradsGuard:
+    """The gradients as the last backward left them (a :class:`GradSnapshot`), refused if changed before the
+    unscale takes them."""
+
+    def __init__(self, params: Callable[[Any], Iterable[torch.Tensor]]) -> None:
+        # params(mp): the model's and the optimizer's now (o2's masters hold the unscaled ones); given the engine
+        # at each call rather than bound to it, so the engine holds no cycle through its guards (freed at `del`)
+        self._params = params
+        self._snapshot = GradSnapshot()
+
+    def before_forward(self, mp: Any) -> None:
+        if not grads_pending(mp):  # unscaled or dropped: hold no reference to them while the forward allocates
+            self.forget()
+
+    def after_backward(self, mp: Any) -> None:
+        if grads_pending(mp):  # unscaled gradients are the caller's to edit
+            self._snapshot = GradSnapshot(self._params(mp))
+
+    def before_gradients(self, mp: Any) -> None:
+        """Before a backward adds to the gradients or an unscale divides them: nothing may have edited them."""
+        self._refuse_changed(mp)
+
+    before_update = before_gradients  # before an update the same: nothing may have edited them
+
+    def _refuse_changed(self, mp: Any) -> None:
+        if not grads_pending(mp):  # unscaled (by mixprec) or dropped since the record: nothing to watch
+            self.forget()
+            return
+        param = self._snapshot.changed()
+        if param is None:
+            return
+        message = changed_message(param, mp)
+        mp.zero_grad()  # the window's gradients are spoiled: retrying must not apply them
+        raise RuntimeError(message)
+
+    def forget(self) -> None:
+        """The gradients are unscaled now: changing them is the caller's business."""
+        self._snapshot = GradSnapshot()
 
 
 def _shard_norms(grads: list[torch.Tensor]) -> torch.Tensor | None:
